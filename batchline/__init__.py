@@ -1,0 +1,1 @@
+"""batchline: the platform (config, Kafka clients, broker, topics, telemetry) and the CLI."""

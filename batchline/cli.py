@@ -1,0 +1,242 @@
+"""The ``batchline`` command line (typer + rich). Nothing else imports this module.
+
+Every command takes ``--bootstrap`` (env ``BATCHLINE_BOOTSTRAP``). Errors are one line and a non-zero exit.
+"""
+
+from __future__ import annotations
+
+import logging
+import signal
+import sys
+from pathlib import Path
+from typing import Annotated, Any
+
+import typer
+from rich.console import Console
+
+from batchline.config import DEFAULT_BOOTSTRAP, JobConfig, KafkaSettings, load_job_config, parse_scalar
+from batchline.exceptions import BatchlineError, ConfigError
+
+app = typer.Typer(
+    add_completion=False,
+    no_args_is_help=True,
+    pretty_exceptions_enable=False,
+    help="High-volume batch inference on Kafka.",
+)
+topics_app = typer.Typer(no_args_is_help=True, help="Create and inspect a job's topics.")
+app.add_typer(topics_app, name="topics")
+console = Console(stderr=True)
+out = Console()
+
+Bootstrap = Annotated[str, typer.Option("--bootstrap", envvar="BATCHLINE_BOOTSTRAP", help="Kafka bootstrap servers.")]
+ConfigOpt = Annotated[Path | None, typer.Option("--config", help="Job config (TOML).")]
+EngineOpt = Annotated[str | None, typer.Option("--engine", help="vllm or deterministic.")]
+ModelOpt = Annotated[str | None, typer.Option("--model", help="Local model path.")]
+EngineArgs = Annotated[list[str] | None, typer.Option("--engine-arg", help="key=value passed to the engine.")]
+SetOpt = Annotated[list[str] | None, typer.Option("--set", help="dotted.key=value config override.")]
+
+
+def fail(message: str, code: int = 2) -> typer.Exit:
+    console.print(f"[red]error:[/red] {message}", highlight=False)
+    return typer.Exit(code)
+
+
+def kafka_settings(bootstrap: str) -> KafkaSettings:
+    return KafkaSettings(bootstrap=bootstrap)
+
+
+def _pairs(items: list[str] | None, flag: str) -> dict[str, Any]:
+    pairs: dict[str, Any] = {}
+    for item in items or []:
+        key, sep, value = item.partition("=")
+        if not sep or not key:
+            raise ConfigError(f"{flag} expects key=value, got {item!r}")
+        pairs[key.strip()] = parse_scalar(value.strip())
+    return pairs
+
+
+def job_config(
+    job: str,
+    config: Path | None,
+    engine: str | None = None,
+    model: str | None = None,
+    engine_args: list[str] | None = None,
+    sets: list[str] | None = None,
+) -> JobConfig:
+    overrides: dict[str, Any] = _pairs(sets, "--set")
+    if engine:
+        overrides["engine.name"] = engine
+    if model:
+        overrides["engine.model"] = model
+    for key, value in _pairs(engine_args, "--engine-arg").items():
+        overrides[f"engine.engine_kwargs.{key}"] = value
+    return load_job_config(job, config, overrides)
+
+
+@app.command()
+def broker(port: Annotated[int, typer.Option(help="Port to listen on.")] = 9092) -> None:
+    """Run the embedded Kafka-compatible broker in the foreground (Ctrl-C stops it)."""
+    from batchline.broker import EmbeddedBroker
+
+    b = EmbeddedBroker(port).start()
+    console.print(f"broker listening on [bold]{b.bootstrap}[/bold] (memory storage); Ctrl-C to stop")
+    signal.signal(signal.SIGTERM, lambda *_: (_ for _ in ()).throw(KeyboardInterrupt()))
+    try:
+        b.wait()
+    except KeyboardInterrupt:
+        pass
+    finally:
+        b.stop()
+        console.print("broker stopped")
+
+
+@topics_app.command("create")
+def topics_create(
+    job: str,
+    partitions: Annotated[int, typer.Option(min=1, help="Partitions of J.requests (= parallelism).")] = 4,
+    config: ConfigOpt = None,
+    pin: Annotated[bool, typer.Option(help="Pin the open stream to this config's fingerprint if unpinned.")] = False,
+    bootstrap: Bootstrap = DEFAULT_BOOTSTRAP,
+) -> None:
+    """Create every topic of JOB (idempotent)."""
+    from batchline.topics import JobTopics, create_job_topics
+
+    cfg = job_config(job, config)
+    topics = JobTopics(job, cfg.retry.tiers)
+    kafka = kafka_settings(bootstrap)
+    for name, state in create_job_topics(kafka, topics, partitions).items():
+        out.print(f"{name}: {state}")
+    if pin:
+        _pin_if_unpinned(kafka, topics, cfg)
+
+
+def _pin_if_unpinned(kafka: KafkaSettings, topics: Any, cfg: JobConfig) -> None:
+    from batchline.identity import fingerprint_of
+    from batchline.runs import STREAM_RUN, RunsView, pin_stream
+
+    view = RunsView(kafka, topics)
+    view.sync()
+    current = view.get(STREAM_RUN)
+    view.stop()
+    if current is None:
+        m = pin_stream(kafka, topics, fingerprint_of(cfg), "pinned at topic creation")
+        out.print(f"open stream pinned to {m.fingerprint}")
+    else:
+        out.print(f"open stream already pinned to {current.fingerprint}")
+
+
+@app.command()
+def pin(
+    job: str,
+    config: ConfigOpt = None,
+    engine: EngineOpt = None,
+    model: ModelOpt = None,
+    engine_arg: EngineArgs = None,
+    set_: SetOpt = None,
+    reason: Annotated[str, typer.Option(help="Recorded with the pin.")] = "re-pinned by operator",
+    bootstrap: Bootstrap = DEFAULT_BOOTSTRAP,
+) -> None:
+    """Re-pin JOB's open stream (records without a run id) to this config's fingerprint: a recorded action."""
+    from batchline.identity import fingerprint_of
+    from batchline.runs import pin_stream
+    from batchline.topics import JobTopics
+
+    cfg = job_config(job, config, engine, model, engine_arg, set_)
+    m = pin_stream(kafka_settings(bootstrap), JobTopics(job, cfg.retry.tiers), fingerprint_of(cfg), reason)
+    out.print(f"open stream of {job} pinned to {m.fingerprint}")
+
+
+@app.command()
+def submit(
+    job: str,
+    file: Path,
+    format: Annotated[str, typer.Option("--format", help="jsonl, openai or parquet.")] = "jsonl",
+    run_id: Annotated[str | None, typer.Option("--run-id", help="Run id (default: generated).")] = None,
+    config: ConfigOpt = None,
+    engine: EngineOpt = None,
+    model: ModelOpt = None,
+    engine_arg: EngineArgs = None,
+    set_: SetOpt = None,
+    json_out: Annotated[bool, typer.Option("--json", help="Print the report as JSON.")] = False,
+    bootstrap: Bootstrap = DEFAULT_BOOTSTRAP,
+) -> None:
+    """Publish FILE to JOB as one run, pinned to the given config; prints the run id."""
+    from batchline.identity import fingerprint_of
+    from batchline.progress import bar
+    from batchline.submit import submit_file
+    from batchline.topics import JobTopics
+
+    if format not in ("jsonl", "openai", "parquet"):
+        raise fail(f"--format must be jsonl, openai or parquet, not {format!r}")
+    if not file.is_file():
+        raise fail(f"no such file: {file}")
+    cfg = job_config(job, config, engine, model, engine_arg, set_)
+    with bar(console, f"submitting {file.name}", total=None, quiet=json_out) as advance:
+        report = submit_file(
+            kafka_settings(bootstrap),
+            JobTopics(job, cfg.retry.tiers),
+            file,
+            fingerprint_of(cfg),
+            format,  # type: ignore[arg-type]
+            run_id,
+            progress=advance,
+        )
+    if json_out:
+        out.print_json(
+            data={
+                "run_id": report.run_id,
+                "records": report.records,
+                "invalid": report.invalid,
+                "value_total": report.value_total,
+            }
+        )
+        return
+    console.print(f"{report.records} records submitted ({report.invalid} unparseable, published for the DLQ)")
+    out.print(report.run_id)
+
+
+@app.command()
+def worker(
+    job: str,
+    config: ConfigOpt = None,
+    engine: EngineOpt = None,
+    model: ModelOpt = None,
+    engine_arg: EngineArgs = None,
+    set_: SetOpt = None,
+    idle_exit: Annotated[float | None, typer.Option(help="Exit after this many idle seconds.")] = None,
+    fail_transactions: Annotated[
+        str, typer.Option(help="Fault injection: abort these transaction numbers, e.g. 3,7.", hidden=True)
+    ] = "",
+    log_level: Annotated[str, typer.Option(help="Logging level.")] = "INFO",
+    bootstrap: Bootstrap = DEFAULT_BOOTSTRAP,
+) -> None:
+    """Run a GPU consumer-group worker for JOB until SIGTERM/Ctrl-C (then drains and commits)."""
+    from batchline.telemetry import setup_telemetry
+    from consumers.worker import Worker
+
+    logging.basicConfig(level=log_level.upper(), format="%(asctime)s %(levelname)s %(name)s: %(message)s")
+    cfg = job_config(job, config, engine, model, engine_arg, set_)
+    setup_telemetry(cfg.telemetry, f"batchline-worker-{job}")
+    fails = [int(x) for x in fail_transactions.split(",") if x.strip()]
+    w = Worker(cfg, kafka_settings(bootstrap), sink_fail_batches=fails, idle_exit_s=idle_exit)
+    signal.signal(signal.SIGTERM, lambda *_: w.stop())
+    signal.signal(signal.SIGINT, lambda *_: w.stop())
+    stats = w.run()
+    console.print(
+        f"worker {w.worker_id} stopped: {stats.batches} batches, {stats.results} results, "
+        f"{stats.retries} retries, {stats.dead_letters} dead letters, {stats.passed_over} passed over"
+    )
+
+
+def main() -> None:
+    try:
+        app()
+    except BatchlineError as exc:
+        console.print(f"[red]error:[/red] {exc}", highlight=False)
+        sys.exit(2)
+    except KeyboardInterrupt:
+        sys.exit(130)
+
+
+if __name__ == "__main__":
+    main()

@@ -1,0 +1,233 @@
+"""Typed, frozen configuration: one model per concern, loaded from a job TOML file, flags and env.
+
+Every field documents the trade-off it controls; the README's configuration table is generated from these
+descriptions (``batchline config-doc``). Errors are reported as one line by :func:`load_job_config`.
+"""
+
+from __future__ import annotations
+
+import re
+import tomllib
+from pathlib import Path
+from typing import Any, Literal
+
+from pydantic import BaseModel, ConfigDict, Field, SecretStr, ValidationError, field_validator
+from pydantic_settings import BaseSettings, SettingsConfigDict
+
+from batchline.exceptions import ConfigError
+
+DEFAULT_BOOTSTRAP = "127.0.0.1:9092"
+Task = Literal["generate", "embed", "classify"]
+Route = Literal["retry", "dlq"]
+DEFAULT_ROUTES: dict[str, Route] = {
+    "invalid_input": "dlq",
+    "transient": "retry",
+    "invalid_output": "dlq",
+    "poison": "dlq",
+}
+_DURATION = re.compile(r"^(\d+)(ms|s|m|h)$")
+
+
+def parse_duration(text: str) -> float:
+    """Seconds in ``'500ms'``, ``'5s'``, ``'1m'`` or ``'2h'``."""
+    match = _DURATION.match(text.strip())
+    if not match:
+        raise ValueError(f"bad duration {text!r}: use e.g. 500ms, 5s, 1m, 2h")
+    n, unit = int(match.group(1)), match.group(2)
+    return n * {"ms": 0.001, "s": 1.0, "m": 60.0, "h": 3600.0}[unit]
+
+
+class _Frozen(BaseModel):
+    model_config = ConfigDict(frozen=True, extra="forbid")
+
+
+class KafkaSettings(BaseSettings):
+    """How to reach the brokers. Env: ``BATCHLINE_BOOTSTRAP``, ``BATCHLINE_SASL_PASSWORD``, ..."""
+
+    model_config = SettingsConfigDict(env_prefix="BATCHLINE_", frozen=True, extra="ignore")
+
+    bootstrap: str = Field(DEFAULT_BOOTSTRAP, description="Kafka bootstrap servers (host:port,...).")
+    session_timeout_ms: int = Field(
+        6000,
+        description="Consumer session timeout. Lower detects dead workers sooner; the embedded broker's "
+        "first group join takes about half of it.",
+    )
+    security_protocol: Literal["PLAINTEXT", "SSL", "SASL_PLAINTEXT", "SASL_SSL"] = Field(
+        "PLAINTEXT", description="librdkafka security.protocol."
+    )
+    sasl_mechanism: str | None = Field(None, description="librdkafka sasl.mechanism, e.g. SCRAM-SHA-512.")
+    sasl_username: str | None = Field(None, description="SASL user name.")
+    sasl_password: SecretStr | None = Field(None, description="SASL password (never logged).")
+    transaction_timeout_ms: int = Field(
+        60000,
+        description="Producer transaction timeout; transactions begin after inference, so this "
+        "bounds produce+commit only.",
+    )
+
+    def librdkafka(self) -> dict[str, Any]:
+        """The librdkafka ``dotted.keys`` shared by every client."""
+        conf: dict[str, Any] = {
+            "bootstrap.servers": self.bootstrap,
+            "security.protocol": self.security_protocol,
+        }
+        if self.sasl_mechanism:
+            conf["sasl.mechanism"] = self.sasl_mechanism
+        if self.sasl_username:
+            conf["sasl.username"] = self.sasl_username
+        if self.sasl_password:
+            conf["sasl.password"] = self.sasl_password.get_secret_value()
+        return conf
+
+
+class SamplingConfig(_Frozen):
+    temperature: float = Field(0.0, ge=0.0, description="Sampling temperature; 0 is greedy and repeatable.")
+    top_p: float = Field(1.0, gt=0.0, le=1.0, description="Nucleus sampling mass.")
+    max_tokens: int = Field(64, ge=1, description="Completion token limit per record.")
+    seed: int = Field(0, description="Base seed; a record's seed is derived from it and the request id.")
+
+
+class EngineConfig(_Frozen):
+    name: Literal["deterministic", "vllm"] = Field(
+        "deterministic",
+        description="Inference engine. `deterministic` is pure Python, for tests and benchmarks.",
+    )
+    model: str | None = Field(None, description="Model path (vllm) - local files only, nothing is downloaded.")
+    model_revision: str | None = Field(None, description="Recorded in lineage; pin it for reproducible runs.")
+    max_model_len: int = Field(
+        512,
+        ge=8,
+        description="Longest prompt+completion in tokens; longer prompts are dead-lettered as invalid_input.",
+    )
+    prompt_template: str = Field("{input}", description="Python format string applied to the record's input.")
+    labels: tuple[str, ...] = Field((), description="Label set for classify jobs.")
+    classify_mode: Literal["embedding", "generation"] = Field(
+        "embedding",
+        description="Zero-shot by label-embedding similarity, or constrained generation over labels.",
+    )
+    json_schema: dict[str, Any] | None = Field(
+        None, description="Structured-output JSON schema for generate jobs (also validated after inference)."
+    )
+    sampling: SamplingConfig = Field(default_factory=SamplingConfig)
+    engine_kwargs: dict[str, Any] = Field(
+        default_factory=dict,
+        description="Passed through to the engine (vLLM `LLM(...)` kwargs, or the deterministic engine's "
+        "knobs: latency_ms, transient_rate, poison_marker, invalid_output_rate, oom_above, embed_dim).",
+    )
+
+
+class BatchingConfig(_Frozen):
+    max_records: int = Field(
+        64,
+        ge=1,
+        description="Records per micro-batch. Larger batches raise GPU utilisation and the cost of a failed batch.",
+    )
+    max_prompt_tokens: int = Field(32768, ge=1, description="Prompt tokens per micro-batch.")
+    linger_ms: int = Field(200, ge=0, description="Longest wait to fill a batch; trades latency for batch size.")
+    max_in_flight_records: int = Field(
+        2048,
+        ge=1,
+        description="Records buffered or inferring; partitions pause above it, so memory never grows with topic size.",
+    )
+    pipeline_depth: int = Field(
+        2,
+        ge=1,
+        le=8,
+        description="Batches queued on the engine while one is being "
+        "produced: 2 keeps the GPU busy during produce/commit.",
+    )
+
+
+class RetryConfig(_Frozen):
+    tiers: tuple[str, ...] = Field(("5s", "1m", "10m"), description="Retry tier delays; topic J.retry.<delay>.")
+    max_attempts: int = Field(
+        4, ge=1, description="Attempts before a transient failure is dead-lettered as retries_exhausted."
+    )
+    invalid_output_retries: int = Field(
+        2,
+        ge=0,
+        description="Re-tries (with a new seed) of an output that fails validation, before it is dead-lettered.",
+    )
+    routes: dict[str, Route] = Field(
+        default_factory=lambda: dict(DEFAULT_ROUTES),
+        description="Failure class -> route. `retry` goes through the retry tiers up to max_attempts.",
+    )
+
+    @field_validator("tiers")
+    @classmethod
+    def _tiers(cls, tiers: tuple[str, ...]) -> tuple[str, ...]:
+        if not tiers:
+            raise ValueError("at least one retry tier is needed")
+        for tier in tiers:
+            parse_duration(tier)
+        return tiers
+
+    def delay_of(self, attempt: int) -> tuple[str, float]:
+        """The tier for a record that just failed its ``attempt``-th try (1-based)."""
+        tier = self.tiers[min(attempt, len(self.tiers)) - 1]
+        return tier, parse_duration(tier)
+
+
+class ValidationConfig(_Frozen):
+    max_output_chars: int | None = Field(None, ge=1, description="Outputs longer than this are invalid_output.")
+    min_output_chars: int = Field(0, ge=0, description="Outputs shorter than this are invalid_output.")
+    json_schema: dict[str, Any] | None = Field(None, description="Generated text must parse as JSON and match.")
+    allowed_labels: tuple[str, ...] | None = Field(
+        None, description="Classify labels accepted (default: the engine's label set)."
+    )
+
+
+class TelemetryConfig(_Frozen):
+    exporter: Literal["none", "console", "otlp"] = Field("none", description="Span and metric exporter.")
+    otlp_endpoint: str = Field("http://127.0.0.1:4318", description="OTLP/HTTP collector endpoint.")
+
+
+class JobConfig(_Frozen):
+    """One job: what to run, how to batch it, and what to do when it fails."""
+
+    job: str = Field(pattern=r"^[A-Za-z0-9][A-Za-z0-9._-]{0,100}$", description="Job name; prefix of its topics.")
+    task: Task = Field("generate", description="generate, embed or classify.")
+    engine: EngineConfig = Field(default_factory=EngineConfig)
+    batching: BatchingConfig = Field(default_factory=BatchingConfig)
+    retry: RetryConfig = Field(default_factory=RetryConfig)
+    validation: ValidationConfig = Field(default_factory=ValidationConfig)
+    telemetry: TelemetryConfig = Field(default_factory=TelemetryConfig)
+    max_request_bytes: int = Field(1 << 20, ge=64, description="Larger payloads are invalid_input.")
+
+
+def _set_dotted(tree: dict[str, Any], dotted: str, value: Any) -> None:
+    node = tree
+    *parents, leaf = dotted.split(".")
+    for part in parents:
+        node = node.setdefault(part, {})
+        if not isinstance(node, dict):
+            raise ConfigError(f"cannot set {dotted}: {part} is not a table")
+    node[leaf] = value
+
+
+def parse_scalar(text: str) -> Any:
+    """``key=value`` flag values: TOML scalars (numbers, booleans, quoted strings, arrays), else plain text."""
+    try:
+        return tomllib.loads(f"v = {text}")["v"]
+    except tomllib.TOMLDecodeError:
+        return text
+
+
+def load_job_config(job: str, path: Path | None = None, overrides: dict[str, Any] | None = None) -> JobConfig:
+    """The job's config from ``path`` (TOML) with dotted ``overrides`` applied; one-line ConfigError if bad."""
+    tree: dict[str, Any] = {}
+    if path is not None:
+        try:
+            tree = tomllib.loads(Path(path).read_text())
+        except FileNotFoundError:
+            raise ConfigError(f"config file not found: {path}") from None
+        except tomllib.TOMLDecodeError as exc:
+            raise ConfigError(f"{path}: not valid TOML ({exc})") from None
+    tree["job"] = job
+    for dotted, value in (overrides or {}).items():
+        _set_dotted(tree, dotted, value)
+    try:
+        return JobConfig.model_validate(tree)
+    except ValidationError as exc:
+        err = exc.errors()[0]
+        where = ".".join(str(p) for p in err["loc"]) or "config"
+        raise ConfigError(f"{path or 'config'}: {where}: {err['msg']}") from None

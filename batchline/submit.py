@@ -1,0 +1,174 @@
+"""Submit: publish a file (JSONL, OpenAI batch JSONL, Parquet) to ``J.requests`` as one run.
+
+Valid records are published as Avro single-object Requests carrying the run id; lines that do not parse are
+published as they are, so the worker dead-letters them with a reason (nothing is dropped at the door). The
+run's manifest records the fingerprint it is pinned to and the exact per-partition offsets of its records.
+"""
+
+from __future__ import annotations
+
+import hashlib
+import json
+import uuid
+from collections.abc import Callable, Iterator
+from dataclasses import dataclass, field
+from datetime import UTC, datetime
+from pathlib import Path
+from typing import Any, Literal
+
+from confluent_kafka import KafkaError, Message
+from pydantic import ValidationError
+
+from batchline import headers as h
+from batchline.config import KafkaSettings
+from batchline.exceptions import InputFileError
+from batchline.identity import Fingerprint
+from batchline.kafka import make_producer
+from batchline.runs import manifest_for, write_manifest
+from batchline.topics import JobTopics
+from schemas import PartitionBoundary, Request, RunManifest, codec_for
+
+Format = Literal["jsonl", "openai", "parquet"]
+FLUSH_TIMEOUT_S = 60.0
+
+
+@dataclass
+class SubmitReport:
+    run_id: str
+    records: int = 0
+    invalid: int = 0
+    value_total: float = 0.0
+    boundaries: dict[int, tuple[int, int]] = field(default_factory=dict)
+    manifest: RunManifest | None = None
+
+
+def new_run_id() -> str:
+    return f"run-{datetime.now(UTC):%Y%m%d-%H%M%S}-{uuid.uuid4().hex[:6]}"
+
+
+def _openai_to_request(obj: dict[str, Any]) -> dict[str, Any]:
+    body = obj.get("body") or {}
+    if not isinstance(body, dict):
+        raise ValueError("body must be an object")
+    out: dict[str, Any] = {"id": obj.get("custom_id")}
+    url = str(obj.get("url", ""))
+    if "messages" in body:
+        out["messages"] = body["messages"]
+    elif "embeddings" in url:
+        out["text"] = body.get("input")
+    else:
+        out["prompt"] = body.get("prompt")
+    sampling = {k: body[k] for k in ("temperature", "top_p", "max_tokens", "seed") if k in body}
+    if "max_completion_tokens" in body:
+        sampling["max_tokens"] = body["max_completion_tokens"]
+    if sampling:
+        out["sampling"] = sampling
+    return out
+
+
+def read_records(path: Path, fmt: Format) -> Iterator[tuple[int, dict[str, Any] | bytes]]:
+    """(line number, object) per record; raw bytes for a line that is not a JSON object."""
+    if not path.is_file():
+        raise InputFileError(f"no such file: {path}")
+    if fmt == "parquet":
+        try:
+            import pyarrow.parquet as pq
+
+            table = pq.read_table(path)
+        except Exception as exc:
+            raise InputFileError(f"{path}: not a readable Parquet file ({exc})") from None
+        for n, row in enumerate(table.to_pylist(), 1):
+            yield n, {k: v for k, v in row.items() if v is not None}
+        return
+    with path.open("rb") as fh:
+        for n, raw in enumerate(fh, 1):
+            line = raw.strip()
+            if not line:
+                continue
+            try:
+                obj = json.loads(line)
+            except (json.JSONDecodeError, UnicodeDecodeError):
+                yield n, line
+                continue
+            if not isinstance(obj, dict):
+                yield n, line
+            elif fmt == "openai":
+                try:
+                    yield n, _openai_to_request(obj)
+                except ValueError:
+                    yield n, line
+            else:
+                yield n, obj
+
+
+def _encode(obj: dict[str, Any] | bytes, run_id: str, fallback_id: str) -> tuple[str, bytes, float, bool]:
+    """(request id, payload, value, valid) for one record."""
+    if isinstance(obj, bytes):
+        return fallback_id, obj, 1.0, False
+    obj = {**obj, "run_id": run_id}
+    if obj.get("id") in (None, ""):
+        obj["id"] = fallback_id
+    try:
+        req = Request.model_validate(obj)
+    except ValidationError:
+        rid = obj["id"] if isinstance(obj["id"], str) else fallback_id
+        return rid, json.dumps(obj, default=str).encode(), 1.0, False
+    return req.id, codec_for("request").encode(req), req.value, True
+
+
+def submit_file(
+    kafka: KafkaSettings,
+    topics: JobTopics,
+    path: Path,
+    fp: Fingerprint,
+    fmt: Format = "jsonl",
+    run_id: str | None = None,
+    parent_run_id: str | None = None,
+    progress: Callable[[int], None] | None = None,
+) -> SubmitReport:
+    report = SubmitReport(run_id or new_run_id())
+    file_tag = hashlib.sha256(path.read_bytes()).hexdigest()[:12] if path.is_file() else "missing"
+    # Pin the run before its first record exists, so no worker ever sees it unpinned.
+    opening = manifest_for(topics.job, report.run_id, fp, parent_run_id=parent_run_id, source=str(path), complete=False)
+    write_manifest(kafka, topics, opening)
+    producer = make_producer(kafka)
+    errors: list[str] = []
+
+    def delivered(err: KafkaError | None, msg: Message) -> None:
+        if err is not None:
+            errors.append(err.str())
+            return
+        lo, hi = report.boundaries.get(msg.partition(), (msg.offset(), msg.offset() + 1))
+        report.boundaries[msg.partition()] = (min(lo, msg.offset()), max(hi, msg.offset() + 1))
+
+    for n, obj in read_records(path, fmt):
+        rid, payload, value, valid = _encode(obj, report.run_id, f"{file_tag}-{n}")
+        hdrs = [(h.RUN_ID, report.run_id.encode())]
+        while True:
+            try:
+                producer.produce(topics.requests, payload, rid.encode(), headers=hdrs, on_delivery=delivered)
+                break
+            except BufferError:
+                producer.poll(0.1)
+        producer.poll(0)
+        report.records += 1
+        report.invalid += not valid
+        report.value_total += value
+        if progress:
+            progress(1)
+    if producer.flush(FLUSH_TIMEOUT_S) != 0 or errors:
+        raise InputFileError(f"{len(errors) or 'some'} records of run {report.run_id} were not delivered: {errors[:1]}")
+    report.manifest = opening.model_copy(
+        update={
+            "boundaries": [
+                PartitionBoundary(partition=p, start_offset=lo, end_offset=hi)
+                for p, (lo, hi) in sorted(report.boundaries.items())
+            ],
+            "record_count": report.records,
+            "value_total": report.value_total,
+            "invalid_count": report.invalid,
+            "complete": True,
+        }
+    )
+    write_manifest(kafka, topics, report.manifest)
+    return report

@@ -1,0 +1,59 @@
+"""OpenTelemetry set-up: spans written by hand to the messaging conventions, and the worker's metrics.
+
+Exporters: ``none`` (default; spans still exist in-process, which tests read), ``console`` and ``otlp``.
+"""
+
+from __future__ import annotations
+
+import logging
+from typing import Any
+
+from opentelemetry import metrics, trace
+from opentelemetry.sdk.metrics import MeterProvider
+from opentelemetry.sdk.resources import Resource
+from opentelemetry.sdk.trace import TracerProvider
+from opentelemetry.sdk.trace.export import (
+    BatchSpanProcessor,
+    ConsoleSpanExporter,
+    SimpleSpanProcessor,
+    SpanExporter,
+)
+from opentelemetry.trace import Link, SpanContext, TraceFlags
+from opentelemetry.trace.propagation.tracecontext import TraceContextTextMapPropagator
+
+from batchline.config import TelemetryConfig
+
+log = logging.getLogger(__name__)
+_PROPAGATOR = TraceContextTextMapPropagator()
+
+
+def setup_telemetry(config: TelemetryConfig, service: str, extra: SpanExporter | None = None) -> TracerProvider:
+    """A tracer provider for this process with the configured exporter (and ``extra``, used by tests)."""
+    provider = TracerProvider(resource=Resource.create({"service.name": service}))
+    if config.exporter == "console":
+        provider.add_span_processor(SimpleSpanProcessor(ConsoleSpanExporter()))
+    elif config.exporter == "otlp":
+        from opentelemetry.exporter.otlp.proto.http.trace_exporter import OTLPSpanExporter
+
+        provider.add_span_processor(BatchSpanProcessor(OTLPSpanExporter(f"{config.otlp_endpoint}/v1/traces")))
+    if extra is not None:
+        provider.add_span_processor(SimpleSpanProcessor(extra))
+    metrics.set_meter_provider(MeterProvider(resource=provider.resource))
+    return provider
+
+
+def link_from_traceparent(traceparent: str | None) -> Link | None:
+    """A span link to the producer's span named by a W3C ``traceparent`` header, if it parses."""
+    if not traceparent:
+        return None
+    ctx = _PROPAGATOR.extract({"traceparent": traceparent})
+    span_ctx: SpanContext = trace.get_current_span(ctx).get_span_context()
+    if not span_ctx.is_valid:
+        return None
+    return Link(SpanContext(span_ctx.trace_id, span_ctx.span_id, True, TraceFlags(span_ctx.trace_flags)))
+
+
+def traceparent_of(span: trace.Span) -> str:
+    carrier: dict[str, Any] = {}
+    _PROPAGATOR.inject(carrier, trace.set_span_in_context(span))
+    return str(carrier.get("traceparent", ""))

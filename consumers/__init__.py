@@ -1,0 +1,1 @@
+"""The GPU consumer-group worker: intake, batching, engines, validation, routing, transactional sink."""

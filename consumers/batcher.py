@@ -1,0 +1,69 @@
+"""Batcher: micro-batches bounded by records, prompt tokens and linger time, in arrival order.
+
+Records that will not reach the engine (invalid input, passed over) ride along in their batch so that
+offsets are committed in order; they do not count against the batch's record or token budget.
+"""
+
+from __future__ import annotations
+
+import time
+from collections import deque
+from collections.abc import Callable, Iterable
+
+from batchline.config import BatchingConfig
+from consumers.work import WorkItem
+
+
+class Batcher:
+    def __init__(self, config: BatchingConfig, clock: Callable[[], float] = time.monotonic) -> None:
+        self.config = config
+        self.clock = clock
+        self._items: deque[tuple[float, WorkItem]] = deque()
+        self._runnable = 0
+        self._tokens = 0
+
+    def __len__(self) -> int:
+        return len(self._items)
+
+    def add(self, item: WorkItem) -> None:
+        self._items.append((self.clock(), item))
+        if item.runnable:
+            self._runnable += 1
+            self._tokens += item.prompt_tokens
+
+    def ready(self) -> bool:
+        if not self._items:
+            return False
+        if self._runnable >= self.config.max_records or self._tokens >= self.config.max_prompt_tokens:
+            return True
+        return (self.clock() - self._items[0][0]) * 1000 >= self.config.linger_ms
+
+    def take(self, force: bool = False) -> list[WorkItem]:
+        """The next batch, or [] when none is ready (``force`` takes what there is)."""
+        if not (force or self.ready()):
+            return []
+        batch: list[WorkItem] = []
+        runnable = tokens = 0
+        while self._items:
+            item = self._items[0][1]
+            if item.runnable:
+                full = runnable >= self.config.max_records
+                over = runnable > 0 and tokens + item.prompt_tokens > self.config.max_prompt_tokens
+                if full or over:
+                    break
+                runnable += 1
+                tokens += item.prompt_tokens
+            batch.append(self._items.popleft()[1])
+        self._runnable -= runnable
+        self._tokens -= tokens
+        return batch
+
+    def drop(self, partitions: Iterable[tuple[str, int]]) -> int:
+        """Forget buffered records of revoked partitions (their new owner re-reads them). Returns the count."""
+        gone = set(partitions)
+        keep = [(t, i) for t, i in self._items if (i.source.topic, i.source.partition) not in gone]
+        dropped = len(self._items) - len(keep)
+        self._items = deque(keep)
+        self._runnable = sum(1 for _, i in keep if i.runnable)
+        self._tokens = sum(i.prompt_tokens for _, i in keep if i.runnable)
+        return dropped

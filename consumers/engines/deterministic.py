@@ -1,0 +1,152 @@
+"""A pure-Python engine with reproducible outputs and fault-injection knobs.
+
+It is a real engine for pipeline tests and benchmarks: outputs depend only on (input, seed), so a replay
+reproduces them, and every injected fault is a pure function of (request id, attempt, fault_seed), so a test
+can compute exactly which ids must end where. Knobs (``engine_kwargs``):
+
+- ``latency_ms`` per record and ``batch_latency_ms`` per call: simulated compute time.
+- ``transient_rate``: share of (id, attempt) pairs that fail with a transient RecordFailure.
+- ``poison_marker``: any call whose batch holds a record containing it raises (crashes), like a poison record.
+- ``invalid_output_rate``: share of ids whose output never passes validation.
+- ``oom_above``: calls with more records raise EngineOOM.
+- ``embed_dim``: embedding size (default 32). ``fault_seed``: salt of the fault functions.
+"""
+
+from __future__ import annotations
+
+import hashlib
+import json
+import math
+import time
+from collections.abc import Sequence
+from typing import Any
+
+from consumers.engines.base import EngineInput, EngineOutput, Outcome, RecordFailure
+from consumers.exceptions import EngineOOM
+
+
+class PoisonRecordCrash(RuntimeError):
+    """What the engine 'crashes' with when a batch holds a poison record."""
+
+
+def _unit(*parts: object) -> float:
+    """A stable number in [0, 1) from the parts."""
+    h = hashlib.sha256("\x1f".join(map(str, parts)).encode()).digest()
+    return int.from_bytes(h[:8], "big") / 2**64
+
+
+class DeterministicEngine:
+    name = "deterministic"
+
+    def __init__(
+        self,
+        task: str,
+        labels: Sequence[str] = (),
+        json_schema: dict[str, Any] | None = None,
+        engine_kwargs: dict[str, Any] | None = None,
+    ) -> None:
+        kw = dict(engine_kwargs or {})
+        self.task = task
+        self.labels = tuple(labels)
+        self.json_schema = json_schema
+        self.latency_s = float(kw.get("latency_ms", 0.0)) / 1000
+        self.batch_latency_s = float(kw.get("batch_latency_ms", 0.0)) / 1000
+        self.transient_rate = float(kw.get("transient_rate", 0.0))
+        self.poison_marker: str | None = kw.get("poison_marker")
+        self.invalid_output_rate = float(kw.get("invalid_output_rate", 0.0))
+        self.oom_above: int | None = kw.get("oom_above")
+        self.embed_dim = int(kw.get("embed_dim", 32))
+        self.fault_seed = kw.get("fault_seed", 0)
+        self.calls = 0
+
+    # -- the fault functions, public so tests can predict every outcome --------------------------
+    def fails_transiently(self, request_id: str, attempt: int) -> bool:
+        return _unit("transient", self.fault_seed, request_id, attempt) < self.transient_rate
+
+    def gives_invalid_output(self, request_id: str) -> bool:
+        return _unit("invalid", self.fault_seed, request_id) < self.invalid_output_rate
+
+    def is_poison(self, text: str) -> bool:
+        return bool(self.poison_marker) and self.poison_marker in text  # type: ignore[operator]
+
+    # -- the Engine protocol ---------------------------------------------------------------------
+    def count_tokens(self, text: str) -> int:
+        return len(text.split())
+
+    def infer(self, inputs: Sequence[EngineInput]) -> list[Outcome]:
+        self.calls += 1
+        if self.oom_above is not None and len(inputs) > self.oom_above:
+            raise EngineOOM(f"simulated OOM: {len(inputs)} records > {self.oom_above}")
+        time.sleep(self.batch_latency_s + self.latency_s * len(inputs))
+        if any(self.is_poison(i.prompt) for i in inputs):
+            raise PoisonRecordCrash("engine crashed on a poison record")
+        return [self._one(i) for i in inputs]
+
+    def close(self) -> None:
+        return None
+
+    # -- outputs ---------------------------------------------------------------------------------
+    def _one(self, inp: EngineInput) -> Outcome:
+        if self.fails_transiently(inp.request_id, inp.attempt):
+            return RecordFailure("InjectedTransientFault", f"injected fault on attempt {inp.attempt}")
+        tokens = self.count_tokens(inp.prompt)
+        invalid = self.gives_invalid_output(inp.request_id)
+        if self.task == "embed":
+            return EngineOutput(embedding=self._embedding(inp.prompt), prompt_tokens=tokens)
+        if self.task == "classify":
+            return self._classify(inp.prompt, tokens, invalid)
+        return self._generate(inp, tokens, invalid)
+
+    def _embedding(self, text: str) -> list[float]:
+        raw = [_unit("embed", text, i) - 0.5 for i in range(self.embed_dim)]
+        norm = math.sqrt(sum(x * x for x in raw)) or 1.0
+        return [x / norm for x in raw]
+
+    def _classify(self, text: str, tokens: int, invalid: bool) -> Outcome:
+        if not self.labels:
+            return RecordFailure("NoLabels", "classify job has no labels", "invalid_input")
+        lowered = text.lower()
+        raw = {lab: (1.0 if lab.lower() in lowered else 0.0) + _unit("cls", text, lab) * 0.5 for lab in self.labels}
+        total = sum(math.exp(v) for v in raw.values())
+        scores = {lab: math.exp(v) / total for lab, v in raw.items()}
+        label = max(scores, key=lambda k: scores[k])
+        if invalid:
+            label = "__not_a_label__"
+        return EngineOutput(label=label, scores=scores, prompt_tokens=tokens, finish_reason="stop")
+
+    def _generate(self, inp: EngineInput, tokens: int, invalid: bool) -> Outcome:
+        s = inp.sampling
+        # Greedy (temperature 0) outputs ignore the seed, as a real engine's would.
+        salt = s.seed if s.temperature > 0 else 0
+        words = inp.prompt.split()[: max(1, s.max_tokens - 1)]
+        tag = hashlib.sha256(f"{inp.prompt}|{salt}".encode()).hexdigest()[:8]
+        if self.json_schema is not None:
+            text = "not json" if invalid else json.dumps(_instance(self.json_schema, tag))
+        else:
+            text = "" if invalid else " ".join([tag, *reversed(words)])
+        completion = len(text.split())
+        return EngineOutput(
+            text=text,
+            prompt_tokens=tokens,
+            completion_tokens=completion,
+            finish_reason="length" if completion >= s.max_tokens else "stop",
+        )
+
+
+def _instance(schema: dict[str, Any], tag: str) -> Any:
+    """A small value that satisfies a simple JSON schema (object/array/string/number/integer/boolean/enum)."""
+    if "enum" in schema:
+        return schema["enum"][int(tag, 16) % len(schema["enum"])]
+    kind = schema.get("type", "object")
+    if kind == "object":
+        props: dict[str, Any] = schema.get("properties", {})
+        return {k: _instance(v, tag) for k, v in props.items()}
+    if kind == "array":
+        return [_instance(schema.get("items", {"type": "string"}), tag)]
+    if kind == "integer":
+        return int(tag, 16) % 100
+    if kind == "number":
+        return (int(tag, 16) % 1000) / 10
+    if kind == "boolean":
+        return int(tag, 16) % 2 == 0
+    return tag

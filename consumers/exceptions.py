@@ -1,0 +1,31 @@
+"""The worker's exceptions, named by stage and cause, carrying the record context they concern."""
+
+from __future__ import annotations
+
+from batchline.exceptions import BatchlineError
+
+
+class WorkerError(BatchlineError):
+    """Root of the worker's errors."""
+
+
+class EngineError(WorkerError):
+    """A transient engine failure of a whole batch (timeout, restart). The batch is retried or bisected."""
+
+
+class EngineOOM(EngineError):
+    """The engine ran out of memory on this batch: the batch is split and the batch size shrinks."""
+
+
+class EngineStartError(WorkerError):
+    """The engine could not be created (bad model path, missing extra). Fatal for the worker."""
+
+
+class SinkError(WorkerError):
+    """Producing or committing a batch failed; nothing of the batch was committed."""
+
+    def __init__(self, message: str, batch_id: str, abortable: bool, fatal: bool) -> None:
+        super().__init__(f"batch {batch_id}: {message}")
+        self.batch_id = batch_id
+        self.abortable = abortable
+        self.fatal = fatal

@@ -1,0 +1,78 @@
+"""Intake: a Kafka message becomes a WorkItem - decoded, validated, its prompt rendered and counted.
+
+Nothing raised here: a bad record becomes a WorkItem with an ``invalid_input`` failure, so it rides in its
+batch (its offset is committed with its neighbours') and leaves as a dead letter.
+"""
+
+from __future__ import annotations
+
+import hashlib
+from collections.abc import Callable
+from datetime import UTC, datetime
+
+from confluent_kafka import Message
+
+from batchline import headers as h
+from batchline.config import JobConfig
+from consumers.work import Failure, Source, WorkItem
+from schemas.codec import DecodeError, decode_request
+
+TokenCounter = Callable[[str], int]
+
+
+def render_prompt(template: str, text: str) -> str:
+    # str.replace, not str.format: record text may hold braces.
+    return template.replace("{input}", text)
+
+
+def fallback_id(msg_key: bytes | None, payload: bytes) -> str:
+    """An id for a record whose own id cannot be read: its key, else a digest of its bytes."""
+    if msg_key:
+        return msg_key.decode("utf-8", "replace")
+    return "sha256:" + hashlib.sha256(payload).hexdigest()[:24]
+
+
+class Intake:
+    def __init__(self, config: JobConfig, count_tokens: TokenCounter) -> None:
+        self.config = config
+        self.count_tokens = count_tokens
+
+    def admit(self, msg: Message) -> WorkItem:
+        headers = h.as_dict(msg.headers())
+        ts_type, ts = msg.timestamp()
+        payload: bytes = msg.value() or b""
+        item = WorkItem(
+            source=Source(msg.topic(), msg.partition(), msg.offset(), ts if ts_type else None),
+            key=msg.key(),
+            payload=payload,
+            headers=headers,
+            attempt=h.integer(headers, h.ATTEMPT, 0) + 1,
+            trace_parent=h.text(headers, h.TRACEPARENT),
+        )
+        first = h.integer(headers, h.FIRST_FAILURE_AT, 0)
+        if first:
+            item.first_failure_at = datetime.fromtimestamp(first / 1000, UTC)
+        try:
+            item.request = decode_request(payload, self.config.max_request_bytes)
+        except DecodeError as exc:
+            item.request_id = fallback_id(item.key, payload)
+            item.failure = Failure("invalid_input", "DecodeError", str(exc))
+            return item
+        request = item.request
+        item.request_id = request.id
+        if self.config.task == "generate" and request.text is not None:
+            item.failure = Failure("invalid_input", "WrongInput", "generate jobs take prompt or messages, not text")
+            return item
+        if self.config.task != "generate" and request.text is None and request.prompt is None:
+            item.failure = Failure("invalid_input", "WrongInput", f"{self.config.task} jobs take text or prompt")
+            return item
+        item.prompt = render_prompt(self.config.engine.prompt_template, request.input_text)
+        item.prompt_tokens = self.count_tokens(item.prompt)
+        limit = self.config.engine.max_model_len
+        if item.prompt_tokens > limit:
+            item.failure = Failure(
+                "invalid_input",
+                "PromptTooLong",
+                f"prompt has {item.prompt_tokens} tokens > max_model_len {limit}",
+            )
+        return item

@@ -1,0 +1,184 @@
+"""Route: every record's outcome becomes the messages to produce - a result, a retry or a dead letter.
+
+The failure class -> route table is data (``retry.routes`` in the job config); this is the one place that
+reads it. Results carry the lineage headers of DESIGN.md §3.
+"""
+
+from __future__ import annotations
+
+import time
+from collections.abc import Sequence
+from dataclasses import dataclass
+from datetime import UTC, datetime
+
+from batchline import headers as h
+from batchline.config import JobConfig
+from batchline.identity import Fingerprint
+from batchline.topics import JobTopics
+from consumers.engines.base import EngineOutput
+from consumers.work import Failure, WorkItem
+from schemas import DeadLetter, Lineage, Result, codec_for
+
+Outcome = EngineOutput | Failure
+
+
+@dataclass(frozen=True)
+class Produced:
+    topic: str
+    key: bytes
+    value: bytes
+    headers: h.Headers
+    kind: str  # result | retry | dlq
+
+
+@dataclass(frozen=True)
+class BatchContext:
+    batch_id: str
+    worker_id: str
+    traceparent: str | None = None
+
+
+def _ms(dt: datetime) -> int:
+    return int(dt.timestamp() * 1000)
+
+
+class Router:
+    def __init__(self, config: JobConfig, fingerprint: Fingerprint, topics: JobTopics) -> None:
+        self.config = config
+        self.fp = fingerprint
+        self.topics = topics
+        self.routes = config.retry.routes
+
+    def route(
+        self, items: Sequence[WorkItem], outcomes: dict[int, Outcome], ctx: BatchContext, latency_ms: float
+    ) -> list[Produced]:
+        out: list[Produced] = []
+        for i, item in enumerate(items):
+            if item.passed_over is not None:
+                continue
+            outcome = item.failure or outcomes.get(i)
+            if outcome is None:
+                outcome = Failure("transient", "MissingOutcome", "engine returned no outcome")
+            if isinstance(outcome, EngineOutput):
+                out.append(self._result(item, outcome, ctx, latency_ms))
+            else:
+                out.append(self._failure(item, outcome, ctx))
+        return out
+
+    # -- results ---------------------------------------------------------------------------------
+    def lineage(self, item: WorkItem, ctx: BatchContext) -> Lineage:
+        fp = self.fp
+        return Lineage(
+            run_id=item.run_id,
+            model_id=fp.model_id,
+            model_revision=fp.model_revision,
+            model_digest=fp.model_digest,
+            engine=fp.engine,
+            engine_version=fp.engine_version,
+            config_digest=fp.config_digest,
+            prompt_template_digest=fp.prompt_template_digest,
+            fingerprint=fp.value,
+            source_topic=h.text(item.headers, h.ORIGINAL_TOPIC) or item.source.topic,
+            source_partition=h.integer(item.headers, h.ORIGINAL_PARTITION, item.source.partition),
+            source_offset=h.integer(item.headers, h.ORIGINAL_OFFSET, item.source.offset),
+            worker_id=ctx.worker_id,
+            batch_id=ctx.batch_id,
+        )
+
+    def _result(self, item: WorkItem, out: EngineOutput, ctx: BatchContext, latency_ms: float) -> Produced:
+        result = Result(
+            request_id=item.request_id,
+            run_id=item.run_id,
+            task=self.config.task,
+            output=out.text,
+            label=out.label,
+            scores=out.scores,
+            embedding=out.embedding,
+            finish_reason=out.finish_reason,
+            prompt_tokens=out.prompt_tokens or item.prompt_tokens,
+            completion_tokens=out.completion_tokens,
+            attempt=item.attempt,
+            latency_ms=latency_ms,
+            produced_at=datetime.now(UTC),
+        )
+        headers: h.Headers = [
+            (h.LINEAGE, codec_for("lineage").encode(self.lineage(item, ctx))),
+            (h.RUN_ID, (item.run_id or "").encode()),
+            (h.MODEL, self.fp.model_id.encode()),
+            (h.CONFIG_DIGEST, self.fp.config_digest.encode()),
+            (h.FINGERPRINT, self.fp.value.encode()),
+        ]
+        if ctx.traceparent:
+            headers.append((h.TRACEPARENT, ctx.traceparent.encode()))
+        return Produced(
+            self.topics.results,
+            item.request_id.encode(),
+            codec_for("result").encode(result),
+            headers,
+            "result",
+        )
+
+    # -- failures --------------------------------------------------------------------------------
+    def _failure(self, item: WorkItem, failure: Failure, ctx: BatchContext) -> Produced:
+        route = self.routes.get(failure.failure_class, "dlq")
+        if route == "retry":
+            if item.attempt >= self.config.retry.max_attempts:
+                exhausted = Failure(
+                    "retries_exhausted",
+                    failure.error_type,
+                    f"{item.attempt} attempts; last: {failure.message}",
+                )
+                return self._dead_letter(item, exhausted)
+            return self._retry(item, failure)
+        return self._dead_letter(item, failure)
+
+    def _retry(self, item: WorkItem, failure: Failure) -> Produced:
+        now_ms = int(time.time() * 1000)
+        tier, delay_s = self.config.retry.delay_of(item.attempt)
+        first = _ms(item.first_failure_at) if item.first_failure_at else now_ms
+        headers: h.Headers = [
+            (h.ATTEMPT, str(item.attempt).encode()),
+            (h.DUE_AT, str(now_ms + int(delay_s * 1000)).encode()),
+            (h.FIRST_FAILURE_AT, str(first).encode()),
+            (h.LAST_ERROR_TYPE, failure.error_type.encode()),
+            (h.LAST_ERROR, failure.message[:1000].encode()),
+            (h.ORIGINAL_TOPIC, (h.text(item.headers, h.ORIGINAL_TOPIC) or item.source.topic).encode()),
+            (
+                h.ORIGINAL_PARTITION,
+                str(h.integer(item.headers, h.ORIGINAL_PARTITION, item.source.partition)).encode(),
+            ),
+            (h.ORIGINAL_OFFSET, str(h.integer(item.headers, h.ORIGINAL_OFFSET, item.source.offset)).encode()),
+            (h.RETRY_TIER, tier.encode()),
+            (h.REQUEST_ID, item.request_id.encode()),
+            (h.RUN_ID, (item.run_id or "").encode()),
+        ]
+        if item.trace_parent:
+            headers.append((h.TRACEPARENT, item.trace_parent.encode()))
+        return Produced(self.topics.retry(tier), item.request_id.encode(), item.payload, headers, "retry")
+
+    def _dead_letter(self, item: WorkItem, failure: Failure) -> Produced:
+        now = datetime.now(UTC)
+        letter = DeadLetter(
+            request_id=item.request_id,
+            run_id=item.run_id,
+            failure_class=failure.failure_class,
+            error_type=failure.error_type,
+            error_message=failure.message[:4000],
+            attempts=item.attempt,
+            original_topic=h.text(item.headers, h.ORIGINAL_TOPIC) or item.source.topic,
+            original_partition=h.integer(item.headers, h.ORIGINAL_PARTITION, item.source.partition),
+            original_offset=h.integer(item.headers, h.ORIGINAL_OFFSET, item.source.offset),
+            original_timestamp=item.source.timestamp,
+            payload=item.payload,
+            first_failure_at=item.first_failure_at or now,
+            last_failure_at=now,
+            value=item.value,
+            invalid_output=failure.invalid_output,
+        )
+        headers: h.Headers = [
+            (h.RUN_ID, (item.run_id or "").encode()),
+            (h.REQUEST_ID, item.request_id.encode()),
+        ]
+        return Produced(
+            self.topics.dlq, item.request_id.encode(), codec_for("dead_letter").encode(letter), headers, "dlq"
+        )

@@ -1,0 +1,78 @@
+"""The in-process shapes that flow through the stages: one WorkItem per Kafka message, and its outcome."""
+
+from __future__ import annotations
+
+from dataclasses import dataclass, field
+from datetime import datetime
+from typing import Literal
+
+from schemas import Request
+
+FailureClass = Literal[
+    "invalid_input",
+    "transient",
+    "invalid_output",
+    "sink",
+    "fingerprint_mismatch",
+    "poison",
+    "retries_exhausted",
+]
+
+
+@dataclass(frozen=True)
+class Source:
+    """Where a record was read: ``topic[partition]@offset``."""
+
+    topic: str
+    partition: int
+    offset: int
+    timestamp: int | None = None
+
+    def __str__(self) -> str:
+        return f"{self.topic}[{self.partition}]@{self.offset}"
+
+
+@dataclass(frozen=True)
+class Failure:
+    """Why a record did not produce a result. The route it takes is decided in ``route``."""
+
+    failure_class: FailureClass
+    error_type: str
+    message: str
+    invalid_output: str | None = None
+
+
+@dataclass
+class WorkItem:
+    """One delivered message. ``request`` is None when the payload could not be decoded (``failure`` says why)."""
+
+    source: Source
+    key: bytes | None
+    payload: bytes
+    headers: dict[str, bytes]
+    request: Request | None = None
+    request_id: str = ""
+    attempt: int = 1
+    first_failure_at: datetime | None = None
+    prompt: str = ""
+    prompt_tokens: int = 0
+    failure: Failure | None = None
+    passed_over: str | None = None  # a reason when this worker must not process the record (another run's pin)
+    trace_parent: str | None = None
+    extra: dict[str, str] = field(default_factory=dict)
+
+    @property
+    def runnable(self) -> bool:
+        return self.request is not None and self.failure is None and self.passed_over is None
+
+    @property
+    def run_id(self) -> str | None:
+        """The record's run: from the request, else from the header (a line submit could not parse)."""
+        if self.request is not None and self.request.run_id:
+            return self.request.run_id
+        raw = self.headers.get("batchline-run-id")
+        return raw.decode("utf-8", "replace") if raw else None
+
+    @property
+    def value(self) -> float:
+        return self.request.value if self.request else 1.0

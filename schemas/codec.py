@@ -1,0 +1,140 @@
+"""Avro single-object encoding (and the Confluent wire format) for every record of DESIGN.md §3.
+
+Single-object: ``C3 01`` + 8-byte little-endian CRC-64-AVRO fingerprint of the canonical schema + body.
+Confluent: ``00`` + 4-byte big-endian schema id + body; written only when a registry id is configured,
+always readable. Decoding never raises anything but :class:`DecodeError`.
+"""
+
+from __future__ import annotations
+
+import io
+import json
+import struct
+from functools import cache
+from importlib import resources
+from typing import Any, Generic, TypeVar
+
+import fastavro
+from fastavro.schema import fingerprint, to_parsing_canonical_form
+from pydantic import BaseModel, ValidationError
+
+from schemas import models
+
+SINGLE_OBJECT_MAGIC = b"\xc3\x01"
+CONFLUENT_MAGIC = b"\x00"
+HEADER_LEN = 10
+
+M = TypeVar("M", bound=BaseModel)
+
+
+class DecodeError(ValueError):
+    """Bytes that are not a valid record of the expected schema. ``reason`` is short and stable."""
+
+    def __init__(self, reason: str, detail: str = "") -> None:
+        super().__init__(f"{reason}: {detail}" if detail else reason)
+        self.reason = reason
+        self.detail = detail
+
+
+def load_schema(name: str) -> dict[str, Any]:
+    """The parsed ``schemas/<name>.avsc``."""
+    text = resources.files("schemas").joinpath(f"{name}.avsc").read_text()
+    parsed: dict[str, Any] = json.loads(text)
+    return parsed
+
+
+class AvroCodec(Generic[M]):
+    """Encodes and decodes one record type; the pydantic model is the in-process shape."""
+
+    def __init__(self, schema_name: str, model: type[M], registry_id: int | None = None) -> None:
+        self.schema_name = schema_name
+        self.model = model
+        self.raw_schema = load_schema(schema_name)
+        self.parsed = fastavro.parse_schema(self.raw_schema)
+        canonical = to_parsing_canonical_form(self.raw_schema)
+        self.fingerprint = bytes.fromhex(fingerprint(canonical, "CRC-64-AVRO"))
+        # The spec's fingerprint is little-endian; fastavro returns the big-endian hex digest.
+        self.fingerprint = self.fingerprint[::-1]
+        self.registry_id = registry_id
+
+    def encode(self, record: M) -> bytes:
+        buf = io.BytesIO()
+        if self.registry_id is not None:
+            buf.write(CONFLUENT_MAGIC + struct.pack(">I", self.registry_id))
+        else:
+            buf.write(SINGLE_OBJECT_MAGIC + self.fingerprint)
+        fastavro.schemaless_writer(buf, self.parsed, record.model_dump(mode="python"))
+        return buf.getvalue()
+
+    def decode(self, data: bytes) -> M:
+        body = self._body(data)
+        try:
+            raw = fastavro.schemaless_reader(io.BytesIO(body), self.parsed, return_record_name=False)
+        except Exception as exc:  # fastavro raises many types on garbage: EOFError, ValueError, ...
+            raise DecodeError("malformed avro body", f"{type(exc).__name__}: {exc}") from None
+        try:
+            return self.model.model_validate(raw)
+        except ValidationError as exc:
+            raise DecodeError("schema violation", _first_error(exc)) from None
+
+    def is_avro(self, data: bytes) -> bool:
+        return data[:2] == SINGLE_OBJECT_MAGIC or (data[:1] == CONFLUENT_MAGIC and len(data) >= 5)
+
+    def _body(self, data: bytes) -> bytes:
+        if data[:2] == SINGLE_OBJECT_MAGIC:
+            if len(data) < HEADER_LEN:
+                raise DecodeError("truncated avro header")
+            if data[2:HEADER_LEN] != self.fingerprint:
+                raise DecodeError("unknown schema fingerprint", data[2:HEADER_LEN].hex())
+            return data[HEADER_LEN:]
+        if data[:1] == CONFLUENT_MAGIC and len(data) >= 5:
+            return data[5:]
+        raise DecodeError("not avro", "missing C3 01 or 00 magic")
+
+
+def _first_error(exc: ValidationError) -> str:
+    err = exc.errors()[0]
+    loc = ".".join(str(p) for p in err["loc"]) or "record"
+    return f"{loc}: {err['msg']}"
+
+
+@cache
+def codec_for(kind: str) -> AvroCodec[Any]:
+    """The shared codec of one record kind: request, result, dead_letter, lineage, run_manifest, run_stats."""
+    model = {
+        "request": models.Request,
+        "result": models.Result,
+        "dead_letter": models.DeadLetter,
+        "lineage": models.Lineage,
+        "run_manifest": models.RunManifest,
+        "run_stats": models.RunStats,
+    }[kind]
+    return AvroCodec(kind, model)
+
+
+def decode_request(data: bytes | None, max_bytes: int = 1 << 20) -> models.Request:
+    """A Request from Avro (single-object or Confluent) or plain JSON bytes; :class:`DecodeError` otherwise."""
+    if not data:
+        raise DecodeError("empty payload")
+    if len(data) > max_bytes:
+        raise DecodeError("oversize record", f"{len(data)} bytes > {max_bytes}")
+    codec = codec_for("request")
+    if codec.is_avro(data):
+        request: models.Request = codec.decode(data)
+        return request
+    try:
+        text = data.decode("utf-8")
+    except UnicodeDecodeError as exc:
+        raise DecodeError("invalid utf-8", str(exc)) from None
+    try:
+        obj = json.loads(text)
+    except json.JSONDecodeError as exc:
+        raise DecodeError("invalid json", str(exc)) from None
+    except RecursionError:
+        raise DecodeError("invalid json", "nesting too deep") from None
+    if not isinstance(obj, dict):
+        raise DecodeError("schema violation", f"expected a JSON object, got {type(obj).__name__}")
+    try:
+        return models.Request.model_validate(obj)
+    except ValidationError as exc:
+        raise DecodeError("schema violation", _first_error(exc)) from None

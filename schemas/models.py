@@ -1,0 +1,167 @@
+"""Pydantic models of the records in DESIGN.md §3: the in-process shapes that the Avro codec reads and writes.
+
+Field names match the ``.avsc`` files one to one; a unit test keeps them in step.
+"""
+
+from __future__ import annotations
+
+from datetime import datetime
+from typing import Annotated
+
+from pydantic import BaseModel, ConfigDict, Field, StringConstraints, model_validator
+
+RequestId = Annotated[str, StringConstraints(min_length=1, max_length=512)]
+
+
+class _Record(BaseModel):
+    model_config = ConfigDict(frozen=True, extra="forbid")
+
+
+class ChatMessage(_Record):
+    role: Annotated[str, StringConstraints(min_length=1, max_length=64)]
+    content: str
+
+
+class SamplingOverrides(_Record):
+    """Per-record sampling parameters; unset fields fall back to the job's."""
+
+    temperature: Annotated[float, Field(ge=0.0, le=10.0)] | None = None
+    top_p: Annotated[float, Field(gt=0.0, le=1.0)] | None = None
+    max_tokens: Annotated[int, Field(ge=1, le=1 << 20)] | None = None
+    seed: int | None = None
+
+
+class Request(_Record):
+    """A unit of work. Exactly one of ``prompt``, ``messages`` or ``text`` is set."""
+
+    model_config = ConfigDict(frozen=True, extra="ignore")
+
+    id: RequestId
+    run_id: Annotated[str, StringConstraints(min_length=1, max_length=256)] | None = None
+    prompt: str | None = None
+    messages: list[ChatMessage] | None = None
+    text: str | None = None
+    sampling: SamplingOverrides | None = None
+    priority: int = 0
+    value: Annotated[float, Field(ge=0.0, allow_inf_nan=False)] = 1.0
+    metadata: dict[str, str] = Field(default_factory=dict)
+
+    @model_validator(mode="after")
+    def _one_input(self) -> Request:
+        given = [n for n in ("prompt", "messages", "text") if getattr(self, n) is not None]
+        if len(given) != 1:
+            raise ValueError(f"exactly one of prompt, messages, text must be set (got {given or 'none'})")
+        if self.messages is not None and not self.messages:
+            raise ValueError("messages must not be empty")
+        return self
+
+    @property
+    def input_text(self) -> str:
+        """The record's input as one string (chat messages joined), for token counting and hashing."""
+        if self.messages is not None:
+            return "\n".join(f"{m.role}: {m.content}" for m in self.messages)
+        return self.prompt if self.prompt is not None else (self.text or "")
+
+
+class Result(_Record):
+    request_id: str
+    run_id: str | None = None
+    task: str
+    output: str | None = None
+    label: str | None = None
+    scores: dict[str, float] | None = None
+    embedding: list[float] | None = None
+    finish_reason: str | None = None
+    prompt_tokens: int = 0
+    completion_tokens: int = 0
+    attempt: int = 1
+    latency_ms: float = 0.0
+    produced_at: datetime
+
+
+class DeadLetter(_Record):
+    request_id: str
+    run_id: str | None = None
+    failure_class: str
+    error_type: str
+    error_message: str
+    attempts: int = 1
+    original_topic: str
+    original_partition: int
+    original_offset: int
+    original_timestamp: int | None = None
+    payload: bytes
+    first_failure_at: datetime
+    last_failure_at: datetime
+    value: float = 1.0
+    invalid_output: str | None = None
+
+
+class Lineage(_Record):
+    run_id: str | None = None
+    model_id: str
+    model_revision: str | None = None
+    model_digest: str
+    engine: str
+    engine_version: str
+    config_digest: str
+    prompt_template_digest: str
+    fingerprint: str = ""
+    source_topic: str
+    source_partition: int
+    source_offset: int
+    worker_id: str
+    batch_id: str
+
+
+class PartitionBoundary(_Record):
+    partition: int
+    start_offset: int
+    end_offset: int
+
+
+class RunManifest(_Record):
+    run_id: str
+    job: str
+    created_at: datetime
+    fingerprint: str
+    model_id: str
+    model_revision: str | None = None
+    model_digest: str
+    engine: str
+    engine_version: str
+    config_digest: str
+    prompt_template_digest: str
+    boundaries: list[PartitionBoundary] = Field(default_factory=list)
+    record_count: int
+    value_total: float
+    parent_run_id: str | None = None
+    source: str | None = None
+    invalid_count: int = 0
+    complete: bool = True  # False while submit is still publishing; boundaries are final once True
+
+
+class QuarantinedRecord(_Record):
+    request_id: str
+    value: float
+    failure_class: str
+
+
+class RunStats(_Record):
+    run_id: str
+    total: int
+    succeeded: int
+    failed_permanent: int
+    dead_letters_by_class: dict[str, int] = Field(default_factory=dict)
+    quarantined: int
+    retried: int
+    retries: int
+    pending: int
+    in_flight: int
+    value_total: float
+    value_completed: float
+    tokens_in: int
+    tokens_out: int
+    engine_seconds: float = 0.0
+    top_quarantined: list[QuarantinedRecord] = Field(default_factory=list)
+    updated_at: datetime

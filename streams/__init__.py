@@ -1,0 +1,1 @@
+"""faust-streaming apps: the retry scheduler and the completion ledger."""
