@@ -1,0 +1,112 @@
+"""Read whole topics from the real broker, and the deduplicated views the tests assert on."""
+
+from __future__ import annotations
+
+import time
+from collections import defaultdict
+from dataclasses import dataclass
+from typing import Any
+
+from confluent_kafka import TopicPartition
+
+from batchline import headers as h
+from batchline.config import KafkaSettings
+from batchline.kafka import make_producer, make_reader
+from batchline.topics import JobTopics
+from schemas import DeadLetter, Lineage, Result, codec_for
+
+READ_TIMEOUT_S = 30.0
+
+
+@dataclass(frozen=True)
+class Record:
+    topic: str
+    partition: int
+    offset: int
+    key: bytes | None
+    value: bytes | None
+    headers: dict[str, bytes]
+    timestamp: int
+
+
+def read_topic(kafka: KafkaSettings, topic: str, timeout: float = READ_TIMEOUT_S) -> list[Record]:
+    """Every record of ``topic`` up to its high watermarks at the time of the call."""
+    reader = make_reader(kafka, **{"group.id": f"test-reader-{time.monotonic_ns()}"})
+    try:
+        meta = reader.list_topics(topic, timeout=timeout)
+        parts = meta.topics[topic].partitions if topic in meta.topics else {}
+        high = {}
+        for p in parts:
+            lo, hi = reader.get_watermark_offsets(TopicPartition(topic, p), timeout=timeout, cached=False)
+            if hi > lo:
+                high[p] = hi
+        if not high:
+            return []
+        reader.assign([TopicPartition(topic, p, 0) for p in high])
+        out: list[Record] = []
+        done: set[int] = set()
+        deadline = time.monotonic() + timeout
+        while len(done) < len(high) and time.monotonic() < deadline:
+            for msg in reader.consume(1000, 0.5):
+                if msg.error():
+                    continue
+                out.append(
+                    Record(
+                        msg.topic(),
+                        msg.partition(),
+                        msg.offset(),
+                        msg.key(),
+                        msg.value(),
+                        h.as_dict(msg.headers()),
+                        msg.timestamp()[1],
+                    )
+                )
+                if msg.offset() + 1 >= high[msg.partition()]:
+                    done.add(msg.partition())
+            # read_committed may stop short of the watermark (transaction markers): check positions
+            for tp in reader.position([TopicPartition(topic, p) for p in high]):
+                if tp.offset >= high[tp.partition] or tp.offset >= high[tp.partition] - 1:
+                    done.add(tp.partition)
+        return out
+    finally:
+        reader.close()
+
+
+def results(kafka: KafkaSettings, topics: JobTopics) -> dict[str, list[tuple[Result, Lineage, Record]]]:
+    """Every result by request id (a list: duplicates are visible to the test)."""
+    view: dict[str, list[tuple[Result, Lineage, Record]]] = defaultdict(list)
+    for rec in read_topic(kafka, topics.results):
+        result = codec_for("result").decode(rec.value or b"")
+        lineage = codec_for("lineage").decode(rec.headers[h.LINEAGE])
+        view[result.request_id].append((result, lineage, rec))
+    return dict(view)
+
+
+def dead_letters(kafka: KafkaSettings, topics: JobTopics) -> dict[str, list[DeadLetter]]:
+    view: dict[str, list[DeadLetter]] = defaultdict(list)
+    for rec in read_topic(kafka, topics.dlq):
+        letter = codec_for("dead_letter").decode(rec.value or b"")
+        view[letter.request_id].append(letter)
+    return dict(view)
+
+
+def produce_raw(kafka: KafkaSettings, topic: str, records: list[tuple[bytes | None, bytes]], **headers: Any) -> None:
+    """Publish records as an upstream would: a plain producer, no batchline code in the path."""
+    producer = make_producer(kafka)
+    hdrs = [(k, v if isinstance(v, bytes) else str(v).encode()) for k, v in headers.items()]
+    for key, value in records:
+        producer.produce(topic, value, key, headers=hdrs or None)
+        producer.poll(0)
+    assert producer.flush(30) == 0, "upstream records were not delivered"
+
+
+def wait_for(predicate: Any, timeout: float, what: str, interval: float = 0.5) -> Any:
+    """Poll ``predicate`` until it returns a truthy value; fail the test naming ``what`` on timeout."""
+    deadline = time.monotonic() + timeout
+    last = None
+    while time.monotonic() < deadline:
+        last = predicate()
+        if last:
+            return last
+        time.sleep(interval)
+    raise AssertionError(f"timed out after {timeout:.0f}s waiting for {what} (last: {last!r:.300})")

@@ -1,0 +1,69 @@
+"""Worker and streams processes started the way an operator starts them: the ``batchline`` CLI."""
+
+from __future__ import annotations
+
+import os
+import signal
+import subprocess
+import sys
+from pathlib import Path
+from typing import Any
+
+STOP_TIMEOUT_S = 60.0
+
+
+def write_config(path: Path, body: str) -> Path:
+    path.write_text(body)
+    return path
+
+
+class CliProcess:
+    """``python -m batchline.cli ARGS`` in the background, output to a log file the test can show."""
+
+    def __init__(self, args: list[str], bootstrap: str, log_path: Path, env: dict[str, str] | None = None) -> None:
+        self.args = args
+        self.log_path = log_path
+        self.env = os.environ | {"BATCHLINE_BOOTSTRAP": bootstrap, "PYTHONUNBUFFERED": "1"} | (env or {})
+        self.proc: subprocess.Popen[bytes] | None = None
+
+    def start(self) -> CliProcess:
+        log = self.log_path.open("ab")
+        self.proc = subprocess.Popen([sys.executable, "-m", "batchline.cli", *self.args], stdout=log,
+                                     stderr=subprocess.STDOUT, env=self.env)
+        log.close()
+        return self
+
+    def alive(self) -> bool:
+        return self.proc is not None and self.proc.poll() is None
+
+    def kill(self) -> None:
+        """SIGKILL: the crash case, nothing gets to drain."""
+        if self.alive():
+            assert self.proc is not None
+            self.proc.send_signal(signal.SIGKILL)
+            self.proc.wait(STOP_TIMEOUT_S)
+
+    def stop(self) -> int:
+        if self.proc is None:
+            return 0
+        if self.alive():
+            self.proc.send_signal(signal.SIGTERM)
+            try:
+                self.proc.wait(STOP_TIMEOUT_S)
+            except subprocess.TimeoutExpired:
+                self.proc.kill()
+                self.proc.wait(STOP_TIMEOUT_S)
+        return self.proc.returncode
+
+    def wait(self, timeout: float) -> int:
+        assert self.proc is not None
+        return self.proc.wait(timeout)
+
+    def log(self) -> str:
+        return self.log_path.read_text(errors="replace") if self.log_path.exists() else ""
+
+    def __enter__(self) -> CliProcess:
+        return self.start()
+
+    def __exit__(self, *exc: Any) -> None:
+        self.stop()
