@@ -39,6 +39,7 @@ def setup_telemetry(config: TelemetryConfig, service: str, extra: SpanExporter |
     if extra is not None:
         provider.add_span_processor(SimpleSpanProcessor(extra))
     metrics.set_meter_provider(MeterProvider(resource=provider.resource))
+    trace.set_tracer_provider(provider)
     return provider
 
 
@@ -53,7 +54,10 @@ def link_from_traceparent(traceparent: str | None) -> Link | None:
     return Link(SpanContext(span_ctx.trace_id, span_ctx.span_id, True, TraceFlags(span_ctx.trace_flags)))
 
 
-def traceparent_of(span: trace.Span) -> str:
+def traceparent_of(span: trace.Span) -> str | None:
+    """The W3C traceparent of ``span``; None for a non-recording span (no tracer provider set up)."""
+    if not span.get_span_context().is_valid:
+        return None
     carrier: dict[str, Any] = {}
     _PROPAGATOR.inject(carrier, trace.set_span_in_context(span))
-    return str(carrier.get("traceparent", ""))
+    return str(carrier["traceparent"]) if "traceparent" in carrier else None

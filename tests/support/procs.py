@@ -28,8 +28,9 @@ class CliProcess:
 
     def start(self) -> CliProcess:
         log = self.log_path.open("ab")
-        self.proc = subprocess.Popen([sys.executable, "-m", "batchline.cli", *self.args], stdout=log,
-                                     stderr=subprocess.STDOUT, env=self.env)
+        self.proc = subprocess.Popen(
+            [sys.executable, "-m", "batchline.cli", *self.args], stdout=log, stderr=subprocess.STDOUT, env=self.env
+        )
         log.close()
         return self
 
