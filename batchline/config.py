@@ -98,7 +98,7 @@ class EngineConfig(_Frozen):
         ge=8,
         description="Longest prompt+completion in tokens; longer prompts are dead-lettered as invalid_input.",
     )
-    prompt_template: str = Field("{input}", description="Python format string applied to the record's input.")
+    prompt_template: str = Field("{input}", description="Prompt template; `{input}` is replaced by the record's prompt or text.")
     labels: tuple[str, ...] = Field((), description="Label set for classify jobs.")
     classify_mode: Literal["embedding", "generation"] = Field(
         "embedding",
