@@ -1,0 +1,653 @@
+"""The deployment files agree with Kubernetes, the Compose specification and the code (no broker, no cluster).
+
+- Core Kubernetes manifests validate with kubernetes-validate in strict mode (unknown fields fail).
+- Strimzi and KEDA resources (CRDs, unknown to kubernetes-validate) validate against the small schemas below,
+  which state the fields of those CRDs these manifests use (unknown fields fail there too).
+- docker-compose.yml is parsed by compose-spec (bindings of the Rust ``compose_spec`` crate, a strict parser of
+  the Compose specification: unknown keys, bad durations, bad ports and undefined resources fail) and checked
+  against its pydantic models, which are generated from the specification's JSON schema. The schema file
+  itself is not vendored.
+- Consistency with the code: topics equal what ``batchline.topics`` creates, every command line parses with the
+  real CLI, every ``BATCHLINE_*`` variable is a ``KafkaSettings`` field, every job TOML loads.
+"""
+
+from __future__ import annotations
+
+import copy
+import re
+import tomllib
+from collections.abc import Iterator
+from pathlib import Path
+from typing import Any
+
+import jsonschema
+import kubernetes_validate
+import pytest
+import typer
+import typer.core
+import yaml
+from compose_spec import PyOptions
+from compose_spec import parse_duration as compose_duration
+from compose_spec.models import ComposeSpecification
+
+from batchline.cli import app
+from batchline.config import JobConfig, KafkaSettings, load_job_config
+from batchline.topics import JobTopics, _specs
+
+ROOT = Path(__file__).resolve().parents[2]
+DEPLOY = ROOT / "deploy"
+COMPOSE_FILE = ROOT / "docker-compose.yml"
+DOCKERFILE = ROOT / "Dockerfile"
+# Oldest Kubernetes the manifests target, and the newest kubernetes-validate knows.
+K8S_VERSIONS = ["1.29.0", kubernetes_validate.latest_version()]
+CRD_GROUPS = {"kafka.strimzi.io", "keda.sh"}
+# Commands that DESIGN.md §9 promises but the CLI may not have yet: checked as soon as they exist.
+PENDING_COMMANDS = {"streams"}
+# A worker's drain on SIGTERM: in-flight records at no less than this rate, then one transaction.
+DRAIN_FLOOR_RECORDS_PER_S = 20
+
+# ---------------------------------------------------------------------------------------------- loading
+
+
+def _kustomization() -> dict[str, Any]:
+    return yaml.safe_load((DEPLOY / "kustomization.yaml").read_text())
+
+
+def _manifests() -> list[tuple[str, dict[str, Any]]]:
+    docs = []
+    for name in _kustomization()["resources"]:
+        for doc in yaml.safe_load_all((DEPLOY / name).read_text()):
+            if doc:
+                docs.append((name, doc))
+    return docs
+
+
+MANIFESTS = _manifests()
+
+
+def _of_kind(kind: str) -> list[dict[str, Any]]:
+    return [doc for _, doc in MANIFESTS if doc["kind"] == kind]
+
+
+def _one(kind: str, **match: str) -> dict[str, Any]:
+    found = [d for d in _of_kind(kind) if all(_get(d, k.replace("__", ".")) == v for k, v in match.items())]
+    assert len(found) == 1, f"expected one {kind} matching {match}, found {len(found)}"
+    return found[0]
+
+
+def _get(doc: dict[str, Any], dotted: str) -> Any:
+    node: Any = doc
+    for part in dotted.split("."):
+        node = node[part]
+    return node
+
+
+def _group(doc: dict[str, Any]) -> str:
+    api = doc["apiVersion"]
+    return api.split("/")[0] if "/" in api else ""
+
+
+def _containers() -> Iterator[tuple[dict[str, Any], dict[str, Any]]]:
+    for dep in _of_kind("Deployment"):
+        for c in dep["spec"]["template"]["spec"]["containers"]:
+            yield dep, c
+
+
+def _deployment_of(command: str) -> tuple[dict[str, Any], dict[str, Any]]:
+    found = [(d, c) for d, c in _containers() if c["args"][1] == command]
+    assert len(found) == 1, f"expected one Deployment running `batchline {command}`"
+    return found[0]
+
+
+def _compose() -> dict[str, Any]:
+    return yaml.safe_load(COMPOSE_FILE.read_text())
+
+
+def _job_config_from_configmap(tmp_path: Path, job: str) -> JobConfig:
+    _, worker = _deployment_of("worker")
+    path = tmp_path / "job.toml"
+    path.write_text(_configmap_toml(worker))
+    return load_job_config(job, path)
+
+
+def _configmap_toml(container: dict[str, Any]) -> str:
+    """The job TOML the container's ``--config`` points at, followed through its volume to the ConfigMap."""
+    args = container["args"]
+    config_path = Path(args[args.index("--config") + 1])
+    mount = next(m for m in container["volumeMounts"] if Path(m["mountPath"]) == config_path.parent)
+    dep, _ = next((d, c) for d, c in _containers() if c is container)
+    volume = next(v for v in dep["spec"]["template"]["spec"]["volumes"] if v["name"] == mount["name"])
+    cm = _one("ConfigMap", metadata__name=volume["configMap"]["name"])
+    return str(cm["data"][config_path.name])
+
+
+JOB = _deployment_of("worker")[1]["args"][2]
+
+# ------------------------------------------------------------------------------ Kubernetes: core resources
+
+CORE = [
+    (f"{name}:{doc['kind']}/{doc['metadata']['name']}", doc) for name, doc in MANIFESTS if _group(doc) not in CRD_GROUPS
+]
+
+
+def test_every_manifest_is_core_kubernetes_or_a_known_crd() -> None:
+    groups = {_group(doc) for _, doc in MANIFESTS}
+    assert groups - CRD_GROUPS <= {"", "apps"}, groups
+    assert {doc["kind"] for _, doc in MANIFESTS} >= {
+        "Namespace",
+        "ConfigMap",
+        "Deployment",
+        "Kafka",
+        "KafkaNodePool",
+        "KafkaTopic",
+        "ScaledObject",
+    }
+
+
+@pytest.mark.parametrize("version", K8S_VERSIONS)
+@pytest.mark.parametrize("doc", [d for _, d in CORE], ids=[i for i, _ in CORE])
+def test_core_manifest_validates_strictly(doc: dict[str, Any], version: str) -> None:
+    kubernetes_validate.validate(doc, version, strict=True)
+
+
+def test_strict_validation_rejects_an_unknown_field() -> None:
+    dep, _ = _deployment_of("worker")
+    bad = copy.deepcopy(dep)
+    bad["spec"]["template"]["spec"]["containers"][0]["argz"] = ["oops"]
+    with pytest.raises(kubernetes_validate.ValidationError):
+        kubernetes_validate.validate(bad, K8S_VERSIONS[-1], strict=True)
+
+
+def test_kustomization_lists_every_manifest_and_names_the_image() -> None:
+    kust = _kustomization()
+    assert kust["apiVersion"] == "kustomize.config.k8s.io/v1beta1" and kust["kind"] == "Kustomization"
+    on_disk = sorted(p.name for p in DEPLOY.glob("*.yaml") if p.name != "kustomization.yaml")
+    assert sorted(kust["resources"]) == on_disk
+    assert kust["namespace"] == _one("Namespace")["metadata"]["name"]
+    images = {i["name"] for i in kust["images"]}
+    assert {c["image"].split(":")[0] for _, c in _containers()} <= images
+
+
+# ----------------------------------------------------------------------- Kubernetes: Strimzi and KEDA CRDs
+
+_DNS_SUBDOMAIN = r"^[a-z0-9]([-a-z0-9.]{0,251}[a-z0-9])?$"
+_LABELS = {"type": "object", "additionalProperties": {"type": "string"}}
+_METADATA = {
+    "type": "object",
+    "required": ["name"],
+    "additionalProperties": False,
+    "properties": {"name": {"type": "string", "pattern": _DNS_SUBDOMAIN}, "labels": _LABELS, "annotations": _LABELS},
+}
+_CLUSTER_METADATA = {**_METADATA, "required": ["name", "labels"]}
+_CLUSTER_METADATA["properties"] = {
+    **_METADATA["properties"],
+    "labels": {**_LABELS, "required": ["strimzi.io/cluster"]},
+}
+_RESOURCES = {
+    "type": "object",
+    "additionalProperties": False,
+    "properties": {"requests": _LABELS | {"additionalProperties": {"type": ["string", "integer"]}}, "limits": _LABELS},
+}
+_SCALAR = {"type": ["string", "integer", "number", "boolean"]}
+
+
+def _resource(api: str, kind: str, metadata: dict[str, Any], spec: dict[str, Any]) -> dict[str, Any]:
+    return {
+        "type": "object",
+        "required": ["apiVersion", "kind", "metadata", "spec"],
+        "additionalProperties": False,
+        "properties": {
+            "apiVersion": {"const": api},
+            "kind": {"const": kind},
+            "metadata": metadata,
+            "spec": {"type": "object", "additionalProperties": False, **spec},
+        },
+    }
+
+
+CRD_SCHEMAS: dict[str, dict[str, Any]] = {
+    "KafkaTopic": _resource(
+        "kafka.strimzi.io/v1beta2",
+        "KafkaTopic",
+        _CLUSTER_METADATA,
+        {
+            "required": ["partitions", "replicas"],
+            "properties": {
+                "topicName": {"type": "string", "pattern": r"^[a-zA-Z0-9._-]{1,249}$"},
+                "partitions": {"type": "integer", "minimum": 1},
+                "replicas": {"type": "integer", "minimum": 1, "maximum": 32767},
+                "config": {"type": "object", "additionalProperties": _SCALAR},
+            },
+        },
+    ),
+    "KafkaNodePool": _resource(
+        "kafka.strimzi.io/v1beta2",
+        "KafkaNodePool",
+        _CLUSTER_METADATA,
+        {
+            "required": ["replicas", "roles", "storage"],
+            "properties": {
+                "replicas": {"type": "integer", "minimum": 0},
+                "roles": {
+                    "type": "array",
+                    "minItems": 1,
+                    "uniqueItems": True,
+                    "items": {"enum": ["controller", "broker"]},
+                },
+                "storage": {
+                    "type": "object",
+                    "required": ["type"],
+                    "properties": {
+                        "type": {"enum": ["jbod", "persistent-claim", "ephemeral"]},
+                        "volumes": {
+                            "type": "array",
+                            "items": {
+                                "type": "object",
+                                "required": ["id", "type"],
+                                "additionalProperties": False,
+                                "properties": {
+                                    "id": {"type": "integer", "minimum": 0},
+                                    "type": {"enum": ["persistent-claim", "ephemeral"]},
+                                    "size": {"type": "string", "pattern": r"^[0-9]+([KMGTPE]i?)?$"},
+                                    "class": {"type": "string"},
+                                    "deleteClaim": {"type": "boolean"},
+                                    "kraftMetadata": {"enum": ["shared"]},
+                                },
+                            },
+                        },
+                    },
+                },
+                "resources": _RESOURCES,
+                "jvmOptions": {"type": "object"},
+                "template": {"type": "object"},
+            },
+        },
+    ),
+    "Kafka": _resource(
+        "kafka.strimzi.io/v1beta2",
+        "Kafka",
+        _METADATA,
+        {
+            "required": ["kafka"],
+            # KRaft with node pools: no ZooKeeper, and replicas/storage live in the KafkaNodePools.
+            "properties": {
+                "kafka": {
+                    "type": "object",
+                    "required": ["listeners"],
+                    "not": {"anyOf": [{"required": ["replicas"]}, {"required": ["storage"]}]},
+                    "properties": {
+                        "version": {"type": "string", "pattern": r"^[0-9]+\.[0-9]+\.[0-9]+$"},
+                        "metadataVersion": {"type": "string"},
+                        "listeners": {
+                            "type": "array",
+                            "minItems": 1,
+                            "items": {
+                                "type": "object",
+                                "required": ["name", "port", "type", "tls"],
+                                "properties": {
+                                    "name": {"type": "string", "pattern": r"^[a-z0-9]{1,11}$"},
+                                    "port": {"type": "integer", "minimum": 9092, "maximum": 65535},
+                                    "type": {
+                                        "enum": [
+                                            "internal",
+                                            "route",
+                                            "loadbalancer",
+                                            "nodeport",
+                                            "ingress",
+                                            "cluster-ip",
+                                        ]
+                                    },
+                                    "tls": {"type": "boolean"},
+                                },
+                            },
+                        },
+                        "config": {"type": "object", "additionalProperties": _SCALAR},
+                    },
+                },
+                "entityOperator": {
+                    "type": "object",
+                    "required": ["topicOperator"],
+                    "properties": {"topicOperator": {"type": "object"}, "userOperator": {"type": "object"}},
+                },
+                "kafkaExporter": {"type": "object"},
+                "cruiseControl": {"type": "object"},
+            },
+        },
+    ),
+    "ScaledObject": _resource(
+        "keda.sh/v1alpha1",
+        "ScaledObject",
+        _METADATA,
+        {
+            "required": ["scaleTargetRef", "triggers"],
+            "properties": {
+                "scaleTargetRef": {
+                    "type": "object",
+                    "required": ["name"],
+                    "additionalProperties": False,
+                    "properties": {
+                        "apiVersion": {"type": "string"},
+                        "kind": {"type": "string"},
+                        "name": {"type": "string"},
+                    },
+                },
+                "pollingInterval": {"type": "integer", "minimum": 1},
+                "cooldownPeriod": {"type": "integer", "minimum": 0},
+                "minReplicaCount": {"type": "integer", "minimum": 0},
+                "maxReplicaCount": {"type": "integer", "minimum": 1},
+                "advanced": {
+                    "type": "object",
+                    "additionalProperties": False,
+                    "properties": {
+                        "restoreToOriginalReplicaCount": {"type": "boolean"},
+                        "horizontalPodAutoscalerConfig": {
+                            "type": "object",
+                            "additionalProperties": False,
+                            "properties": {"name": {"type": "string"}, "behavior": {"type": "object"}},
+                        },
+                    },
+                },
+                "triggers": {
+                    "type": "array",
+                    "minItems": 1,
+                    "items": {
+                        "type": "object",
+                        "required": ["type", "metadata"],
+                        "additionalProperties": False,
+                        "properties": {
+                            "type": {"type": "string"},
+                            "name": {"type": "string"},
+                            # The CRD types trigger metadata as map[string]string: a bare YAML number fails.
+                            "metadata": {"type": "object", "additionalProperties": {"type": "string"}},
+                            "authenticationRef": {"type": "object"},
+                        },
+                    },
+                },
+            },
+        },
+    ),
+}
+
+CRDS = [
+    (f"{name}:{doc['kind']}/{doc['metadata']['name']}", doc) for name, doc in MANIFESTS if _group(doc) in CRD_GROUPS
+]
+
+
+@pytest.mark.parametrize("doc", [d for _, d in CRDS], ids=[i for i, _ in CRDS])
+def test_crd_resource_matches_its_schema(doc: dict[str, Any]) -> None:
+    assert doc["kind"] in CRD_SCHEMAS, f"no schema for {doc['kind']}"
+    jsonschema.Draft202012Validator(CRD_SCHEMAS[doc["kind"]]).validate(doc)
+
+
+def test_crd_schemas_reject_a_misspelt_field() -> None:
+    topic = copy.deepcopy(_of_kind("KafkaTopic")[0])
+    topic["spec"]["partitons"] = topic["spec"].pop("partitions")
+    with pytest.raises(jsonschema.ValidationError):
+        jsonschema.validate(topic, CRD_SCHEMAS["KafkaTopic"])
+    scaled = copy.deepcopy(_one("ScaledObject"))
+    scaled["spec"]["triggers"][0]["metadata"]["lagThreshold"] = 5
+    with pytest.raises(jsonschema.ValidationError):
+        jsonschema.validate(scaled, CRD_SCHEMAS["ScaledObject"])
+
+
+def _kafka() -> dict[str, Any]:
+    return _one("Kafka")
+
+
+def _plain_port() -> int:
+    ports = [lst["port"] for lst in _kafka()["spec"]["kafka"]["listeners"] if not lst["tls"]]
+    assert ports, "the clients connect in plaintext: the Kafka needs a listener without TLS"
+    return int(ports[0])
+
+
+def test_kafka_runs_kraft_with_a_controller_quorum_and_enough_brokers_for_transactions() -> None:
+    name = _kafka()["metadata"]["name"]
+    pools = _of_kind("KafkaNodePool")
+    assert pools and all(p["metadata"]["labels"]["strimzi.io/cluster"] == name for p in pools)
+    controllers = sum(p["spec"]["replicas"] for p in pools if "controller" in p["spec"]["roles"])
+    brokers = sum(p["spec"]["replicas"] for p in pools if "broker" in p["spec"]["roles"])
+    assert controllers % 2 == 1, "a KRaft quorum needs an odd number of controllers"
+    config = _kafka()["spec"]["kafka"]["config"]
+    assert int(config["transaction.state.log.replication.factor"]) <= brokers
+    assert int(config["transaction.state.log.min.isr"]) < int(config["transaction.state.log.replication.factor"])
+    for topic in _of_kind("KafkaTopic"):
+        assert topic["metadata"]["labels"]["strimzi.io/cluster"] == name
+        assert int(config["min.insync.replicas"]) < topic["spec"]["replicas"] <= brokers
+
+
+# ------------------------------------------------------------------------------------- topics of the job
+
+
+def _declared_topics() -> dict[str, dict[str, Any]]:
+    return {t["spec"].get("topicName", t["metadata"]["name"]): t["spec"] for t in _of_kind("KafkaTopic")}
+
+
+def test_kafka_topics_are_the_topics_of_the_job(tmp_path: Path) -> None:
+    cfg = _job_config_from_configmap(tmp_path, JOB)
+    topics = JobTopics(JOB, cfg.retry.tiers)
+    declared = _declared_topics()
+    assert sorted(declared) == sorted(topics.all())
+    # The same partitions and configs that `batchline topics create JOB --partitions N` gives them.
+    for spec in _specs(topics, declared[topics.requests]["partitions"]):
+        got = declared[spec.topic]
+        assert got["partitions"] == spec.num_partitions, spec.topic
+        assert {k: str(v) for k, v in got.get("config", {}).items()}.items() >= (spec.config or {}).items(), spec.topic
+
+
+def test_kafka_topics_keep_the_partition_and_compaction_rules(tmp_path: Path) -> None:
+    topics = JobTopics(JOB, _job_config_from_configmap(tmp_path, JOB).retry.tiers)
+    declared = _declared_topics()
+    requests = declared[topics.requests]["partitions"]
+    for name in [*topics.retries, topics.dlq]:
+        assert declared[name]["partitions"] >= requests, f"{name} needs at least {requests} partitions (DESIGN §2)"
+    for name in (topics.runs, topics.ledger):
+        assert declared[name]["config"]["cleanup.policy"] == "compact", name
+
+
+# ---------------------------------------------------------------------------------------- workers and KEDA
+
+
+def test_worker_requests_one_gpu_and_leaves_replicas_to_keda() -> None:
+    dep, worker = _deployment_of("worker")
+    assert "replicas" not in dep["spec"], "KEDA owns the worker's replica count"
+    resources = worker["resources"]
+    assert str(resources["limits"]["nvidia.com/gpu"]) == "1"
+    assert str(resources["requests"].get("nvidia.com/gpu", "1")) == "1", "GPU requests must equal limits"
+    assert "command" not in worker, "use args: command would replace the image's tini entrypoint"
+
+
+def test_worker_grace_period_covers_the_drain(tmp_path: Path) -> None:
+    dep, _ = _deployment_of("worker")
+    cfg = _job_config_from_configmap(tmp_path, JOB)
+    transaction_s = KafkaSettings().transaction_timeout_ms / 1000
+    drain_s = cfg.batching.max_in_flight_records / DRAIN_FLOOR_RECORDS_PER_S + transaction_s
+    assert dep["spec"]["template"]["spec"]["terminationGracePeriodSeconds"] >= drain_s
+
+
+def test_deployments_reach_the_strimzi_bootstrap_service() -> None:
+    bootstrap = f"{_kafka()['metadata']['name']}-kafka-bootstrap:{_plain_port()}"
+    for _, container in _containers():
+        env = {e["name"]: e.get("value") for e in container["env"]}
+        assert env["BATCHLINE_BOOTSTRAP"] == bootstrap
+
+
+def test_scaled_object_scales_the_worker_on_the_lag_of_its_group() -> None:
+    dep, _ = _deployment_of("worker")
+    scaled = _one("ScaledObject")["spec"]
+    assert scaled["scaleTargetRef"]["name"] == dep["metadata"]["name"]
+    (trigger,) = scaled["triggers"]
+    assert trigger["type"] == "kafka"
+    meta = trigger["metadata"]
+    topics = JobTopics(JOB)
+    assert meta["topic"] == topics.requests
+    # The worker's group is `J.workers.<fingerprint>` (consumers/worker.py); the fingerprint is filled in at deploy.
+    fingerprint = meta["consumerGroup"].removeprefix(topics.worker_group() + ".")
+    assert fingerprint and topics.worker_group(fingerprint) == meta["consumerGroup"]
+    host, port = meta["bootstrapServers"].rsplit(":", 1)
+    assert host.split(".")[0] == f"{_kafka()['metadata']['name']}-kafka-bootstrap" and int(port) == _plain_port()
+    assert int(meta["lagThreshold"]) > 0
+    assert meta["allowIdleConsumers"] == "false"
+    partitions = _declared_topics()[topics.requests]["partitions"]
+    assert scaled["minReplicaCount"] <= scaled["maxReplicaCount"] <= partitions, "a worker beyond a partition idles"
+
+
+# ------------------------------------------------------------------------------------------ docker compose
+
+
+def test_compose_file_follows_the_compose_specification() -> None:
+    text = COMPOSE_FILE.read_text()
+    parsed = PyOptions(apply_merge=True).from_yaml(text)  # strict: raises ValueError on anything off-spec
+    parsed.validate()
+    ComposeSpecification.model_validate(_compose())
+    assert set(parsed.service_names()) == {"kafka", "topics", "worker", "streams", "otel-collector", "jaeger"}
+
+
+def test_compose_parser_rejects_a_misspelt_key() -> None:
+    bad = COMPOSE_FILE.read_text().replace("stop_grace_period: 5m", "stop_grace_periode: 5m")
+    with pytest.raises(ValueError):
+        PyOptions(apply_merge=True).from_yaml(bad)
+
+
+def _env(service: dict[str, Any]) -> dict[str, str]:
+    env = service.get("environment", {})
+    if isinstance(env, list):
+        env = dict(item.split("=", 1) for item in env)
+    return {k: str(v) for k, v in env.items()}
+
+
+def test_compose_kafka_is_a_single_kraft_node_that_supports_transactions() -> None:
+    services = _compose()["services"]
+    kafka = services["kafka"]
+    assert kafka["image"].startswith("apache/kafka:")
+    env = _env(kafka)
+    assert set(env["KAFKA_PROCESS_ROLES"].split(",")) == {"broker", "controller"}
+    assert env["KAFKA_CONTROLLER_QUORUM_VOTERS"].startswith(f"{env['KAFKA_NODE_ID']}@kafka:")
+    for key in ("OFFSETS_TOPIC", "TRANSACTION_STATE_LOG"):
+        assert env[f"KAFKA_{key}_REPLICATION_FACTOR"] == "1"
+    assert env["KAFKA_TRANSACTION_STATE_LOG_MIN_ISR"] == "1"
+    advertised = dict(reversed(item.split("://")) for item in env["KAFKA_ADVERTISED_LISTENERS"].split(","))
+    for name in ("topics", "worker", "streams"):
+        assert _env(services[name])["BATCHLINE_BOOTSTRAP"] in advertised
+    assert "healthcheck" in kafka
+
+
+def test_compose_starts_topics_then_worker_and_streams() -> None:
+    services = _compose()["services"]
+    assert services["topics"]["depends_on"]["kafka"]["condition"] == "service_healthy"
+    for name in ("worker", "streams"):
+        assert services[name]["depends_on"]["topics"]["condition"] == "service_completed_successfully"
+
+
+def test_compose_worker_reserves_a_gpu_and_drains_on_stop(tmp_path: Path) -> None:
+    worker = _compose()["services"]["worker"]
+    (device,) = worker["deploy"]["resources"]["reservations"]["devices"]
+    assert device["driver"] == "nvidia" and "gpu" in device["capabilities"] and int(device["count"]) >= 1
+    cfg = load_job_config(JOB, _compose_config_file(worker))
+    drain_s = (
+        cfg.batching.max_in_flight_records / DRAIN_FLOOR_RECORDS_PER_S + KafkaSettings().transaction_timeout_ms / 1000
+    )
+    assert worker.get("stop_signal", "SIGTERM") == "SIGTERM"
+    assert compose_duration(worker["stop_grace_period"]) >= drain_s
+
+
+def _compose_config_file(service: dict[str, Any]) -> Path:
+    """The host file mounted where the service's ``--config`` points."""
+    command = service["command"]
+    target = command[command.index("--config") + 1]
+    for volume in service["volumes"]:
+        source, mounted, *_ = volume.split(":")
+        if mounted == target:
+            return ROOT / source
+    raise AssertionError(f"{target} is not mounted")
+
+
+def test_compose_worker_exports_traces_to_the_collector_and_jaeger() -> None:
+    services = _compose()["services"]
+    cfg = load_job_config(JOB, _compose_config_file(services["worker"]))
+    assert cfg.telemetry.exporter == "otlp"
+    endpoint = re.fullmatch(r"http://([^:/]+):(\d+)/?", cfg.telemetry.otlp_endpoint)
+    assert endpoint and endpoint.group(1) in services and endpoint.group(2) == "4318"
+    collector = services[endpoint.group(1)]
+    config_file = next(v.split(":")[0] for v in collector["volumes"] if v.split(":")[1] in collector["command"][0])
+    otel = yaml.safe_load((ROOT / config_file).read_text())
+    assert otel["receivers"]["otlp"]["protocols"]["http"]["endpoint"].endswith(":4318")
+    (exporter,) = otel["service"]["pipelines"]["traces"]["exporters"]
+    assert otel["exporters"][exporter]["endpoint"].split(":")[0] == "jaeger" and "jaeger" in services
+
+
+# -------------------------------------------------------------------------------- command lines and settings
+
+
+def _command_lines() -> list[tuple[str, list[str]]]:
+    lines = [
+        (f"compose:{name}", svc["command"])
+        for name, svc in _compose()["services"].items()
+        if name in {"topics", "worker", "streams"}
+    ]
+    lines += [(f"k8s:{dep['metadata']['name']}", c["args"]) for dep, c in _containers()]
+    return lines
+
+
+COMMAND_LINES = _command_lines()
+
+
+@pytest.mark.parametrize("argv", [a for _, a in COMMAND_LINES], ids=[i for i, _ in COMMAND_LINES])
+def test_command_line_parses_with_the_cli(argv: list[str]) -> None:
+    assert argv[0] == "batchline"
+    # typer builds its commands on its own copy of click: walk them through typer's classes.
+    command: Any = typer.main.get_command(app)
+    ctx: Any = None
+    name, words = "batchline", argv[1:]
+    while isinstance(command, typer.core.TyperGroup):
+        ctx = command.context_class(command, info_name=name, parent=ctx)
+        name, *words = words
+        sub = command.get_command(ctx, name)
+        if sub is None and name in PENDING_COMMANDS:
+            pytest.skip(f"`batchline {name}` is not in the CLI yet")
+        assert sub is not None, f"`{' '.join(argv)}`: no command {name!r}"
+        command = sub
+    parsed = command.make_context(name, list(words), parent=ctx)  # raises on unknown options or bad values
+    assert parsed.params.get("job") == JOB
+
+
+def _batchline_env() -> list[tuple[str, str]]:
+    pairs = [(k, v) for name, svc in _compose()["services"].items() for k, v in _env(svc).items()]
+    pairs += [(e["name"], e["value"]) for _, c in _containers() for e in c.get("env", [])]
+    return sorted({(k, v) for k, v in pairs if k.startswith("BATCHLINE_")})
+
+
+def test_every_batchline_variable_is_a_kafka_setting(monkeypatch: pytest.MonkeyPatch) -> None:
+    pairs = _batchline_env()
+    assert any(k == "BATCHLINE_BOOTSTRAP" for k, _ in pairs)
+    prefix = KafkaSettings.model_config["env_prefix"]
+    for key, value in pairs:
+        field = key.removeprefix(prefix).lower()
+        assert field in KafkaSettings.model_fields, f"{key} is not a KafkaSettings field"
+        monkeypatch.setenv(key, value)
+        assert str(getattr(KafkaSettings(), field)) == value
+        monkeypatch.delenv(key)
+
+
+# ---------------------------------------------------------------------------------- image and job configs
+
+
+def test_job_configs_load(tmp_path: Path) -> None:
+    compose_cfg = load_job_config(JOB, _compose_config_file(_compose()["services"]["worker"]))
+    k8s_cfg = _job_config_from_configmap(tmp_path, JOB)
+    for cfg in (compose_cfg, k8s_cfg):
+        assert cfg.engine.name == "vllm" and cfg.engine.model
+        assert cfg.engine.model in DOCKERFILE.read_text(), "the image must carry the job's model"
+    # Both deployments run the same job: only where it runs may differ.
+    assert compose_cfg.model_dump(exclude={"telemetry"}) == k8s_cfg.model_dump(exclude={"telemetry"})
+
+
+def test_dockerfile_installs_the_project_then_the_gpu_extra() -> None:
+    text = "\n".join(line for line in DOCKERFILE.read_text().splitlines() if not line.lstrip().startswith("#"))
+    assert re.search(r"^FROM python:3\.11-slim$", text, re.M)
+    base, gpu = text.index("pip install ."), text.index("['optional-dependencies']['gpu']")
+    assert base < gpu, "base first, then the gpu extra: no joint resolve exists (click pins)"
+    assert ".[gpu]" not in text
+    pyproject = tomllib.loads((ROOT / "pyproject.toml").read_text())
+    for package in {p.split(".")[0] for p in pyproject["tool"]["setuptools"]["packages"]}:
+        assert re.search(rf"^COPY {package} ", text, re.M), f"the image misses the package {package}"
+    assert 'ENTRYPOINT ["/usr/bin/tini", "--"]' in text
