@@ -1,0 +1,119 @@
+"""The streams of one job in one process: the retry scheduler and the ledger, each on its own thread.
+
+``batchline streams JOB`` runs this until SIGTERM/Ctrl-C (or ``idle_exit_s`` with nothing to do). Each component
+owns its Kafka clients; the threads share nothing but the stop event. A component that fails stops the other,
+and :meth:`StreamsApp.run` raises its error.
+"""
+
+from __future__ import annotations
+
+import logging
+import threading
+from collections.abc import Callable
+from dataclasses import dataclass
+
+from batchline.config import JobConfig, KafkaSettings
+from batchline.kafka import make_admin
+from batchline.topics import JobTopics
+from streams.exceptions import MissingTopicsError, StreamsError
+from streams.ledger import Ledger
+from streams.retry_scheduler import RetryScheduler
+
+log = logging.getLogger(__name__)
+METADATA_TIMEOUT_S = 15.0
+JOIN_TIMEOUT_S = 60.0
+WATCH_INTERVAL_S = 0.2
+
+
+@dataclass(frozen=True)
+class StreamsReport:
+    republished: int
+    transactions: int
+    failed_transactions: int
+    ledger_records: int
+    snapshots: int
+    runs: int
+
+
+def check_topics(kafka: KafkaSettings, topics: JobTopics) -> None:
+    """Fail with one line if the job's request, result, DLQ, ledger or configured retry topics are missing."""
+    meta = make_admin(kafka).list_topics(timeout=METADATA_TIMEOUT_S)
+    missing = [t for t in topics.all() if t not in meta.topics or meta.topics[t].error]
+    if missing:
+        raise MissingTopicsError(topics.job, missing)
+
+
+class StreamsApp:
+    def __init__(
+        self,
+        config: JobConfig,
+        kafka: KafkaSettings,
+        idle_exit_s: float | None = None,
+        snapshot_interval_s: float = 1.0,
+    ) -> None:
+        self.config = config
+        self.kafka = kafka
+        self.idle_exit_s = idle_exit_s
+        self.snapshot_interval_s = snapshot_interval_s
+        self.stop_event = threading.Event()
+        self.errors: list[BaseException] = []
+
+    def stop(self) -> None:
+        self.stop_event.set()
+
+    def run(self) -> StreamsReport:
+        check_topics(self.kafka, JobTopics(self.config.job, self.config.retry.tiers))
+        scheduler = RetryScheduler(self.config, self.kafka)
+        ledger = Ledger(self.config, self.kafka, self.snapshot_interval_s)
+        threads = [
+            self._thread("retry-scheduler", scheduler.start, scheduler.step, scheduler.close),
+            self._thread("ledger", ledger.start, ledger.step, ledger.close),
+        ]
+        for t in threads:
+            t.start()
+        try:
+            while not self.stop_event.is_set():
+                if self._idle_done(scheduler, ledger):
+                    log.info("streams of %s idle for %.0fs: stopping", self.config.job, self.idle_exit_s)
+                    break
+                self.stop_event.wait(WATCH_INTERVAL_S)
+        finally:
+            self.stop_event.set()
+            for t in threads:
+                t.join(JOIN_TIMEOUT_S)
+        if self.errors:
+            raise StreamsError(f"streams of {self.config.job} failed: {self.errors[0]}") from self.errors[0]
+        return StreamsReport(
+            scheduler.stats.republished,
+            scheduler.stats.transactions,
+            scheduler.stats.failures,
+            ledger.events,
+            ledger.snapshots,
+            len(ledger.state.runs),
+        )
+
+    def _idle_done(self, scheduler: RetryScheduler, ledger: Ledger) -> bool:
+        if self.idle_exit_s is None:
+            return False
+        return min(scheduler.idle_for(), ledger.idle_for()) >= self.idle_exit_s
+
+    def _thread(
+        self, name: str, start: Callable[[], None], step: Callable[[], None], close: Callable[[], None]
+    ) -> threading.Thread:
+        def loop() -> None:
+            try:
+                start()
+                while not self.stop_event.is_set():
+                    step()
+            except BaseException as exc:
+                log.exception("%s failed", name)
+                self.errors.append(exc)
+                self.stop_event.set()
+            finally:
+                try:
+                    close()
+                except Exception as exc:
+                    log.exception("%s did not close cleanly", name)
+                    self.errors.append(exc)
+
+        return threading.Thread(target=loop, name=name, daemon=True)

@@ -1,0 +1,27 @@
+"""The streams' exceptions (retry scheduler, ledger), under the platform's root :class:`BatchlineError`."""
+
+from __future__ import annotations
+
+from batchline.exceptions import BatchlineError
+
+
+class StreamsError(BatchlineError):
+    """Root of the streams' errors. The message is one line for the operator."""
+
+
+class MissingTopicsError(StreamsError):
+    """The job's topics do not exist (or lack a retry tier of the config): ``topics create`` first."""
+
+    def __init__(self, job: str, missing: list[str]) -> None:
+        super().__init__(f"job {job} lacks topics {', '.join(missing)}: run `batchline topics create {job}` first")
+        self.job = job
+        self.missing = missing
+
+
+class RepublishError(StreamsError):
+    """Re-publishing due retries failed; nothing of the attempt was committed and the records stay held."""
+
+    def __init__(self, message: str, records: int, fatal: bool) -> None:
+        super().__init__(f"re-publishing {records} retries: {message}")
+        self.records = records
+        self.fatal = fatal

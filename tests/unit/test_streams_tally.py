@@ -1,0 +1,191 @@
+"""The ledger's arithmetic and the scheduler's queue, without Kafka: dedup by id, outcomes, values, due order."""
+
+from __future__ import annotations
+
+import random
+from datetime import UTC, datetime
+
+import pytest
+
+from batchline.runs import STREAM_RUN
+from consumers.intake import fallback_id as worker_fallback_id
+from schemas import DeadLetter, Result, RunManifest
+from streams.ledger import fallback_id
+from streams.retry_scheduler import RETRIED_AT, Held, PartitionQueue, republished_headers
+from streams.tally import LedgerEvent, LedgerState, RequestSeen, RetrySeen, compute_run_stats
+
+NOW = datetime(2026, 1, 2, 3, 4, 5, tzinfo=UTC)
+
+
+def result(rid: str, run: str | None = "r1", tokens: tuple[int, int] = (3, 5), latency_ms: float = 250.0) -> Result:
+    return Result(
+        request_id=rid,
+        run_id=run,
+        task="generate",
+        output="ok",
+        prompt_tokens=tokens[0],
+        completion_tokens=tokens[1],
+        latency_ms=latency_ms,
+        produced_at=NOW,
+    )
+
+
+def letter(rid: str, cls: str = "invalid_input", run: str | None = "r1", value: float = 1.0) -> DeadLetter:
+    return DeadLetter(
+        request_id=rid,
+        run_id=run,
+        failure_class=cls,
+        error_type="E",
+        error_message="m",
+        original_topic="j.requests",
+        original_partition=0,
+        original_offset=0,
+        payload=b"{}",
+        first_failure_at=NOW,
+        last_failure_at=NOW,
+        value=value,
+    )
+
+
+def manifest(run: str = "r1", count: int = 10, value_total: float = 20.0, complete: bool = True) -> RunManifest:
+    return RunManifest(
+        run_id=run,
+        job="j",
+        created_at=NOW,
+        fingerprint="fp",
+        model_id="m",
+        model_digest="d",
+        engine="deterministic",
+        engine_version="1",
+        config_digest="c",
+        prompt_template_digest="p",
+        record_count=count,
+        value_total=value_total,
+        complete=complete,
+    )
+
+
+def scenario() -> list[LedgerEvent]:
+    """10 records of run r1: 6 succeed (one twice), 2 dead-lettered, 1 retried then succeeded, 1 waiting."""
+    events: list[LedgerEvent] = [manifest()]
+    events += [RequestSeen(f"a{i}", "r1", float(i)) for i in range(10)]
+    events += [result(f"a{i}") for i in range(6)]
+    events.append(result("a0", tokens=(100, 100), latency_ms=9999))  # a re-delivered copy: counted once
+    events += [letter("a6", "poison"), letter("a7", "transient"), letter("a7", "retries_exhausted")]
+    events += [RetrySeen("a8", "r1", 1), RetrySeen("a8", "r1", 1), RetrySeen("a8", "r1", 2), result("a8")]
+    events += [RetrySeen("a9", "r1", 1)]
+    events += [letter("a5", "invalid_output")]  # a5 also has a result: the result wins
+    return events
+
+
+def test_counts_are_of_distinct_ids_and_results_win() -> None:
+    stats = compute_run_stats(scenario(), NOW)["r1"]
+    assert (stats.total, stats.succeeded, stats.quarantined, stats.pending) == (10, 7, 2, 1)
+    assert stats.dead_letters_by_class == {"poison": 1, "retries_exhausted": 1}
+    assert stats.failed_permanent == 1  # retries_exhausted is quarantined but not a bad record
+    assert (stats.retried, stats.retries, stats.in_flight) == (2, 3, 1)
+    assert (stats.tokens_in, stats.tokens_out) == (7 * 3, 7 * 5)
+    assert stats.engine_seconds == pytest.approx(7 * 0.25)
+    assert stats.value_total == 20.0  # the manifest's
+    assert stats.value_completed == pytest.approx(sum([0, 1, 2, 3, 4, 5, 8]))
+    assert [(q.request_id, q.value, q.failure_class) for q in stats.top_quarantined] == [
+        ("a7", 7.0, "retries_exhausted"),
+        ("a6", 6.0, "poison"),
+    ]
+    assert stats.updated_at == NOW
+
+
+@pytest.mark.parametrize("seed", range(5))
+def test_order_of_topics_does_not_matter(seed: int) -> None:
+    events = scenario()
+    # One id's copies share a partition, so they keep their order (latest dead letter wins, first result
+    # counts its tokens); the topics interleave arbitrarily.
+    in_order = [e for e in events if isinstance(e, DeadLetter) or (isinstance(e, Result) and e.prompt_tokens == 100)]
+    others = [e for e in events if not any(e is o for o in in_order)]
+    random.Random(seed).shuffle(others)
+    shuffled = others + in_order
+    assert compute_run_stats(shuffled, NOW) == compute_run_stats(events, NOW)
+
+
+def test_latest_dead_letter_decides_the_class() -> None:
+    stats = compute_run_stats([letter("x", "transient"), letter("x", "retries_exhausted")], NOW)["r1"]
+    assert stats.dead_letters_by_class == {"retries_exhausted": 1}
+    stats = compute_run_stats([letter("x", "retries_exhausted"), letter("x", "poison")], NOW)["r1"]
+    assert stats.dead_letters_by_class == {"poison": 1} and stats.failed_permanent == 1
+
+
+def test_records_without_a_run_belong_to_the_open_stream() -> None:
+    events: list[LedgerEvent] = [
+        manifest(STREAM_RUN, count=0, value_total=0.0),  # the stream's pin: not a record count
+        RequestSeen("s1", None, 2.0),
+        RequestSeen("s2", None, 3.0),
+        result("s1", run=None),
+        RetrySeen("s2", "", 1),
+        letter("s3", run=None, value=4.0),
+    ]
+    runs = compute_run_stats(events, NOW)
+    assert set(runs) == {STREAM_RUN}
+    stream = runs[STREAM_RUN]
+    assert (stream.total, stream.succeeded, stream.quarantined, stream.pending, stream.in_flight) == (3, 1, 1, 1, 1)
+    assert stream.value_total == pytest.approx(9.0) and stream.value_completed == pytest.approx(2.0)
+
+
+def test_value_falls_back_to_the_dead_letter_then_to_one() -> None:
+    events: list[LedgerEvent] = [letter("d", value=7.5), result("d"), result("u")]
+    stats = compute_run_stats(events, NOW)["r1"]
+    assert stats.value_completed == pytest.approx(7.5 + 1.0)
+
+
+def test_an_incomplete_manifest_does_not_fix_the_total() -> None:
+    events: list[LedgerEvent] = [manifest(count=0, value_total=0.0, complete=False), RequestSeen("a", "r1", 2.0)]
+    stats = compute_run_stats(events, NOW)["r1"]
+    assert (stats.total, stats.pending, stats.value_total) == (1, 1, 2.0)
+    stats = compute_run_stats([*events, manifest(count=5, value_total=9.0)], NOW)["r1"]
+    assert (stats.total, stats.pending, stats.value_total) == (5, 5, 9.0)
+
+
+def test_top_quarantined_lists_the_ten_most_valuable() -> None:
+    events: list[LedgerEvent] = [letter(f"q{i:02d}", value=float(i % 13)) for i in range(40)]
+    top = compute_run_stats(events, NOW)["r1"].top_quarantined
+    assert len(top) == 10
+    values = [q.value for q in top]
+    assert values == sorted(values, reverse=True) and values[0] == 12.0
+    assert [q.request_id for q in top[:3]] == ["q12", "q25", "q38"]  # ties by id
+
+
+def test_state_marks_only_changed_runs_dirty() -> None:
+    state = LedgerState()
+    state.apply(result("a", run="r1"))
+    state.apply(result("b", run="r2"))
+    assert [s.run_id for s in state.take_dirty(NOW)] == ["r1", "r2"]
+    assert state.take_dirty(NOW) == []
+    state.apply(result("a", run="r1"))
+    assert [(s.run_id, s.succeeded) for s in state.take_dirty(NOW)] == [("r1", 1)]
+
+
+def test_ledger_names_undecodable_records_as_the_worker_does() -> None:
+    for key, payload in [(b"k-1", b"\xff"), (None, b"\x00garbage"), (None, b"")]:
+        assert fallback_id(key, payload) == worker_fallback_id(key, payload)
+
+
+def _held(offset: int, due: int, headers: list[tuple[str, bytes]] | None = None) -> Held:
+    return Held("j.retry.1s", 0, offset, f"k{offset}".encode(), b"v", headers or [], due)
+
+
+def test_partition_queue_head_decides_and_ignores_redelivery() -> None:
+    q = PartitionQueue()
+    assert [q.push(_held(o, d)) for o, d in [(5, 100), (6, 300), (7, 200)]] == [True, True, True]
+    assert not q.push(_held(6, 300))  # already held
+    assert [h.offset for h in q.due(250, 10)] == [5]  # 7 is due but waits behind its head
+    assert [h.offset for h in q.due(300, 10)] == [5, 6, 7]
+    assert [h.offset for h in q.due(300, 2)] == [5, 6]
+    q.drop(1)
+    assert q.next_due() == 300 and len(q) == 2
+
+
+def test_republished_headers_carry_everything_over() -> None:
+    hdrs = [("batchline-attempt", b"2"), ("traceparent", b"00-ab-cd-01"), (RETRIED_AT, b"1")]
+    out = republished_headers(_held(1, 10, hdrs), 12345)
+    assert out == [("batchline-attempt", b"2"), ("traceparent", b"00-ab-cd-01"), (RETRIED_AT, b"12345")]
+    assert _held(1, 10, [("batchline-request-id", b"rid")]).request_id == b"rid"
+    assert _held(1, 10).request_id == b"k1"
