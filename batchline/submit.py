@@ -10,7 +10,7 @@ from __future__ import annotations
 import hashlib
 import json
 import uuid
-from collections.abc import Callable, Iterator
+from collections.abc import Callable, Iterable, Iterator
 from dataclasses import dataclass, field
 from datetime import UTC, datetime
 from pathlib import Path
@@ -126,10 +126,28 @@ def submit_file(
     parent_run_id: str | None = None,
     progress: Callable[[int], None] | None = None,
 ) -> SubmitReport:
-    report = SubmitReport(run_id or new_run_id())
+    """Publish ``path`` as one run (a new run each time, even for the same file)."""
     file_tag = hashlib.sha256(path.read_bytes()).hexdigest()[:12] if path.is_file() else "missing"
+    records = ((f"{file_tag}-{n}", obj) for n, obj in read_records(path, fmt))
+    return publish_run(
+        kafka, topics, fp, records, run_id=run_id, parent_run_id=parent_run_id, source=str(path), progress=progress
+    )
+
+
+def publish_run(
+    kafka: KafkaSettings,
+    topics: JobTopics,
+    fp: Fingerprint,
+    records: Iterable[tuple[str, dict[str, Any] | bytes]],
+    run_id: str | None = None,
+    parent_run_id: str | None = None,
+    source: str | None = None,
+    progress: Callable[[int], None] | None = None,
+) -> SubmitReport:
+    """Publish ``(fallback id, record)`` pairs as one run pinned to ``fp`` and write its manifest."""
+    report = SubmitReport(run_id or new_run_id())
     # Pin the run before its first record exists, so no worker ever sees it unpinned.
-    opening = manifest_for(topics.job, report.run_id, fp, parent_run_id=parent_run_id, source=str(path), complete=False)
+    opening = manifest_for(topics.job, report.run_id, fp, parent_run_id=parent_run_id, source=source, complete=False)
     write_manifest(kafka, topics, opening)
     producer = make_producer(kafka)
     errors: list[str] = []
@@ -141,9 +159,11 @@ def submit_file(
         lo, hi = report.boundaries.get(msg.partition(), (msg.offset(), msg.offset() + 1))
         report.boundaries[msg.partition()] = (min(lo, msg.offset()), max(hi, msg.offset() + 1))
 
-    for n, obj in read_records(path, fmt):
-        rid, payload, value, valid = _encode(obj, report.run_id, f"{file_tag}-{n}")
-        hdrs = [(h.RUN_ID, report.run_id.encode())]
+    hdrs = [(h.RUN_ID, report.run_id.encode())]
+    if parent_run_id:
+        hdrs.append((h.REPLAYED_FROM, parent_run_id.encode()))
+    for fallback, obj in records:
+        rid, payload, value, valid = _encode(obj, report.run_id, fallback)
         while True:
             try:
                 producer.produce(topics.requests, payload, rid.encode(), headers=hdrs, on_delivery=delivered)

@@ -7,15 +7,12 @@ from collections import defaultdict
 from dataclasses import dataclass
 from typing import Any
 
-from confluent_kafka import TopicPartition
-
 from batchline import headers as h
 from batchline.config import KafkaSettings
-from batchline.kafka import make_producer, make_reader
+from batchline.kafka import make_producer
+from batchline.replay import scan
 from batchline.topics import JobTopics
 from schemas import DeadLetter, Lineage, Result, codec_for
-
-READ_TIMEOUT_S = 30.0
 
 
 @dataclass(frozen=True)
@@ -29,47 +26,12 @@ class Record:
     timestamp: int
 
 
-def read_topic(kafka: KafkaSettings, topic: str, timeout: float = READ_TIMEOUT_S) -> list[Record]:
+def read_topic(kafka: KafkaSettings, topic: str) -> list[Record]:
     """Every record of ``topic`` up to its high watermarks at the time of the call."""
-    reader = make_reader(kafka, **{"group.id": f"test-reader-{time.monotonic_ns()}"})
-    try:
-        meta = reader.list_topics(topic, timeout=timeout)
-        parts = meta.topics[topic].partitions if topic in meta.topics else {}
-        high = {}
-        for p in parts:
-            lo, hi = reader.get_watermark_offsets(TopicPartition(topic, p), timeout=timeout, cached=False)
-            if hi > lo:
-                high[p] = hi
-        if not high:
-            return []
-        reader.assign([TopicPartition(topic, p, 0) for p in high])
-        out: list[Record] = []
-        done: set[int] = set()
-        deadline = time.monotonic() + timeout
-        while len(done) < len(high) and time.monotonic() < deadline:
-            for msg in reader.consume(1000, 0.5):
-                if msg.error():
-                    continue
-                out.append(
-                    Record(
-                        msg.topic(),
-                        msg.partition(),
-                        msg.offset(),
-                        msg.key(),
-                        msg.value(),
-                        h.as_dict(msg.headers()),
-                        msg.timestamp()[1],
-                    )
-                )
-                if msg.offset() + 1 >= high[msg.partition()]:
-                    done.add(msg.partition())
-            # read_committed may stop short of the watermark (transaction markers): check positions
-            for tp in reader.position([TopicPartition(topic, p) for p in high]):
-                if tp.offset >= high[tp.partition] or tp.offset >= high[tp.partition] - 1:
-                    done.add(tp.partition)
-        return out
-    finally:
-        reader.close()
+    return [
+        Record(m.topic(), m.partition(), m.offset(), m.key(), m.value(), h.as_dict(m.headers()), m.timestamp()[1])
+        for m in scan(kafka, topic)
+    ]
 
 
 def results(kafka: KafkaSettings, topics: JobTopics) -> dict[str, list[tuple[Result, Lineage, Record]]]:

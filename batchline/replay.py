@@ -1,0 +1,181 @@
+"""Replay: reseed a run as a new run that names its parent - from its archive file, its offset range, or its
+dead letters (after a fix). Also the DLQ listing that ``batchline dlq`` shows.
+"""
+
+from __future__ import annotations
+
+import time
+from collections import Counter
+from collections.abc import Callable, Iterator
+from dataclasses import dataclass, field
+from pathlib import Path
+from typing import Any
+
+from confluent_kafka import TopicPartition
+
+from batchline.config import KafkaSettings
+from batchline.exceptions import BatchlineError
+from batchline.identity import Fingerprint
+from batchline.kafka import make_reader
+from batchline.runs import RunsView
+from batchline.submit import Format, SubmitReport, publish_run, submit_file
+from batchline.topics import JobTopics
+from schemas import DeadLetter, codec_for
+from schemas.codec import DecodeError, decode_request
+
+READ_TIMEOUT_S = 30.0
+
+
+class ReplayError(BatchlineError):
+    """A replay cannot be made (unknown run, nothing to replay)."""
+
+
+def scan(kafka: KafkaSettings, topic: str, ranges: dict[int, tuple[int, int]] | None = None) -> Iterator[Any]:
+    """Every message of ``topic`` (or of the given per-partition [start, end) ranges), up to the watermarks."""
+    reader = make_reader(kafka, **{"group.id": f"batchline-scan-{time.monotonic_ns()}"})
+    try:
+        meta = reader.list_topics(topic, timeout=READ_TIMEOUT_S).topics.get(topic)
+        if meta is None or meta.error is not None:
+            return
+        todo: dict[int, tuple[int, int]] = {}
+        for p in meta.partitions:
+            lo, hi = reader.get_watermark_offsets(TopicPartition(topic, p), READ_TIMEOUT_S, cached=False)
+            if ranges is not None and p not in ranges:
+                continue
+            start, end = ranges[p] if ranges is not None else (lo, hi)
+            start, end = max(start, lo), min(end, hi)
+            if end > start:
+                todo[p] = (start, end)
+        if not todo:
+            return
+        reader.assign([TopicPartition(topic, p, s) for p, (s, _) in todo.items()])
+        left = set(todo)
+        deadline = time.monotonic() + READ_TIMEOUT_S * 10
+        while left and time.monotonic() < deadline:
+            for msg in reader.consume(1000, 0.5):
+                if msg.error() or msg.partition() not in left:
+                    continue
+                if msg.offset() < todo[msg.partition()][1]:
+                    yield msg
+                if msg.offset() + 1 >= todo[msg.partition()][1]:
+                    left.discard(msg.partition())
+            for tp in reader.position([TopicPartition(topic, p) for p in left]):
+                if tp.offset >= todo[tp.partition][1]:
+                    left.discard(tp.partition)
+    finally:
+        reader.close()
+
+
+def succeeded_ids(kafka: KafkaSettings, topics: JobTopics) -> set[str]:
+    return {m.key().decode() for m in scan(kafka, topics.results) if m.key()}
+
+
+def quarantined(
+    kafka: KafkaSettings, topics: JobTopics, run_id: str | None = None, failure_class: str | None = None
+) -> dict[str, DeadLetter]:
+    """The latest dead letter of each id that has no result, filtered by run and class."""
+    letters: dict[str, DeadLetter] = {}
+    for msg in scan(kafka, topics.dlq):
+        try:
+            letter: DeadLetter = codec_for("dead_letter").decode(msg.value() or b"")
+        except DecodeError:
+            continue
+        letters[letter.request_id] = letter
+    done = succeeded_ids(kafka, topics)
+    return {
+        rid: dl
+        for rid, dl in letters.items()
+        if rid not in done
+        and (run_id is None or dl.run_id == run_id)
+        and (failure_class is None or dl.failure_class == failure_class)
+    }
+
+
+@dataclass
+class DlqSummary:
+    total: int = 0
+    by_class: Counter[str] = field(default_factory=Counter)
+    samples: dict[str, list[dict[str, Any]]] = field(default_factory=dict)
+
+    def as_json(self) -> dict[str, Any]:
+        return {"total": self.total, "by_class": dict(self.by_class), "samples": self.samples}
+
+
+def summarise(letters: dict[str, DeadLetter], per_class: int = 3) -> DlqSummary:
+    summary = DlqSummary(total=len(letters))
+    for letter in sorted(letters.values(), key=lambda d: -d.value):
+        summary.by_class[letter.failure_class] += 1
+        bucket = summary.samples.setdefault(letter.failure_class, [])
+        if len(bucket) < per_class:
+            bucket.append(
+                {
+                    "request_id": letter.request_id,
+                    "run_id": letter.run_id,
+                    "value": letter.value,
+                    "error_type": letter.error_type,
+                    "error": letter.error_message[:200],
+                    "attempts": letter.attempts,
+                }
+            )
+    return summary
+
+
+def _as_record(payload: bytes) -> dict[str, Any] | bytes:
+    """A decodable payload as a request dict (its run id is replaced on publish), else the raw bytes."""
+    try:
+        return decode_request(payload).model_dump(exclude={"run_id"})
+    except DecodeError:
+        return payload
+
+
+def replay_dlq(
+    kafka: KafkaSettings,
+    topics: JobTopics,
+    fp: Fingerprint,
+    parent: str | None,
+    failure_class: str | None = None,
+    progress: Callable[[int], None] | None = None,
+) -> SubmitReport:
+    letters = quarantined(kafka, topics, parent, failure_class)
+    if not letters:
+        raise ReplayError(f"no quarantined records for run {parent or '(any)'} class {failure_class or '(any)'}")
+    records = ((rid, _as_record(dl.payload)) for rid, dl in letters.items())
+    source = f"dlq:{parent or '*'}:{failure_class or '*'}"
+    return publish_run(kafka, topics, fp, records, parent_run_id=parent, source=source, progress=progress)
+
+
+def replay_offsets(
+    kafka: KafkaSettings, topics: JobTopics, fp: Fingerprint, parent: str, progress: Callable[[int], None] | None = None
+) -> SubmitReport:
+    view = RunsView(kafka, topics)
+    view.sync()
+    manifest = view.get(parent)
+    view.stop()
+    if manifest is None or not manifest.boundaries:
+        raise ReplayError(f"run {parent} has no manifest with boundaries in {topics.runs}")
+    ranges = {b.partition: (b.start_offset, b.end_offset) for b in manifest.boundaries}
+    records = (
+        (m.key().decode() if m.key() else f"{parent}-{m.partition()}-{m.offset()}", _as_record(m.value()))
+        for m in scan(kafka, topics.requests, ranges)
+        if (m.headers() and dict(m.headers()).get("batchline-run-id") == parent.encode()) or _belongs(m.value(), parent)
+    )
+    return publish_run(kafka, topics, fp, records, parent_run_id=parent, source=f"offsets:{parent}", progress=progress)
+
+
+def _belongs(payload: bytes | None, run_id: str) -> bool:
+    try:
+        return decode_request(payload).run_id == run_id
+    except DecodeError:
+        return False
+
+
+def replay_archive(
+    kafka: KafkaSettings,
+    topics: JobTopics,
+    fp: Fingerprint,
+    parent: str,
+    path: Path,
+    fmt: Format = "jsonl",
+    progress: Callable[[int], None] | None = None,
+) -> SubmitReport:
+    return submit_file(kafka, topics, path, fp, fmt, parent_run_id=parent, progress=progress)

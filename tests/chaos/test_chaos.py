@@ -1,0 +1,116 @@
+"""Chaos: transient faults, poison, invalid outputs, a retry scheduler, and workers killed with SIGKILL.
+
+Every fault of the deterministic engine is a pure function of (request id, attempt), so the test computes
+exactly where each id must end, then checks the topics: no id lost, one terminal outcome per id in the
+deduplicated view, and the DLQ holds exactly the poison, exhausted and invalid-output ids with their class.
+"""
+
+from __future__ import annotations
+
+import json
+import random
+from collections import Counter
+from collections.abc import Callable
+from pathlib import Path
+
+import pytest
+
+from batchline.config import KafkaSettings, load_job_config
+from batchline.identity import fingerprint_of
+from batchline.submit import submit_file
+from batchline.topics import JobTopics
+from consumers.engines.deterministic import DeterministicEngine
+from tests.support.jobs import job_toml
+from tests.support.kafka import dead_letters, results, wait_for
+from tests.support.procs import CliProcess
+
+pytestmark = pytest.mark.chaos
+
+RECORDS = 10_000
+MAX_ATTEMPTS = 3
+KILLS = 3
+KNOBS = (
+    'transient_rate = 0.10, invalid_output_rate = 0.005, poison_marker = "POISON", fault_seed = 7, '
+    "batch_latency_ms = 15"
+)
+RUN_TIMEOUT_S = 600.0
+
+
+def expected_outcome(engine: DeterministicEngine, rid: str, text: str) -> str:
+    """'result' or the dead-letter class the id must end with."""
+    for attempt in range(1, MAX_ATTEMPTS + 1):
+        if engine.is_poison(text):
+            return "poison"
+        if engine.fails_transiently(rid, attempt):
+            continue
+        return "invalid_output" if engine.gives_invalid_output(rid) else "result"
+    return "retries_exhausted"
+
+
+def _archive(path: Path, rng: random.Random) -> dict[str, str]:
+    texts: dict[str, str] = {}
+    with path.open("w") as fh:
+        for i in range(RECORDS):
+            rid = f"c-{i:05d}"
+            text = f"ticket {i} needs a summary" + (" POISON" if rng.random() < 0.01 else "")
+            texts[rid] = text
+            fh.write(json.dumps({"id": rid, "prompt": text}) + "\n")
+    return texts
+
+
+def test_chaos_no_id_lost_and_every_id_has_one_terminal_outcome(
+    kafka: KafkaSettings, job_name: str, make_job: Callable[..., JobTopics], tmp_path: Path, logs_dir: Path
+) -> None:
+    rng = random.Random(20261202)
+    topics = make_job(job_name, partitions=4, tiers=("1s", "2s"))
+    cfg = job_toml(tmp_path / "job.toml", kwargs=KNOBS, max_records=100, max_attempts=MAX_ATTEMPTS)
+    config = load_job_config(job_name, cfg)
+    texts = _archive(tmp_path / "in.jsonl", rng)
+    engine = DeterministicEngine("generate", engine_kwargs=config.engine.engine_kwargs)
+    expected = {rid: expected_outcome(engine, rid, text) for rid, text in texts.items()}
+    submit_file(kafka, topics, tmp_path / "in.jsonl", fingerprint_of(config))
+
+    def worker(name: str) -> CliProcess:
+        return CliProcess(
+            ["worker", job_name, "--config", str(cfg), "--log-level", "WARNING"],
+            kafka.bootstrap,
+            logs_dir / f"{name}.log",
+        ).start()
+
+    def terminal() -> int:
+        return len(results(kafka, topics)) + len(dead_letters(kafka, topics))
+
+    scheduler = CliProcess(
+        ["streams", job_name, "--config", str(cfg)], kafka.bootstrap, logs_dir / "streams.log"
+    ).start()
+    workers = [worker("a0"), worker("b0")]
+    kill_points = sorted(rng.sample(range(1500, RECORDS - 1500), KILLS))
+    try:
+        for n, point in enumerate(kill_points, 1):
+            wait_for(lambda p=point: terminal() >= p, RUN_TIMEOUT_S, f"{point} terminal outcomes", interval=1)
+            victim = rng.randrange(len(workers))
+            workers[victim].kill()
+            workers[victim] = worker(f"{'ab'[victim]}{n}")
+        wait_for(lambda: terminal() >= RECORDS, RUN_TIMEOUT_S, "every id's terminal outcome", interval=2)
+    finally:
+        for w in workers:
+            w.stop()
+        scheduler.stop()
+
+    view, letters = results(kafka, topics), dead_letters(kafka, topics)
+    assert not set(view) & set(letters), (
+        f"ids with both a result and a dead letter: {sorted(set(view) & set(letters))[:5]}"
+    )
+    assert set(view) | set(letters) == set(texts), "ids lost"
+    got = {rid: "result" for rid in view} | {rid: v[-1].failure_class for rid, v in letters.items()}
+    wrong = {rid: (got[rid], want) for rid, want in expected.items() if got[rid] != want}
+    assert not wrong, f"{len(wrong)} ids ended in the wrong place, e.g. {list(wrong.items())[:5]}"
+    for rid, copies in view.items():
+        assert len({r.output for r, _, _ in copies}) == 1, f"{rid}: duplicates differ"
+    counts = Counter(got.values())
+    dup_results = sum(len(c) - 1 for c in view.values())
+    print(
+        f"\nchaos: {RECORDS} records, {KILLS} SIGKILLs at {kill_points}: {dict(counts)}; "
+        f"duplicate result copies (same payload) {dup_results}"
+    )
+    assert counts["poison"] > 0 and counts["retries_exhausted"] > 0 and counts["invalid_output"] > 0
