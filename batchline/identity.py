@@ -112,6 +112,8 @@ def config_digest(config: JobConfig) -> str:
             "sampling": eng.sampling.model_dump(),
             "max_model_len": eng.max_model_len,
             "labels": list(eng.labels),
+            # Only when set, so the digests of jobs without label texts stay what they were.
+            **({"label_texts": eng.label_texts} if eng.label_texts else {}),
             "classify_mode": eng.classify_mode,
             "json_schema": eng.json_schema,
             "engine_kwargs": semantic_kwargs,

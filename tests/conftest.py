@@ -16,7 +16,8 @@ from batchline.topics import JobTopics, create_job_topics
 # vLLM CPU settings (DESIGN.md §11) for every test process and the workers they start.
 os.environ.setdefault("VLLM_CPU_KVCACHE_SPACE", "1")
 os.environ.setdefault("VLLM_CPU_NUM_OF_RESERVED_CPU", "0")
-os.environ.setdefault("VLLM_CPU_OMP_THREADS_BIND", "all")
+# vllm-cpu 0.32 takes "auto", "nobind" or a core list ("0-1", "0,1"): "all" fails its engine start.
+os.environ.setdefault("VLLM_CPU_OMP_THREADS_BIND", ",".join(map(str, sorted(os.sched_getaffinity(0)))))
 os.environ.setdefault("HF_HUB_OFFLINE", "1")
 os.environ.setdefault("TRANSFORMERS_OFFLINE", "1")
 os.environ.setdefault("TOKENIZERS_PARALLELISM", "false")

