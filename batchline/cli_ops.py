@@ -1,0 +1,167 @@
+"""Operations commands: ``status``, ``dlq JOB list|replay`` and ``replay`` (registered by ``batchline.cli``)."""
+
+from __future__ import annotations
+
+from pathlib import Path
+from typing import Annotated, Any
+
+import typer
+
+from batchline.cli_common import (
+    Bootstrap,
+    ConfigOpt,
+    EngineArgs,
+    EngineOpt,
+    ModelOpt,
+    SetOpt,
+    console,
+    fail,
+    job_config,
+    kafka_settings,
+    out,
+)
+from batchline.config import DEFAULT_BOOTSTRAP, JobConfig
+
+
+def status(
+    job: str,
+    run: Annotated[str | None, typer.Option("--run", help="One run and its replays.")] = None,
+    json_out: Annotated[bool, typer.Option("--json", help="Stable JSON (see README).")] = False,
+    watch: Annotated[bool, typer.Option("--watch", help="Refresh every 2 s until Ctrl-C.")] = False,
+    bootstrap: Bootstrap = DEFAULT_BOOTSTRAP,
+) -> None:
+    """Per-run completion: counts, value-weighted completion, quarantined records, waiting fingerprints."""
+    import json
+    import time
+
+    from rich.console import Group
+    from rich.live import Live
+
+    from batchline.render import run_panel
+    from batchline.status import collect
+    from batchline.topics import JobTopics
+
+    kafka, topics = kafka_settings(bootstrap), JobTopics(job)
+
+    def snapshot() -> list[dict[str, Any]]:
+        runs = [r.as_json() for r in collect(kafka, topics, run)]
+        if run is not None and not runs:
+            raise fail(f"no run {run!r} in {topics.runs}")
+        return runs
+
+    if json_out:
+        print(json.dumps({"job": job, "runs": snapshot()}, indent=2))
+        return
+    if not watch:
+        runs = snapshot()
+        out.print(Group(*(run_panel(r) for r in runs)) if runs else f"no runs in {topics.runs}")
+        return
+    with Live(console=out, refresh_per_second=1) as live:
+        while True:
+            live.update(Group(*(run_panel(r) for r in snapshot())))
+            time.sleep(2)
+
+
+def dlq_list(
+    job: str,
+    run: Annotated[str | None, typer.Option("--run", help="Only this run.")] = None,
+    failure_class: Annotated[str | None, typer.Option("--class", help="Only this failure class.")] = None,
+    json_out: Annotated[bool, typer.Option("--json", help="Stable JSON.")] = False,
+    bootstrap: Bootstrap = DEFAULT_BOOTSTRAP,
+) -> None:
+    """Quarantined records (dead letters without a later result): counts per class and sample errors."""
+    import json
+
+    from batchline.render import dlq_table
+    from batchline.replay import quarantined, summarise
+    from batchline.topics import JobTopics
+
+    summary = summarise(quarantined(kafka_settings(bootstrap), JobTopics(job), run, failure_class)).as_json()
+    if json_out:
+        print(json.dumps(summary, indent=2))
+    else:
+        out.print(dlq_table(summary))
+
+
+def dlq_replay(
+    job: str,
+    run: Annotated[str | None, typer.Option("--run", help="Only this run's dead letters.")] = None,
+    failure_class: Annotated[str | None, typer.Option("--class", help="Only this failure class.")] = None,
+    config: ConfigOpt = None,
+    engine: EngineOpt = None,
+    model: ModelOpt = None,
+    engine_arg: EngineArgs = None,
+    set_: SetOpt = None,
+    bootstrap: Bootstrap = DEFAULT_BOOTSTRAP,
+) -> None:
+    """Re-inject quarantined records with a fresh attempt count, as a new run naming its parent."""
+    _replay(job, "dlq", run, None, failure_class, job_config(job, config, engine, model, engine_arg, set_), bootstrap)
+
+
+def replay(
+    job: str,
+    run: Annotated[str, typer.Option("--run", help="The run to reseed.")],
+    source: Annotated[str, typer.Option("--from", help="archive, offsets or dlq.")] = "offsets",
+    file: Annotated[Path | None, typer.Option("--file", help="Archive file (--from archive).")] = None,
+    failure_class: Annotated[str | None, typer.Option("--class", help="DLQ class (--from dlq).")] = None,
+    config: ConfigOpt = None,
+    engine: EngineOpt = None,
+    model: ModelOpt = None,
+    engine_arg: EngineArgs = None,
+    set_: SetOpt = None,
+    bootstrap: Bootstrap = DEFAULT_BOOTSTRAP,
+) -> None:
+    """Reseed run RUN as a new run that names it as parent (from its archive, offsets, or dead letters)."""
+    if source not in ("archive", "offsets", "dlq"):
+        raise fail(f"--from must be archive, offsets or dlq, not {source!r}")
+    if source == "archive" and (file is None or not file.is_file()):
+        raise fail("--from archive needs --file pointing at the run's archive")
+    _replay(job, source, run, file, failure_class, job_config(job, config, engine, model, engine_arg, set_), bootstrap)
+
+
+def _replay(
+    job: str, source: str, run: str | None, file: Path | None, failure_class: str | None, cfg: JobConfig, bootstrap: str
+) -> None:
+    from batchline import replay as rp
+    from batchline.identity import fingerprint_of
+    from batchline.topics import JobTopics
+
+    kafka, topics, fp = kafka_settings(bootstrap), JobTopics(job, cfg.retry.tiers), fingerprint_of(cfg)
+    if source == "dlq":
+        report = rp.replay_dlq(kafka, topics, fp, run, failure_class)
+    elif source == "archive":
+        assert file is not None and run is not None
+        report = rp.replay_archive(kafka, topics, fp, run, file)
+    else:
+        assert run is not None
+        report = rp.replay_offsets(kafka, topics, fp, run)
+    console.print(f"replayed {report.records} records of {run or 'all runs'} from {source}")
+    out.print(report.run_id)
+
+
+def dlq(
+    job: str,
+    action: Annotated[str, typer.Argument(help="list or replay.")],
+    run: Annotated[str | None, typer.Option("--run", help="Only this run.")] = None,
+    failure_class: Annotated[str | None, typer.Option("--class", help="Only this failure class.")] = None,
+    json_out: Annotated[bool, typer.Option("--json", help="Stable JSON (list).")] = False,
+    config: ConfigOpt = None,
+    engine: EngineOpt = None,
+    model: ModelOpt = None,
+    engine_arg: EngineArgs = None,
+    set_: SetOpt = None,
+    bootstrap: Bootstrap = DEFAULT_BOOTSTRAP,
+) -> None:
+    """list: quarantined records by class with sample errors. replay: re-inject them as a new run."""
+    if action == "list":
+        dlq_list(job, run, failure_class, json_out, bootstrap)
+    elif action == "replay":
+        dlq_replay(job, run, failure_class, config, engine, model, engine_arg, set_, bootstrap)
+    else:
+        raise fail(f"dlq action must be list or replay, not {action!r}")
+
+
+def register(app: typer.Typer) -> None:
+    app.command()(status)
+    app.command()(dlq)
+    app.command()(replay)
