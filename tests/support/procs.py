@@ -23,7 +23,9 @@ class CliProcess:
     def __init__(self, args: list[str], bootstrap: str, log_path: Path, env: dict[str, str] | None = None) -> None:
         self.args = args
         self.log_path = log_path
-        self.env = os.environ | {"BATCHLINE_BOOTSTRAP": bootstrap, "PYTHONUNBUFFERED": "1"} | (env or {})
+        self.env = (
+            os.environ | {"BATCHLINE_BOOTSTRAP": bootstrap, "PYTHONUNBUFFERED": "1", "COLUMNS": "200"} | (env or {})
+        )
         self.proc: subprocess.Popen[bytes] | None = None
 
     def start(self) -> CliProcess:
