@@ -6,6 +6,7 @@ Exporters: ``none`` (default; spans still exist in-process, which tests read), `
 from __future__ import annotations
 
 import logging
+from collections.abc import Sequence
 from typing import Any
 
 from opentelemetry import metrics, trace
@@ -61,3 +62,30 @@ def traceparent_of(span: trace.Span) -> str | None:
     carrier: dict[str, Any] = {}
     _PROPAGATOR.inject(carrier, trace.set_span_in_context(span))
     return str(carrier["traceparent"]) if "traceparent" in carrier else None
+
+
+class WorkerMetrics:
+    """The worker's instruments: records by outcome, batch size, engine time, tokens."""
+
+    def __init__(self, job: str) -> None:
+        meter = metrics.get_meter("batchline.worker")
+        self.attrs = {"batchline.job": job}
+        self.records = meter.create_counter("batchline.records", unit="{record}", description="Records by outcome")
+        self.batch_size = meter.create_histogram("batchline.batch.size", unit="{record}")
+        self.engine_time = meter.create_histogram("batchline.engine.duration", unit="ms")
+        self.tokens = meter.create_counter("batchline.tokens", unit="{token}", description="Prompt and completion")
+
+    def batch_done(
+        self, items: Sequence[Any], outcomes: dict[int, Any], produced: Sequence[Any], engine_ms: float
+    ) -> None:
+        self.batch_size.record(len(items), self.attrs)
+        self.engine_time.record(engine_ms, self.attrs)
+        for p in produced:
+            self.records.add(1, self.attrs | {"batchline.outcome": p.kind})
+        passed = sum(1 for i in items if getattr(i, "passed_over", None))
+        if passed:
+            self.records.add(passed, self.attrs | {"batchline.outcome": "passed_over"})
+        prompt = sum(getattr(o, "prompt_tokens", 0) for o in outcomes.values())
+        completion = sum(getattr(o, "completion_tokens", 0) for o in outcomes.values())
+        self.tokens.add(prompt, self.attrs | {"batchline.token.type": "prompt"})
+        self.tokens.add(completion, self.attrs | {"batchline.token.type": "completion"})

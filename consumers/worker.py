@@ -26,7 +26,7 @@ from opentelemetry.trace import SpanKind
 from batchline.config import JobConfig, KafkaSettings
 from batchline.identity import Fingerprint, fingerprint_of
 from batchline.kafka import make_consumer
-from batchline.telemetry import link_from_traceparent, traceparent_of
+from batchline.telemetry import WorkerMetrics, link_from_traceparent, traceparent_of
 from batchline.topics import JobTopics
 from consumers.batcher import Batcher
 from consumers.engines import Engine, create_engine
@@ -55,11 +55,22 @@ class WorkerStats:
     by_kind: dict[str, int] = field(default_factory=dict)
 
 
+@dataclass(frozen=True)
+class _Inferred:
+    outcomes: dict[int, Outcome]
+    started_ns: int
+    ended_ns: int
+
+    @property
+    def engine_ms(self) -> float:
+        return (self.ended_ns - self.started_ns) / 1e6
+
+
 @dataclass
 class _InFlight:
     batch_id: str
     items: list[WorkItem]
-    future: Future[tuple[dict[int, Outcome], float]]
+    future: Future[_Inferred]
 
 
 class Worker:
@@ -90,6 +101,7 @@ class Worker:
         self.executor = ThreadPoolExecutor(1, thread_name_prefix="engine")
         self.in_flight: deque[_InFlight] = deque()
         self.stats = WorkerStats()
+        self.metrics = WorkerMetrics(config.job)
         self.tracer = trace.get_tracer("batchline.worker")
         self.stop_event = threading.Event()
         self.idle_exit_s = idle_exit_s
@@ -175,18 +187,18 @@ class Worker:
             fut = self.executor.submit(self._infer, batch)
             self.in_flight.append(_InFlight(batch_id, batch, fut))
 
-    def _infer(self, batch: list[WorkItem]) -> tuple[dict[int, Outcome], float]:
-        start = time.perf_counter()
+    def _infer(self, batch: list[WorkItem]) -> _Inferred:
+        start = time.time_ns()
         outcomes = self.infer.run(batch)
-        return outcomes, (time.perf_counter() - start) * 1000
+        return _Inferred(outcomes, start, time.time_ns())
 
     # -- sink ------------------------------------------------------------------------------------
     def _complete(self, block: bool) -> None:
         while self.in_flight and (block or self.in_flight[0].future.done()):
             head = self.in_flight[0]
-            outcomes, engine_ms = head.future.result()
+            inferred = head.future.result()
             try:
-                self._commit(head, outcomes, engine_ms)
+                self._commit(head, inferred)
             except SinkError as exc:
                 self.stats.sink_failures += 1
                 if exc.fatal:
@@ -195,39 +207,38 @@ class Worker:
                 return
             self.in_flight.popleft()
 
-    def _commit(self, batch: _InFlight, outcomes: dict[int, Outcome], engine_ms: float) -> None:
+    def _commit(self, batch: _InFlight, inferred: _Inferred) -> None:
+        """One span per batch (from inference start to commit), linked to each record's producer span."""
         links = [lk for lk in (link_from_traceparent(i.trace_parent) for i in batch.items) if lk is not None]
+        attributes: dict[str, str | int | float] = {
+            "messaging.system": "kafka",
+            "messaging.operation.type": "process",
+            "messaging.destination.name": self.topics.requests,
+            "messaging.batch.message_count": len(batch.items),
+            "messaging.consumer.group.name": self.group,
+            "batchline.batch_id": batch.batch_id,
+            "batchline.engine_ms": inferred.engine_ms,
+        }
+        name = f"process {self.topics.requests}"
         with self.tracer.start_as_current_span(
-            f"process {self.topics.requests}",
-            kind=SpanKind.CONSUMER,
-            links=links,
-            attributes={
-                "messaging.system": "kafka",
-                "messaging.operation.type": "process",
-                "messaging.destination.name": self.topics.requests,
-                "messaging.batch.message_count": len(batch.items),
-                "messaging.consumer.group.name": self.group,
-                "batchline.batch_id": batch.batch_id,
-                "batchline.engine_ms": engine_ms,
-            },
+            name, kind=SpanKind.CONSUMER, links=links, attributes=attributes, start_time=inferred.started_ns
         ) as span:
-            per_record_ms = engine_ms / max(1, sum(1 for i in batch.items if i.runnable))
+            # Inference ran on the engine thread: its span is recorded with the times measured there.
+            self.tracer.start_span("infer", start_time=inferred.started_ns).end(inferred.ended_ns)
+            runnable = sum(1 for i in batch.items if i.runnable)
             ctx = BatchContext(batch.batch_id, self.worker_id, traceparent_of(span))
             with self.tracer.start_as_current_span("route"):
-                produced = self.router.route(batch.items, outcomes, ctx, per_record_ms)
-            with self.tracer.start_as_current_span("commit"):
-                self.sink.commit(
-                    batch.batch_id,
-                    produced,
-                    self._offsets(batch.items),
-                    self.consumer.consumer_group_metadata(),
-                )
+                produced = self.router.route(batch.items, inferred.outcomes, ctx, inferred.engine_ms / max(1, runnable))
+            with self.tracer.start_as_current_span("produce and commit"):
+                offsets = self._offsets(batch.items)
+                self.sink.commit(batch.batch_id, produced, offsets, self.consumer.consumer_group_metadata())
         self.stats.batches += 1
         for p in produced:
             self.stats.by_kind[p.kind] = self.stats.by_kind.get(p.kind, 0) + 1
         self.stats.results = self.stats.by_kind.get("result", 0)
         self.stats.retries = self.stats.by_kind.get("retry", 0)
         self.stats.dead_letters = self.stats.by_kind.get("dlq", 0)
+        self.metrics.batch_done(batch.items, inferred.outcomes, produced, inferred.engine_ms)
         if self.on_batch_committed:
             self.on_batch_committed(batch.batch_id, batch.items)
 
@@ -270,9 +281,8 @@ class Worker:
             if not batch:
                 return
             self._seq += 1
-            self.in_flight.append(
-                _InFlight(f"{self.worker_id}-{self._seq}", batch, self.executor.submit(self._infer, batch))
-            )
+            fut = self.executor.submit(self._infer, batch)
+            self.in_flight.append(_InFlight(f"{self.worker_id}-{self._seq}", batch, fut))
 
     # -- rebalance -------------------------------------------------------------------------------
     def _on_assign(self, consumer: Consumer, partitions: list[TopicPartition]) -> None:
