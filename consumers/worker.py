@@ -272,11 +272,10 @@ class Worker:
         log.warning("rewound %d partitions to their committed offsets", len(assignment))
 
     def _drain(self) -> None:
-        """Finish and commit what is in flight and buffered (shutdown)."""
+        """Finish and commit what is in flight and buffered (shutdown). A failed commit rewinds, which empties
+        both, so what was not committed is left for the partitions' next owner."""
         while True:
             self._complete(block=True)
-            if self.in_flight:
-                continue  # a rewind happened; try again with what is left
             batch = self.batcher.take(force=True)
             if not batch:
                 return
