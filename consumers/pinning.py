@@ -10,6 +10,7 @@ pinned it, the first worker to meet it pins it to itself (recorded in ``J.runs``
 from __future__ import annotations
 
 import logging
+import time
 
 from batchline.config import KafkaSettings
 from batchline.identity import Fingerprint
@@ -18,6 +19,7 @@ from batchline.topics import JobTopics
 from consumers.work import WorkItem
 
 log = logging.getLogger(__name__)
+UNKNOWN_RECHECK_S = 5.0  # how often a run id without a manifest makes the worker re-read J.runs
 
 
 class Pinning:
@@ -27,6 +29,7 @@ class Pinning:
         self.fp = fingerprint
         self.view = RunsView(kafka, topics)
         self.passed: dict[str, int] = {}
+        self._checked: dict[str, float] = {}  # run ids without a manifest, and when the view was last synced
 
     def start(self) -> None:
         self.view.start()
@@ -39,8 +42,12 @@ class Pinning:
         run_id = item.run_id
         if run_id is None:
             return STREAM_RUN
-        if self.view.get(run_id) is None:
+        if (
+            self.view.get(run_id) is None
+            and time.monotonic() - self._checked.get(run_id, -UNKNOWN_RECHECK_S) >= UNKNOWN_RECHECK_S
+        ):
             self.view.sync()  # the manifest may have been written just before the record
+            self._checked[run_id] = time.monotonic()
         return run_id if self.view.get(run_id) is not None else STREAM_RUN
 
     def pass_over(self, item: WorkItem) -> str | None:
