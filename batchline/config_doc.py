@@ -40,10 +40,20 @@ def _rows(model: type[BaseModel], prefix: str) -> list[str]:
 
 
 def render() -> str:
-    lines = [BEGIN, "", "Job config (`--config job.toml`, or `--set dotted.key=value`):", "",
-             "| key | default | what it controls |", "|---|---|---|", *_rows(JobConfig, ""), "",
-             "Kafka settings (environment, prefix `BATCHLINE_`, e.g. `BATCHLINE_BOOTSTRAP`):", "",
-             "| env | default | what it controls |", "|---|---|---|"]
+    lines = [
+        BEGIN,
+        "",
+        "Job config (`--config job.toml`, or `--set dotted.key=value`):",
+        "",
+        "| key | default | what it controls |",
+        "|---|---|---|",
+        *_rows(JobConfig, ""),
+        "",
+        "Kafka settings (environment, prefix `BATCHLINE_`, e.g. `BATCHLINE_BOOTSTRAP`):",
+        "",
+        "| env | default | what it controls |",
+        "|---|---|---|",
+    ]
     for name, field in KafkaSettings.model_fields.items():
         desc = (field.description or "").replace("|", "\\|")
         lines.append(f"| `BATCHLINE_{name.upper()}` | {_default(field)} | {desc} |")
