@@ -3,7 +3,8 @@
 It reads ``J.requests`` (each id's run and value), ``J.results``, ``J.dlq``, every ``J.retry.<tier>`` and
 ``J.runs`` with a group-less reader from the beginning, folds them into :class:`streams.tally.LedgerState`
 (deduplicated by request id) and, once it has caught up with what was on the topics when it started, publishes
-the snapshot of every run that changed, at most once per ``snapshot_interval_s``.
+the snapshot of every run that changed, at most once per ``snapshot_interval_s`` (a snapshot costs O(ids of the
+run), so the interval stretches to keep snapshots under a tenth of the ledger's time on very large runs).
 
 Restarting loses nothing because the state is rebuilt from the topics themselves: they are the changelog.
 Nothing is published before the rebuild has caught up, so a restart never shows a run going backwards.
@@ -33,6 +34,8 @@ POLL_TIMEOUT_S = 0.2
 METADATA_TIMEOUT_S = 10.0
 REFRESH_S = 10.0  # how often new partitions (a grown topic, a topic created later) are looked for
 FLUSH_TIMEOUT_S = 30.0
+CATCH_UP_EMPTY_POLLS = 10
+SNAPSHOT_SHARE = 10  # the next snapshot waits at least this many times as long as the last one took
 TP = tuple[str, int]
 
 
@@ -81,7 +84,7 @@ class Ledger:
         self.undecodable = 0
         self.snapshots = 0
         self.last_activity = time.monotonic()
-        self._last_publish = 0.0
+        self._next_publish = 0.0
         self._last_refresh = 0.0
         self._empty_rounds = 0
 
@@ -117,7 +120,7 @@ class Ledger:
             self.last_activity = time.monotonic()
         if not self.caught_up:
             self._check_caught_up(bool(msgs))
-        elif self.state.dirty and time.monotonic() - self._last_publish >= self.snapshot_interval_s:
+        elif self.state.dirty and time.monotonic() >= self._next_publish:
             self.publish()
 
     def _decode(self, msg: Message) -> LedgerEvent | None:
@@ -147,12 +150,10 @@ class Ledger:
         self._empty_rounds = 0 if got_records else self._empty_rounds + 1
         if got_records:
             return
-        behind = [
-            tp
-            for tp in self.reader.position([TopicPartition(t, p) for t, p in self.catch_up_to])
-            if tp.offset < self.catch_up_to[(tp.topic, tp.partition)]
-        ]
-        if behind and self._empty_rounds < 10:
+        targets = {tp: high for tp, high in self.catch_up_to.items() if high > 0}
+        positions = self.reader.position([TopicPartition(t, p) for t, p in targets])
+        behind = [tp for tp in positions if tp.offset < targets[(tp.topic, tp.partition)]]
+        if behind and self._empty_rounds < CATCH_UP_EMPTY_POLLS:
             return
         self.caught_up = True
         log.info("ledger of %s caught up: %d records, %d runs", self.topics.job, self.events, len(self.state.runs))
@@ -161,6 +162,7 @@ class Ledger:
     # -- snapshots ---------------------------------------------------------------------------------
     def publish(self) -> list[RunStats]:
         """Produce the snapshot of every changed run to ``J.ledger`` (keyed by run id)."""
+        started = time.monotonic()
         snapshots = self.state.take_dirty(datetime.now(UTC))
         codec = codec_for("run_stats")
         for stats in snapshots:
@@ -168,7 +170,8 @@ class Ledger:
                 self.topics.ledger, codec.encode(stats), stats.run_id.encode(), on_delivery=self._delivered
             )
         self.producer.poll(0)
-        self._last_publish = time.monotonic()
+        spent = time.monotonic() - started
+        self._next_publish = started + max(self.snapshot_interval_s, SNAPSHOT_SHARE * spent)
         self.snapshots += len(snapshots)
         if snapshots:
             self.last_activity = time.monotonic()

@@ -44,6 +44,7 @@ MIN_WAIT_S = 0.005
 MAX_TXN_RECORDS = 2000
 FAILURE_BACKOFF_S = 1.0
 CALL_TIMEOUT_S = 30.0
+TXN_TIMEOUT_MS = 10000
 CALL_RETRIES = 5
 POLL_BATCH = 500
 
@@ -140,7 +141,9 @@ class Republisher:
         self.producer = self._new_producer()
 
     def _new_producer(self) -> Producer:
-        producer = make_producer(self.kafka, self.transactional_id)
+        # A re-publish transaction lasts milliseconds. A short timeout bounds how long a crashed instance's open
+        # transaction (its id is per process) can hold back read_committed workers on J.requests.
+        producer = make_producer(self.kafka, self.transactional_id, **{"transaction.timeout.ms": TXN_TIMEOUT_MS})
         producer.init_transactions(CALL_TIMEOUT_S)
         return producer
 
@@ -212,6 +215,7 @@ class RetryScheduler:
         self.republisher = Republisher(kafka, self.topics.requests, f"{self.group}.{self.instance_id}")
         self.queues: dict[TP, PartitionQueue] = {}
         self.paused: set[TP] = set()
+        self.assigned: set[TP] = set()
         self.stats = SchedulerStats()
         self.last_activity = time.monotonic()
         self._backoff_until = 0.0
@@ -226,8 +230,11 @@ class RetryScheduler:
         return sum(len(q) for q in self.queues.values())
 
     def idle_for(self) -> float:
-        """Seconds since the last record was consumed or re-published; 0 while records are held."""
-        return 0.0 if self.held() else time.monotonic() - self.last_activity
+        """Seconds since the last record or re-publish; 0 while records are held or before any assignment
+        (a crashed member keeps its partitions until its session times out)."""
+        if self.held() or not self.assigned:
+            return 0.0
+        return time.monotonic() - self.last_activity
 
     # -- the loop ----------------------------------------------------------------------------------
     def step(self) -> None:
@@ -251,12 +258,11 @@ class RetryScheduler:
             self.stats.duplicates_ignored += 1
 
     def _wait_s(self) -> float:
+        backoff = self._backoff_until - time.monotonic()
+        if backoff > 0:  # after a failed re-publish, due heads wait for the backoff, not for each other
+            return min(max(backoff, MIN_WAIT_S), MAX_WAIT_S)
         heads = [d for d in (q.next_due() for q in self.queues.values()) if d is not None]
-        wait = MAX_WAIT_S
-        if heads:
-            wait = min(wait, (min(heads) - now_ms()) / 1000.0)
-        if self._backoff_until:
-            wait = min(wait, self._backoff_until - time.monotonic())
+        wait = MAX_WAIT_S if not heads else min(MAX_WAIT_S, (min(heads) - now_ms()) / 1000.0)
         return max(wait, MIN_WAIT_S)
 
     def _release_due(self) -> None:
@@ -300,6 +306,8 @@ class RetryScheduler:
 
     # -- rebalances --------------------------------------------------------------------------------
     def _on_assign(self, consumer: Consumer, partitions: list[TopicPartition]) -> None:
+        self.assigned.update((tp.topic, tp.partition) for tp in partitions)
+        self.last_activity = time.monotonic()
         log.info("retry scheduler assigned %s", _names(partitions))
 
     def _on_revoke(self, consumer: Consumer, partitions: list[TopicPartition]) -> None:
@@ -308,6 +316,7 @@ class RetryScheduler:
             key = (tp.topic, tp.partition)
             self.queues.pop(key, None)
             self.paused.discard(key)
+            self.assigned.discard(key)
         log.info("retry scheduler revoked %s", _names(partitions))
 
     def close(self) -> None:

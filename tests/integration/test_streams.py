@@ -74,37 +74,28 @@ def _republished(kafka: KafkaSettings, topics: JobTopics) -> list[Record]:
     return [r for r in read_topic(kafka, topics.requests) if RETRIED_AT in r.headers]
 
 
-def test_retries_are_held_until_due_and_republished_once(
-    kafka: KafkaSettings, job_name: str, make_job: Callable[..., JobTopics], tmp_path: Path, logs_dir: Path
-) -> None:
-    topics = make_job(job_name, partitions=2, tiers=("1s", "2s"))
-    cfg_path = job_toml(tmp_path / "job.toml", tiers='"1s", "2s"', max_attempts=4)
-    config = load_job_config(job_name, cfg_path)
+def _produce_waves(kafka: KafkaSettings, config: JobConfig, topics: JobTopics) -> dict[str, tuple]:
+    """Waves of retries in both tiers, due 1 s and 2 s after they are written; returns them by id."""
     written: dict[str, tuple] = {}
-    with _streams(job_name, cfg_path, kafka, logs_dir / "streams.log") as proc:
-        probe = _retry_records(config, topics, ["probe"], attempt=1)
-        _produce(kafka, probe)
-        wait_for(lambda: _republished(kafka, topics), JOIN_TIMEOUT_S, "the scheduler to join and re-publish a probe")
-        for wave in range(WAVES):  # due times in the future while the scheduler is running
-            for attempt, tier in ((1, "1s"), (2, "2s")):
-                ids = [f"w{wave}-t{tier}-{i:02d}" for i in range(PER_TIER)]
-                records = _retry_records(config, topics, ids, attempt)
-                assert {r[0] for r in records} == {topics.retry(tier)}
-                written.update({r[1].decode(): r for r in records})
-                _produce(kafka, records)
-            time.sleep(0.4)  # spreads the waves over time; nothing below depends on it
-        expected = set(written) | {"probe"}
-        wait_for(
-            lambda: {r.key.decode() for r in _republished(kafka, topics) if r.key} >= expected,
-            RUN_TIMEOUT_S,
-            "every retry re-published",
-        )
-        assert proc.alive(), proc.log()[-2000:]
-    assert proc.proc is not None and proc.proc.returncode == 0, proc.log()[-2000:]
+    for wave in range(WAVES):
+        for attempt, tier in ((1, "1s"), (2, "2s")):
+            ids = [f"w{wave}-t{tier}-{i:02d}" for i in range(PER_TIER)]
+            records = _retry_records(config, topics, ids, attempt)
+            assert {r[0] for r in records} == {topics.retry(tier)}
+            written.update({r[1].decode(): r for r in records})
+            _produce(kafka, records)
+        time.sleep(0.4)  # spreads the waves over time; nothing below depends on it
+    return written
 
-    republished = _republished(kafka, topics)
-    counts = Counter(r.key.decode() for r in republished if r.key)
-    assert set(counts) == expected and max(counts.values()) == 1, counts.most_common(3)
+
+def _probe(kafka: KafkaSettings, config: JobConfig, topics: JobTopics) -> None:
+    """Wait until the running scheduler has joined its group: it re-published a probe retry."""
+    _produce(kafka, _retry_records(config, topics, ["probe"], attempt=1))
+    wait_for(lambda: _republished(kafka, topics), JOIN_TIMEOUT_S, "the scheduler to join and re-publish a probe")
+
+
+def _check_republished(republished: list[Record], written: dict[str, tuple]) -> list[int]:
+    """No record early, bytes/key/headers carried over; returns how late each was (ms after due)."""
     lateness = []
     for rec in republished:
         rid = (rec.key or b"").decode()
@@ -118,8 +109,62 @@ def test_retries_are_held_until_due_and_republished_once(
         assert {k: v for k, v in rec.headers.items() if k != RETRIED_AT} == h.as_dict(headers)
         assert rec.headers[h.ATTEMPT] == (b"1" if topic.endswith(".1s") else b"2")
         lateness.append(rec.timestamp - due)
+    return lateness
+
+
+def _all_republished(kafka: KafkaSettings, topics: JobTopics, expected: set[str]) -> bool:
+    return {r.key.decode() for r in _republished(kafka, topics) if r.key} >= expected
+
+
+def test_retries_are_held_until_due_and_republished_once(
+    kafka: KafkaSettings, job_name: str, make_job: Callable[..., JobTopics], tmp_path: Path, logs_dir: Path
+) -> None:
+    topics = make_job(job_name, partitions=2, tiers=("1s", "2s"))
+    cfg_path = job_toml(tmp_path / "job.toml", tiers='"1s", "2s"', max_attempts=4)
+    config = load_job_config(job_name, cfg_path)
+    with _streams(job_name, cfg_path, kafka, logs_dir / "streams-1.log") as proc:
+        _probe(kafka, config, topics)
+        written = _produce_waves(kafka, config, topics)  # due in the future while the scheduler runs
+        expected = set(written) | {"probe"}
+        wait_for(lambda: _all_republished(kafka, topics, expected), RUN_TIMEOUT_S, "every retry re-published")
+        assert proc.alive(), proc.log()[-2000:]
+    assert proc.proc is not None and proc.proc.returncode == 0, proc.log()[-2000:]
+    # A restarted scheduler finds every offset committed with its re-publish: it re-publishes nothing.
+    with _streams(job_name, cfg_path, kafka, logs_dir / "streams-2.log", "--idle-exit", "3") as again:
+        assert again.wait(JOIN_TIMEOUT_S) == 0, again.log()[-2000:]
+
+    republished = _republished(kafka, topics)
+    counts = Counter(r.key.decode() for r in republished if r.key)
+    assert set(counts) == expected and max(counts.values()) == 1, counts.most_common(3)
+    lateness = _check_republished(republished, written)
     assert max(lateness) < LATE_BOUND_MS, f"held too long: {max(lateness)} ms after due"
     print(f"\n{len(lateness)} retries re-published {min(lateness)}..{max(lateness)} ms after their due time")
+
+
+def test_a_scheduler_killed_while_holding_loses_nothing(
+    kafka: KafkaSettings, job_name: str, make_job: Callable[..., JobTopics], tmp_path: Path, logs_dir: Path
+) -> None:
+    topics = make_job(job_name, partitions=2, tiers=("1s", "2s"))
+    cfg_path = job_toml(tmp_path / "job.toml", tiers='"1s", "2s"', max_attempts=4)
+    config = load_job_config(job_name, cfg_path)
+    with _streams(job_name, cfg_path, kafka, logs_dir / "streams-1.log") as first:
+        _probe(kafka, config, topics)
+        written = _produce_waves(kafka, config, topics)
+        first.kill()  # the last wave is held, not yet due
+    killed_at = int(time.time() * 1000)
+    expected = set(written) | {"probe"}
+    with _streams(job_name, cfg_path, kafka, logs_dir / "streams-2.log", "--idle-exit", "3") as second:
+        wait_for(lambda: _all_republished(kafka, topics, expected), RUN_TIMEOUT_S, "every retry after the restart")
+        assert second.wait(JOIN_TIMEOUT_S) == 0, second.log()[-2000:]
+
+    republished = _republished(kafka, topics)
+    assert {(r.key or b"").decode() for r in republished} == expected
+    _check_republished(republished, written)  # nothing early, across the crash too
+    by_restart = {(r.key or b"").decode() for r in republished if int(r.headers[RETRIED_AT]) > killed_at}
+    assert by_restart, "the kill should have landed while records were held"
+    copies = Counter((r.key, r.headers[h.ATTEMPT], r.value) for r in republished)
+    assert len(copies) == len(expected), "a duplicate re-publish must be an identical copy"
+    print(f"\n{len(by_restart)} held records re-published after the SIGKILL, {len(republished) - len(expected)} dupes")
 
 
 # -- the ledger ------------------------------------------------------------------------------------
@@ -203,17 +248,15 @@ def test_ledger_counts_match_the_topics_after_a_sigkill(
     ]
     produce_raw(kafka, topics.requests, upstream)
 
-    worker = CliProcess(
-        ["worker", job_name, "--config", str(cfg), "--log-level", "WARNING"], kafka.bootstrap, logs_dir / "worker.log"
-    ).start()
-    try:
-        first = _streams(job_name, cfg, kafka, logs_dir / "streams-1.log").start()
-        seen = wait_for(
-            lambda: (s := _latest_snapshots(kafka, topics).get(run_id)) and s.succeeded >= 150 and s,
-            RUN_TIMEOUT_S,
-            "the ledger's first snapshots",
-        )
-        first.kill()
+    worker_args = ["worker", job_name, "--config", str(cfg), "--log-level", "WARNING"]
+    with CliProcess(worker_args, kafka.bootstrap, logs_dir / "worker.log") as worker:
+        with _streams(job_name, cfg, kafka, logs_dir / "streams-1.log") as first:
+            seen = wait_for(
+                lambda: (s := _latest_snapshots(kafka, topics).get(run_id)) and s.succeeded >= 150 and s,
+                RUN_TIMEOUT_S,
+                "the ledger's first snapshots",
+            )
+            first.kill()
         assert seen.pending > 0, "the kill must land mid-run"
         with _streams(job_name, cfg, kafka, logs_dir / "streams-2.log") as second:
             snap, independent = wait_for(
@@ -223,8 +266,7 @@ def test_ledger_counts_match_the_topics_after_a_sigkill(
                 lambda: _snapshot_matches(kafka, topics, STREAM_RUN), RUN_TIMEOUT_S, "the stream's snapshot"
             )
         assert second.proc is not None and second.proc.returncode == 0, second.log()[-2000:]
-    finally:
-        assert worker.stop() == 0, worker.log()[-2000:]
+    assert worker.proc is not None and worker.proc.returncode == 0, worker.log()[-2000:]
 
     _assert_run_truth(snap, independent, values)
     assert (stream.total, stream.succeeded + stream.quarantined) == (30, 30)
