@@ -31,16 +31,19 @@ class Batcher:
             self._runnable += 1
             self._tokens += item.prompt_tokens
 
+    def full(self) -> bool:
+        return self._runnable >= self.config.max_records or self._tokens >= self.config.max_prompt_tokens
+
     def ready(self) -> bool:
         if not self._items:
             return False
-        if self._runnable >= self.config.max_records or self._tokens >= self.config.max_prompt_tokens:
-            return True
-        return (self.clock() - self._items[0][0]) * 1000 >= self.config.linger_ms
+        return self.full() or (self.clock() - self._items[0][0]) * 1000 >= self.config.linger_ms
 
-    def take(self, force: bool = False) -> list[WorkItem]:
-        """The next batch, or [] when none is ready (``force`` takes what there is)."""
-        if not (force or self.ready()):
+    def take(self, force: bool = False, full_only: bool = False) -> list[WorkItem]:
+        """The next batch, or [] when none is ready. ``force`` takes what there is; ``full_only`` ignores linger
+        (while the engine is busy, a partial batch would only cost it a call)."""
+        ready = self.full() if full_only else self.ready()
+        if not (force or ready):
             return []
         batch: list[WorkItem] = []
         runnable = tokens = 0

@@ -179,7 +179,8 @@ class Worker:
     # -- inference -------------------------------------------------------------------------------
     def _dispatch(self) -> None:
         while len(self.in_flight) < self.config.batching.pipeline_depth:
-            batch = self.batcher.take()
+            # Queue only full batches behind a busy engine; a lingering partial batch goes when it is idle.
+            batch = self.batcher.take(full_only=bool(self.in_flight))
             if not batch:
                 return
             self._seq += 1

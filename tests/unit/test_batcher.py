@@ -67,3 +67,14 @@ def test_drop_forgets_only_revoked_partitions() -> None:
         b.add(item(f"r{i}", partition=i % 2, offset=i))
     assert b.drop([("unit.requests", 1)]) == 3
     assert [i.request_id for i in b.take()] == ["r0", "r2", "r4"]
+
+
+def test_full_only_ignores_linger_until_the_batch_is_full() -> None:
+    clock = Clock()
+    b = Batcher(BatchingConfig(max_records=3, linger_ms=10), clock)
+    b.add(item("a"))
+    clock.now = 1.0
+    assert b.take(full_only=True) == []
+    b.add(item("b"))
+    b.add(item("c"))
+    assert [i.request_id for i in b.take(full_only=True)] == ["a", "b", "c"]
