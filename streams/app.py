@@ -12,6 +12,8 @@ import threading
 from collections.abc import Callable
 from dataclasses import dataclass
 
+from confluent_kafka import KafkaException
+
 from batchline.config import JobConfig, KafkaSettings
 from batchline.kafka import make_admin
 from batchline.topics import JobTopics
@@ -37,7 +39,10 @@ class StreamsReport:
 
 def check_topics(kafka: KafkaSettings, topics: JobTopics) -> None:
     """Fail with one line if the job's request, result, DLQ, ledger or configured retry topics are missing."""
-    meta = make_admin(kafka).list_topics(timeout=METADATA_TIMEOUT_S)
+    try:
+        meta = make_admin(kafka).list_topics(timeout=METADATA_TIMEOUT_S)
+    except KafkaException as exc:
+        raise StreamsError(f"cannot list topics at {kafka.bootstrap}: {exc.args[0].str()}") from None
     missing = [t for t in topics.all() if t not in meta.topics or meta.topics[t].error]
     if missing:
         raise MissingTopicsError(topics.job, missing)
