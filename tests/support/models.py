@@ -1,0 +1,91 @@
+"""Models for the vLLM tests, all local: a tiny Llama built on the spot, and the packaged MiniLM (DESIGN.md §11)."""
+
+from __future__ import annotations
+
+from collections.abc import Sequence
+from pathlib import Path
+from typing import Any
+
+from batchline.config import JobConfig, KafkaSettings
+from consumers.engines.base import EngineInput, Outcome
+
+# A chat template in the tokenizer, so chat records go through the model's own template as in production.
+CHAT_TEMPLATE = (
+    "{% for m in messages %}<s>{{ m['role'] }}: {{ m['content'] }}\n{% endfor %}"
+    "{% if add_generation_prompt %}assistant:{% endif %}"
+)
+_CORPUS = (
+    "summarise the ticket about the order that did not arrive",
+    'reply in json: {"label": "billing", "score": 3, "urgent": true}',
+    "hello world, the quick brown fox jumps over the lazy dog 0123456789",
+    "user: where is my parcel? assistant: it ships tomorrow.",
+)
+
+
+def build_tiny_llama(out: Path) -> Path:
+    """A 2-layer Llama (hidden 256, 4 heads: head_dim 64, which the CPU attention accepts) with a byte-level
+    BPE tokenizer trained here. Random weights: outputs are noise, but every code path is the real one."""
+    import torch
+    from tokenizers import Tokenizer, decoders, models, pre_tokenizers, trainers
+    from transformers import LlamaConfig, LlamaForCausalLM, PreTrainedTokenizerFast
+
+    out.mkdir(parents=True, exist_ok=True)
+    tok = Tokenizer(models.BPE())
+    tok.pre_tokenizer = pre_tokenizers.ByteLevel(add_prefix_space=False)
+    tok.decoder = decoders.ByteLevel()
+    trainer = trainers.BpeTrainer(
+        vocab_size=512,
+        special_tokens=["<s>", "</s>", "<unk>"],
+        initial_alphabet=pre_tokenizers.ByteLevel.alphabet(),  # every byte: any text, any JSON, is encodable
+    )
+    tok.train_from_iterator(list(_CORPUS) * 20, trainer)
+    hf = PreTrainedTokenizerFast(tokenizer_object=tok, bos_token="<s>", eos_token="</s>", unk_token="<unk>")
+    hf.chat_template = CHAT_TEMPLATE
+    hf.save_pretrained(out)
+    config = LlamaConfig(
+        vocab_size=len(hf),
+        hidden_size=256,
+        intermediate_size=512,
+        num_hidden_layers=2,
+        num_attention_heads=4,
+        num_key_value_heads=4,
+        max_position_embeddings=512,
+        bos_token_id=hf.bos_token_id,
+        eos_token_id=hf.eos_token_id,
+        tie_word_embeddings=True,
+    )
+    torch.manual_seed(0)
+    LlamaForCausalLM(config).save_pretrained(out)
+    return out
+
+
+def minilm_path() -> Path:
+    from batchline.demo import packaged_model
+
+    return packaged_model()
+
+
+class SharedEngine:
+    """The module's engine lent to one Worker at a time: the worker's close() must not stop it."""
+
+    def __init__(self, engine: Any) -> None:
+        self.inner = engine
+        self.name: str = engine.name
+        self.task: str = engine.task
+
+    def count_tokens(self, text: str) -> int:
+        return int(self.inner.count_tokens(text))
+
+    def infer(self, inputs: Sequence[EngineInput]) -> list[Outcome]:
+        return list(self.inner.infer(inputs))
+
+    def close(self) -> None:
+        return None
+
+
+def run_worker(cfg: JobConfig, kafka: KafkaSettings, engine: Any = None, idle_exit_s: float = 4) -> None:
+    """A worker in this process until its topics are idle; with no engine given it starts (and stops) its own."""
+    from consumers.engines.vllm import VLLMEngine
+    from consumers.worker import Worker
+
+    Worker(cfg, kafka, engine=SharedEngine(engine) if engine else VLLMEngine(cfg), idle_exit_s=idle_exit_s).run()
