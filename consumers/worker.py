@@ -201,9 +201,8 @@ class Worker:
             try:
                 self._commit(head, inferred)
             except SinkError as exc:
-                self.stats.sink_failures += 1
-                if exc.fatal:
-                    self.sink.recreate()
+                self.stats.sink_failures += 1  # a fatal error already recreated the producer
+                log.warning("rewinding after a failed transaction (fatal=%s)", exc.fatal)
                 self._rewind()
                 return
             self.in_flight.popleft()

@@ -29,12 +29,13 @@ from collections.abc import Iterable
 from dataclasses import dataclass, field
 from typing import Any
 
-from confluent_kafka import Consumer, KafkaError, KafkaException, Message, Producer, TopicPartition
+from confluent_kafka import Consumer, KafkaError, Message, TopicPartition
 
 from batchline import headers as h
 from batchline.config import JobConfig, KafkaSettings
-from batchline.kafka import make_consumer, make_producer
+from batchline.kafka import make_consumer
 from batchline.topics import JobTopics
+from batchline.transactions import TransactionalProducer, TransactionFailed
 from streams.exceptions import RepublishError
 
 log = logging.getLogger(__name__)
@@ -43,9 +44,7 @@ MAX_WAIT_S = 1.0  # longest single wait in consume(): bounds how late a stop or 
 MIN_WAIT_S = 0.005
 MAX_TXN_RECORDS = 2000
 FAILURE_BACKOFF_S = 1.0
-CALL_TIMEOUT_S = 30.0
 TXN_TIMEOUT_MS = 10000
-CALL_RETRIES = 5
 POLL_BATCH = 500
 
 TP = tuple[str, int]
@@ -132,66 +131,25 @@ def scheduler_group(job: str) -> str:
 
 
 class Republisher:
-    """A transactional producer: due records to ``J.requests`` and their offsets, in one transaction."""
+    """Due records to ``J.requests`` and their offsets, in one transaction."""
 
     def __init__(self, kafka: KafkaSettings, requests_topic: str, transactional_id: str) -> None:
-        self.kafka = kafka
         self.requests_topic = requests_topic
-        self.transactional_id = transactional_id
-        self.producer = self._new_producer()
-
-    def _new_producer(self) -> Producer:
         # A re-publish transaction lasts milliseconds. A short timeout bounds how long a crashed instance's open
         # transaction (its id is per process) can hold back read_committed workers on J.requests.
-        producer = make_producer(self.kafka, self.transactional_id, **{"transaction.timeout.ms": TXN_TIMEOUT_MS})
-        producer.init_transactions(CALL_TIMEOUT_S)
-        return producer
+        self.txn = TransactionalProducer(kafka, transactional_id, **{"transaction.timeout.ms": TXN_TIMEOUT_MS})
 
     def publish(self, batch: list[Held], offsets: list[TopicPartition], group_metadata: Any) -> None:
         """Re-publish ``batch`` and commit ``offsets`` atomically, or raise RepublishError with nothing committed."""
+        at = now_ms()
+        outgoing = [(self.requests_topic, held.value, held.request_id, republished_headers(held, at)) for held in batch]
         try:
-            self._call(self.producer.begin_transaction)
-            at = now_ms()
-            for held in batch:
-                self.producer.produce(
-                    self.requests_topic, held.value, held.request_id, headers=republished_headers(held, at)
-                )
-            self._call(lambda: self.producer.send_offsets_to_transaction(offsets, group_metadata, CALL_TIMEOUT_S))
-            self._call(lambda: self.producer.commit_transaction(CALL_TIMEOUT_S))
-        except KafkaException as exc:
-            err: KafkaError = exc.args[0]
-            fatal = err.fatal() or not err.txn_requires_abort() or not self._abort()
-            if fatal:
-                self._recreate()
-            raise RepublishError(err.str(), len(batch), fatal) from exc
-
-    def _call(self, fn: Any) -> None:
-        for attempt in range(CALL_RETRIES):
-            try:
-                fn()
-                return
-            except KafkaException as exc:
-                if not exc.args[0].retriable() or attempt == CALL_RETRIES - 1:
-                    raise
-                time.sleep(0.1 * 2**attempt)
-
-    def _abort(self) -> bool:
-        try:
-            self.producer.abort_transaction(CALL_TIMEOUT_S)
-        except KafkaException as exc:
-            log.error("abort of a re-publish transaction failed: %s", exc.args[0].str())
-            return False
-        return True
-
-    def _recreate(self) -> None:
-        log.warning("recreating the scheduler's transactional producer %s", self.transactional_id)
-        try:
-            self.producer.flush(5)
-        finally:
-            self.producer = self._new_producer()
+            self.txn.commit(outgoing, offsets, group_metadata)
+        except TransactionFailed as exc:
+            raise RepublishError(str(exc), len(batch), exc.fatal) from exc
 
     def close(self) -> None:
-        self.producer.flush(CALL_TIMEOUT_S)
+        self.txn.close()
 
 
 @dataclass
