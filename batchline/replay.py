@@ -4,66 +4,25 @@ dead letters (after a fix). Also the DLQ listing that ``batchline dlq`` shows.
 
 from __future__ import annotations
 
-import time
 from collections import Counter
-from collections.abc import Callable, Iterator
+from collections.abc import Callable
 from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
 
-from confluent_kafka import TopicPartition
-
 from batchline.config import KafkaSettings
 from batchline.exceptions import BatchlineError
 from batchline.identity import Fingerprint
-from batchline.kafka import make_reader
 from batchline.runs import RunsView
+from batchline.scan import scan
 from batchline.submit import Format, SubmitReport, publish_run, submit_file
 from batchline.topics import JobTopics
 from schemas import DeadLetter, codec_for
 from schemas.codec import DecodeError, decode_request
 
-READ_TIMEOUT_S = 30.0
-
 
 class ReplayError(BatchlineError):
     """A replay cannot be made (unknown run, nothing to replay)."""
-
-
-def scan(kafka: KafkaSettings, topic: str, ranges: dict[int, tuple[int, int]] | None = None) -> Iterator[Any]:
-    """Every message of ``topic`` (or of the given per-partition [start, end) ranges), up to the watermarks."""
-    reader = make_reader(kafka, **{"group.id": f"batchline-scan-{time.monotonic_ns()}"})
-    try:
-        meta = reader.list_topics(topic, timeout=READ_TIMEOUT_S).topics.get(topic)
-        if meta is None or meta.error is not None:
-            return
-        todo: dict[int, tuple[int, int]] = {}
-        for p in meta.partitions:
-            lo, hi = reader.get_watermark_offsets(TopicPartition(topic, p), READ_TIMEOUT_S, cached=False)
-            if ranges is not None and p not in ranges:
-                continue
-            start, end = ranges[p] if ranges is not None else (lo, hi)
-            start, end = max(start, lo), min(end, hi)
-            if end > start:
-                todo[p] = (start, end)
-        if not todo:
-            return
-        reader.assign([TopicPartition(topic, p, s) for p, (s, _) in todo.items()])
-        left = set(todo)
-        deadline = time.monotonic() + READ_TIMEOUT_S * 10
-        while left and time.monotonic() < deadline:
-            for msg in reader.consume(1000, 0.5):
-                if msg.error() or msg.partition() not in left:
-                    continue
-                if msg.offset() < todo[msg.partition()][1]:
-                    yield msg
-                if msg.offset() + 1 >= todo[msg.partition()][1]:
-                    left.discard(msg.partition())
-            for tp in reader.position([TopicPartition(topic, p) for p in left]):
-                if tp.offset >= todo[tp.partition][1]:
-                    left.discard(tp.partition)
-    finally:
-        reader.close()
 
 
 def succeeded_ids(kafka: KafkaSettings, topics: JobTopics) -> set[str]:

@@ -17,8 +17,8 @@ from confluent_kafka import TopicPartition
 
 from batchline.config import KafkaSettings
 from batchline.kafka import make_reader
-from batchline.replay import scan
 from batchline.runs import STREAM_RUN, RunsView
+from batchline.scan import scan
 from batchline.topics import JobTopics
 from schemas import RunManifest, RunStats, codec_for
 from schemas.codec import DecodeError

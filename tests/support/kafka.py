@@ -10,7 +10,7 @@ from typing import Any
 from batchline import headers as h
 from batchline.config import KafkaSettings
 from batchline.kafka import make_producer
-from batchline.replay import scan
+from batchline.scan import scan
 from batchline.topics import JobTopics
 from schemas import DeadLetter, Lineage, Result, codec_for
 

@@ -1,0 +1,72 @@
+"""Read a topic (or per-partition offset ranges of it) from the beginning to its end, without a group.
+
+"The end" is not the reported high watermark alone: the embedded broker reports, for a log whose last write
+was a multi-record batch, the batch's first offset + 1. So a read to the end continues past the watermark
+until the partitions have been quiet for ``idle_s``. Ranges with explicit ends (from delivery reports) are
+exact and need no idle wait.
+"""
+
+from __future__ import annotations
+
+import time
+from collections.abc import Iterator
+from typing import Any
+
+from confluent_kafka import TopicPartition
+
+from batchline.config import KafkaSettings
+from batchline.kafka import make_reader
+
+READ_TIMEOUT_S = 30.0
+SCAN_IDLE_S = 0.6
+
+
+def scan(
+    kafka: KafkaSettings, topic: str, ranges: dict[int, tuple[int, int]] | None = None, idle_s: float = SCAN_IDLE_S
+) -> Iterator[Any]:
+    """Every message of ``topic``, or of the given per-partition ``[start, end)`` ranges, in partition order."""
+    reader = make_reader(kafka, **{"group.id": f"batchline-scan-{time.monotonic_ns()}"})
+    try:
+        meta = reader.list_topics(topic, timeout=READ_TIMEOUT_S).topics.get(topic)
+        if meta is None or meta.error is not None:
+            return
+        starts: dict[int, int] = {}
+        ends: dict[int, int] = {}  # exact ends (ranges) or reported watermarks (a lower bound of the end)
+        for p in meta.partitions:
+            lo, hi = reader.get_watermark_offsets(TopicPartition(topic, p), READ_TIMEOUT_S, cached=False)
+            if ranges is not None and p not in ranges:
+                continue
+            start, end = ranges[p] if ranges is not None else (lo, hi)
+            if min(end, hi) > max(start, lo) or (ranges is not None and end > max(start, lo)):
+                starts[p], ends[p] = max(start, lo), end
+        if not starts:
+            return
+        yield from _read(reader, topic, starts, ends, exact=ranges is not None, idle_s=idle_s)
+    finally:
+        reader.close()
+
+
+def _read(
+    reader: Any, topic: str, starts: dict[int, int], ends: dict[int, int], exact: bool, idle_s: float
+) -> Iterator[Any]:
+    reader.assign([TopicPartition(topic, p, s) for p, s in starts.items()])
+    left = set(starts)
+    last_message = time.monotonic()
+    deadline = last_message + READ_TIMEOUT_S * 10
+    while left and time.monotonic() < deadline:
+        for msg in reader.consume(1000, 0.2):
+            if msg.error() or msg.partition() not in left:
+                continue
+            last_message = time.monotonic()
+            if exact and msg.offset() >= ends[msg.partition()]:
+                left.discard(msg.partition())
+                continue
+            yield msg
+            if exact and msg.offset() + 1 >= ends[msg.partition()]:
+                left.discard(msg.partition())
+        positions = {tp.partition: tp.offset for tp in reader.position([TopicPartition(topic, p) for p in left])}
+        reached = [p for p in left if positions.get(p, -1) >= ends[p]]
+        if exact:
+            left -= set(reached)
+        elif len(reached) == len(left) and time.monotonic() - last_message >= idle_s:
+            return
