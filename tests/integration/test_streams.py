@@ -234,11 +234,11 @@ def _snapshot_matches(kafka: KafkaSettings, topics: JobTopics, run_id: str) -> t
     return (snap, independent) if _ledger_view(snap) == counts else None
 
 
-def test_ledger_counts_match_the_topics_after_a_sigkill(
+def test_ledger_counts_match_the_topics_after_the_ledger_and_a_worker_are_killed(
     kafka: KafkaSettings, job_name: str, make_job: Callable[..., JobTopics], tmp_path: Path, logs_dir: Path
 ) -> None:
     topics = make_job(job_name, partitions=2, tiers=("1s", "2s"))
-    kwargs = "transient_rate = 0.3, latency_ms = 4"
+    kwargs = "transient_rate = 0.3, latency_ms = 15"
     cfg = job_toml(tmp_path / "job.toml", kwargs=kwargs, max_records=20, tiers='"1s", "2s"', max_attempts=3)
     values = _requests_file(tmp_path / "in.jsonl", 1500)
     run_id = submit_file(kafka, topics, tmp_path / "in.jsonl", fingerprint_of(load_job_config(job_name, cfg))).run_id
@@ -249,7 +249,9 @@ def test_ledger_counts_match_the_topics_after_a_sigkill(
     produce_raw(kafka, topics.requests, upstream)
 
     worker_args = ["worker", job_name, "--config", str(cfg), "--log-level", "WARNING"]
-    with CliProcess(worker_args, kafka.bootstrap, logs_dir / "worker.log") as worker:
+    worker = CliProcess(worker_args, kafka.bootstrap, logs_dir / "worker.log").start()
+    replacement = CliProcess(worker_args, kafka.bootstrap, logs_dir / "worker-2.log")
+    try:
         with _streams(job_name, cfg, kafka, logs_dir / "streams-1.log") as first:
             seen = wait_for(
                 lambda: (s := _latest_snapshots(kafka, topics).get(run_id)) and s.succeeded >= 150 and s,
@@ -257,7 +259,9 @@ def test_ledger_counts_match_the_topics_after_a_sigkill(
                 "the ledger's first snapshots",
             )
             first.kill()
-        assert seen.pending > 0, "the kill must land mid-run"
+            worker.kill()  # the worker crashes in the middle too
+        assert seen.pending > 0, "the kills must land mid-run"
+        replacement.start()
         with _streams(job_name, cfg, kafka, logs_dir / "streams-2.log") as second:
             snap, independent = wait_for(
                 lambda: _snapshot_matches(kafka, topics, run_id), RUN_TIMEOUT_S, "the ledger to match the topics"
@@ -266,7 +270,10 @@ def test_ledger_counts_match_the_topics_after_a_sigkill(
                 lambda: _snapshot_matches(kafka, topics, STREAM_RUN), RUN_TIMEOUT_S, "the stream's snapshot"
             )
         assert second.proc is not None and second.proc.returncode == 0, second.log()[-2000:]
-    assert worker.proc is not None and worker.proc.returncode == 0, worker.log()[-2000:]
+    finally:
+        worker.stop()
+        code = replacement.stop()
+    assert code == 0, replacement.log()[-2000:]
 
     _assert_run_truth(snap, independent, values)
     assert (stream.total, stream.succeeded + stream.quarantined) == (30, 30)
