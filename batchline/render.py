@@ -48,7 +48,11 @@ def run_panel(run: dict[str, Any]) -> Panel:
         "",
         "",
     )
-    parts: list[Any] = [head, ProgressBar(total=total, completed=run["succeeded"], width=60), counts]
+    bar = Table.grid(padding=(0, 1))
+    bar.add_row(
+        ProgressBar(total=total, completed=run["succeeded"], width=50), f"{run['succeeded'] / total:.1%} succeeded"
+    )
+    parts: list[Any] = [head, bar, counts]
     if run["top_quarantined"]:
         q = Table("quarantined (highest value first)", "value", "class", box=None)
         for rec in run["top_quarantined"]:
