@@ -117,8 +117,9 @@ class EngineConfig(_Frozen):
     sampling: SamplingConfig = Field(default_factory=SamplingConfig)
     engine_kwargs: dict[str, Any] = Field(
         default_factory=dict,
-        description="Passed through to the engine (vLLM `LLM(...)` kwargs, or the deterministic engine's "
-        "knobs: latency_ms, transient_rate, poison_marker, invalid_output_rate, oom_above, embed_dim).",
+        description="Passed through to the engine: vLLM `LLM(...)` kwargs (plus `infer_timeout_s`: a call that "
+        "runs longer restarts the engine), or the deterministic engine's knobs: latency_ms, transient_rate, "
+        "poison_marker, invalid_output_rate, oom_above, embed_dim.",
     )
 
 

@@ -66,6 +66,7 @@ class DemoReport:
     run_id: str
     records: int
     workers: int
+    malformed: int = 0  # lines of the archive written broken on purpose: they must end as dead letters
     results: int = 0
     dead_letters: dict[str, int] = field(default_factory=dict)
     missing: int = 0
@@ -230,6 +231,7 @@ def run_demo(
                 break
         done_at = time.monotonic()
         table = _report(report.run_id, report.records, workers, outcomes, archive.truth, archive.tickets)
+        table.malformed = archive.malformed
         table.startup_s = round((first_at or done_at) - started, 1)
         span = done_at - (first_at or done_at)
         table.records_per_s = round((len(outcomes) - first_count) / span, 1) if span > 0 else 0.0
@@ -263,7 +265,7 @@ def render(report: DemoReport, console: Any) -> None:
     table = Table(title=f"demo run {report.run_id}", show_header=False)
     table.add_column(style="bold")
     table.add_column(justify="right")
-    table.add_row("records submitted", f"{report.records:,}")
+    table.add_row("records submitted", f"{report.records:,} ({report.malformed} malformed on purpose)")
     table.add_row("results", f"{report.results:,}")
     for cls, n in sorted(report.dead_letters.items()):
         table.add_row(f"dead letters: {cls}", f"{n:,}")
@@ -276,8 +278,10 @@ def render(report: DemoReport, console: Any) -> None:
     table.add_row("wall time", f"{report.wall_s:.1f} s")
     console.print(table)
     samples = Table(title="sample results")
-    for col in ("id", "ticket", "label", "score", "true label"):
-        samples.add_column(col)
+    samples.add_column("id", no_wrap=True)
+    samples.add_column("ticket", overflow="ellipsis", no_wrap=True, max_width=max(20, console.width - 56))
+    for col in ("label", "score", "true label"):
+        samples.add_column(col, no_wrap=True)
     for s in report.samples:
         mark = "" if s["label"] == s["true"] else " [red]x[/red]"
         samples.add_row(s["id"], s["text"], f"{s['label']}{mark}", f"{s['score']:.2f}", str(s["true"]))

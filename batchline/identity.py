@@ -40,6 +40,7 @@ _NON_SEMANTIC_KWARGS = frozenset(
         "tensor_parallel_size",
         "max_num_seqs",
         "dtype_cpu_threads",
+        "infer_timeout_s",
     }
 )
 

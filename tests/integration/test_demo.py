@@ -30,7 +30,7 @@ def test_demo_classifies_every_record_and_reports_its_completion_table() -> None
 
     assert table["records"] == RECORDS and table["workers"] == 2 and table["missing"] == 0
     # ~1 % malformed lines: each is dead-lettered as invalid_input, every other ticket has a result.
-    assert table["dead_letters"] == {"invalid_input": 2}
+    assert table["malformed"] == 2 and table["dead_letters"] == {"invalid_input": 2}
     assert table["results"] == table["scored"] == RECORDS - 2
     assert table["accuracy"] > 3 / len(LABELS), table
     assert table["correct"] == round(table["accuracy"] * table["scored"])

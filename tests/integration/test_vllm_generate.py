@@ -7,6 +7,10 @@ random model must still honour - one result per record, seeds, JSON schemas, lab
 from __future__ import annotations
 
 import json
+import os
+import signal
+import threading
+import time
 from collections.abc import Callable, Iterator
 from pathlib import Path
 from typing import Any
@@ -28,6 +32,7 @@ pytest.importorskip("vllm")
 pytestmark = pytest.mark.vllm
 
 MAX_MODEL_LEN = 128
+KILL_WAIT_S = 30.0
 WORKER_TIMEOUT_S = 300.0
 GENERATE_JOB = """
 task = "generate"
@@ -211,3 +216,28 @@ def _toml_inline(obj: object) -> str:
     if isinstance(obj, bool):
         return "true" if obj else "false"
     return json.dumps(obj)
+
+
+def test_an_engine_dying_mid_call_is_a_transient_engine_error_and_it_restarts(engine: Any) -> None:
+    """Runs last in the module: it kills the shared engine's engine-core process while a batch is inferring."""
+    from consumers.exceptions import EngineError
+
+    long = Sampling(temperature=1.0, top_p=1.0, max_tokens=100, seed=1)
+    batch = [EngineInput(f"r-{i}", f"hello {i}", None, long) for i in range(64)]
+    (core,) = engine._llm.llm_engine.engine_core.resources.engine_manager.processes
+
+    def kill_once_inferring() -> None:
+        deadline = time.monotonic() + KILL_WAIT_S
+        while engine._watchdog._started is None and time.monotonic() < deadline:
+            time.sleep(0.001)
+        os.kill(core.pid, signal.SIGKILL)
+
+    killer = threading.Thread(target=kill_once_inferring)
+    killer.start()
+    with pytest.raises(EngineError, match="died"):
+        engine.infer(batch)  # without the engine's watchdog, vLLM's client would wait forever here
+    killer.join()
+
+    short = Sampling(temperature=0.0, top_p=1.0, max_tokens=4, seed=1)
+    out = engine.infer([EngineInput(f"s-{i}", f"hello {i}", None, short) for i in range(3)])  # restarted
+    assert all(isinstance(o, EngineOutput) and o.text for o in out)
