@@ -11,6 +11,7 @@ import os
 import signal
 import socket
 import subprocess
+import sys
 import time
 from types import TracebackType
 
@@ -18,6 +19,15 @@ from batchline.exceptions import BrokerError
 
 log = logging.getLogger(__name__)
 READY_TIMEOUT_S = 15.0
+
+
+def die_with_parent() -> None:
+    """preexec_fn: on Linux, the child gets SIGTERM when its parent dies, so no broker outlives a killed test."""
+    if sys.platform.startswith("linux"):
+        import ctypes
+
+        pr_set_pdeathsig = 1
+        ctypes.CDLL("libc.so.6", use_errno=True).prctl(pr_set_pdeathsig, signal.SIGTERM)
 
 
 def free_port() -> int:
@@ -72,7 +82,7 @@ class EmbeddedBroker:
         ]
         out = open(self.log_path, "ab") if self.log_path else subprocess.DEVNULL  # noqa: SIM115
         env = os.environ | {"RUST_LOG": os.environ.get("RUST_LOG", "warn")}
-        self.proc = subprocess.Popen(cmd, stdout=out, stderr=subprocess.STDOUT, env=env)
+        self.proc = subprocess.Popen(cmd, stdout=out, stderr=subprocess.STDOUT, env=env, preexec_fn=die_with_parent)
         if self.log_path and out is not subprocess.DEVNULL:
             out.close()  # type: ignore[union-attr]
         deadline = time.monotonic() + READY_TIMEOUT_S

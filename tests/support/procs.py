@@ -9,6 +9,8 @@ import sys
 from pathlib import Path
 from typing import Any
 
+from batchline.broker import die_with_parent
+
 STOP_TIMEOUT_S = 60.0
 
 
@@ -31,7 +33,11 @@ class CliProcess:
     def start(self) -> CliProcess:
         log = self.log_path.open("ab")
         self.proc = subprocess.Popen(
-            [sys.executable, "-m", "batchline.cli", *self.args], stdout=log, stderr=subprocess.STDOUT, env=self.env
+            [sys.executable, "-m", "batchline.cli", *self.args],
+            stdout=log,
+            stderr=subprocess.STDOUT,
+            env=self.env,
+            preexec_fn=die_with_parent,
         )
         log.close()
         return self
