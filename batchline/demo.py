@@ -142,6 +142,14 @@ class _Outcomes:
         self._reader.close()
 
 
+def _start_streams(config: Path, bootstrap: str, logs: Path) -> subprocess.Popen[bytes]:
+    """The retry scheduler and ledger, so a transient failure is retried rather than waiting in its tier."""
+    cmd = [sys.executable, "-m", "batchline.cli", "streams", JOB, "--config", str(config), "--log-level", "WARNING"]
+    env = os.environ | {"BATCHLINE_BOOTSTRAP": bootstrap}
+    with (logs / "streams.log").open("wb") as log:
+        return subprocess.Popen(cmd, stdout=log, stderr=subprocess.STDOUT, env=env)
+
+
 def _start_worker(i: int, cores: str, config: Path, bootstrap: str, logs: Path) -> subprocess.Popen[bytes]:
     env = os.environ | {
         "BATCHLINE_BOOTSTRAP": bootstrap,
@@ -160,15 +168,16 @@ def _start_worker(i: int, cores: str, config: Path, bootstrap: str, logs: Path) 
 @contextmanager
 def _workers(n: int, config: Path, bootstrap: str, logs: Path) -> Iterator[list[subprocess.Popen[bytes]]]:
     procs: list[subprocess.Popen[bytes]] = []
+    streams = _start_streams(config, bootstrap, logs)
     try:
         for i, cores in enumerate(core_sets(n)):
             procs.append(_start_worker(i, cores, config, bootstrap, logs))
         yield procs
     finally:
-        for p in procs:
+        for p in [*procs, streams]:
             if p.poll() is None:
                 p.send_signal(signal.SIGTERM)  # drain: finish and commit what is in flight
-        for p in procs:
+        for p in [*procs, streams]:
             try:
                 p.wait(STOP_TIMEOUT_S)
             except subprocess.TimeoutExpired:

