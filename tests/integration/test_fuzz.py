@@ -12,9 +12,10 @@ from hypothesis import strategies as st
 from batchline.config import KafkaSettings
 from batchline.kafka import make_producer
 from batchline.topics import JobTopics
-from schemas import Lineage, Request, codec_for
+from schemas import Request, codec_for
 from tests.support.kafka import dead_letters, read_topic, wait_for
 from tests.support.procs import CliProcess
+from tests.support.records import lineage
 
 PAYLOADS = 10_000
 MAX_BYTES = 4096
@@ -37,19 +38,7 @@ def bad_payload(draw: st.DrawFn, key: str) -> tuple[str, bytes]:
         whole = codec_for("request").encode(Request(id=key, prompt=draw(_text), metadata={"k": draw(_text)}))
         return kind, whole[: draw(st.integers(2, len(whole) - 1))]
     if kind == "other_schema":
-        other = Lineage(
-            model_id=draw(_text),
-            model_digest="d",
-            engine="e",
-            engine_version="v",
-            config_digest="c",
-            prompt_template_digest="p",
-            source_topic="t",
-            source_partition=0,
-            source_offset=1,
-            worker_id="w",
-            batch_id="b",
-        )
+        other = lineage(model_id=draw(_text))
         return kind, codec_for("lineage").encode(other)
     if kind == "utf8":
         return kind, b'{"id": "' + key.encode() + b'", "prompt": "' + draw(

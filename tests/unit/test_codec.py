@@ -15,6 +15,7 @@ from hypothesis import strategies as st
 
 from schemas import DeadLetter, Lineage, Request, Result, RunManifest, RunStats, codec_for
 from schemas.codec import DecodeError, decode_request, load_schema
+from tests.support.records import lineage
 
 NOW = datetime(2026, 12, 2, 12, 0, tzinfo=UTC)
 
@@ -64,19 +65,7 @@ def test_fingerprint_is_the_little_endian_crc64_of_the_canonical_schema() -> Non
         ),
         (
             "lineage",
-            Lineage(
-                model_id="m",
-                model_digest="d",
-                engine="e",
-                engine_version="v",
-                config_digest="c",
-                prompt_template_digest="p",
-                source_topic="t",
-                source_partition=0,
-                source_offset=1,
-                worker_id="w",
-                batch_id="b",
-            ),
+            lineage(),
         ),
         (
             "run_manifest",
@@ -163,21 +152,7 @@ def test_oversize_payload_is_rejected_before_parsing() -> None:
 
 
 def test_avro_of_another_schema_is_rejected() -> None:
-    other = codec_for("lineage").encode(
-        Lineage(
-            model_id="m",
-            model_digest="d",
-            engine="e",
-            engine_version="v",
-            config_digest="c",
-            prompt_template_digest="p",
-            source_topic="t",
-            source_partition=0,
-            source_offset=1,
-            worker_id="w",
-            batch_id="b",
-        )
-    )
+    other = codec_for("lineage").encode(lineage())
     with pytest.raises(DecodeError, match="unknown schema fingerprint"):
         decode_request(other)
 
