@@ -33,8 +33,8 @@ demo: install
 	$(VENV)/bin/batchline demo
 
 lint: install
-	$(VENV)/bin/ruff check batchline consumers streams schemas tests
-	$(VENV)/bin/ruff format --check batchline consumers streams schemas tests
+	$(VENV)/bin/ruff check batchline consumers streams schemas tests examples
+	$(VENV)/bin/ruff format --check batchline consumers streams schemas tests examples
 	$(VENV)/bin/mypy
 
 test: lint
