@@ -9,7 +9,7 @@ from __future__ import annotations
 
 from collections.abc import Sequence
 from dataclasses import dataclass
-from typing import Any, Protocol, runtime_checkable
+from typing import Protocol, runtime_checkable
 
 from consumers.work import FailureClass
 from schemas import ChatMessage
@@ -65,7 +65,3 @@ class Engine(Protocol):
     def infer(self, inputs: Sequence[EngineInput]) -> list[Outcome]: ...
 
     def close(self) -> None: ...
-
-
-def knob(kwargs: dict[str, Any], name: str, default: Any) -> Any:
-    return kwargs.get(name, default)
