@@ -184,6 +184,38 @@ class ValidationConfig(_Frozen):
     )
 
 
+_WINDOW = re.compile(r"^([01]\d|2[0-3]):([0-5]\d)-([01]\d|2[0-3]):([0-5]\d)$")
+
+
+def parse_window(text: str) -> tuple[int, int]:
+    """Minutes after midnight of ``'HH:MM-HH:MM'``; the end may be before the start (a window across midnight)."""
+    match = _WINDOW.match(text.strip())
+    if not match:
+        raise ValueError(f"bad time window {text!r}: use HH:MM-HH:MM, e.g. 22:00-06:00")
+    h1, m1, h2, m2 = (int(g) for g in match.groups())
+    return h1 * 60 + m1, h2 * 60 + m2
+
+
+class ScheduleConfig(_Frozen):
+    records_per_s: float | None = Field(
+        None, gt=0, description="Rate limit in records/s (token bucket); unset: unlimited."
+    )
+    tokens_per_s: float | None = Field(None, gt=0, description="Rate limit in prompt tokens/s; unset: unlimited.")
+    burst_s: float = Field(1.0, gt=0, description="Bucket size, in seconds of the rate: how far a burst may run ahead.")
+    windows: tuple[str, ...] = Field(
+        (),
+        description="UTC time windows HH:MM-HH:MM when the job may run (e.g. 22:00-06:00); empty: always. "
+        "Outside them the worker pauses its partitions and keeps its group membership.",
+    )
+
+    @field_validator("windows")
+    @classmethod
+    def _windows(cls, windows: tuple[str, ...]) -> tuple[str, ...]:
+        for window in windows:
+            parse_window(window)
+        return windows
+
+
 class TelemetryConfig(_Frozen):
     exporter: Literal["none", "console", "otlp"] = Field("none", description="Span and metric exporter.")
     otlp_endpoint: str = Field("http://127.0.0.1:4318", description="OTLP/HTTP collector endpoint.")
@@ -198,6 +230,7 @@ class JobConfig(_Frozen):
     batching: BatchingConfig = Field(default_factory=BatchingConfig)
     retry: RetryConfig = Field(default_factory=RetryConfig)
     validation: ValidationConfig = Field(default_factory=ValidationConfig)
+    schedule: ScheduleConfig = Field(default_factory=ScheduleConfig)
     telemetry: TelemetryConfig = Field(default_factory=TelemetryConfig)
     max_request_bytes: int = Field(1 << 20, ge=64, description="Larger payloads are invalid_input.")
 

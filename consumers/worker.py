@@ -36,6 +36,7 @@ from consumers.intake import Intake
 from consumers.isolate import IsolatingRunner
 from consumers.pinning import Pinning
 from consumers.route import BatchContext, Router
+from consumers.schedule import Schedule
 from consumers.sink import TransactionalSink
 from consumers.work import WorkItem
 
@@ -107,6 +108,8 @@ class Worker:
         self.idle_exit_s = idle_exit_s
         self._seq = 0
         self._paused = False
+        self._window_closed = False
+        self.schedule = Schedule(config.schedule)
         self._last_record = time.monotonic()
         self._assigned: set[tuple[str, int]] = set()
         self.on_batch_committed: Callable[[str, list[WorkItem]], None] | None = None
@@ -125,6 +128,8 @@ class Worker:
         try:
             while not self.stop_event.is_set() and not self._idle_done():
                 self._poll()
+                if self._outside_window():
+                    continue
                 self._dispatch()
                 self._complete(block=False)
                 self._flow_control()
@@ -178,11 +183,13 @@ class Worker:
 
     # -- inference -------------------------------------------------------------------------------
     def _dispatch(self) -> None:
-        while len(self.in_flight) < self.config.batching.pipeline_depth:
+        while len(self.in_flight) < self.config.batching.pipeline_depth and self.schedule.may_dispatch():
             # Queue only full batches behind a busy engine; a lingering partial batch goes when it is idle.
             batch = self.batcher.take(full_only=bool(self.in_flight))
             if not batch:
                 return
+            runnable = [i for i in batch if i.runnable]
+            self.schedule.charge(len(runnable), sum(i.prompt_tokens for i in runnable))
             self._seq += 1
             batch_id = f"{self.worker_id}-{self._seq}"
             fut = self.executor.submit(self._infer, batch)
@@ -256,20 +263,44 @@ class Worker:
         for f in self.in_flight:
             f.future.result()  # let the engine finish; the outcomes are discarded
         self.in_flight.clear()
-        self.batcher.drop(self._assigned)
-        assignment = self.consumer.assignment()
-        if not assignment:
-            return
-        for tp in self.consumer.committed(assignment, timeout=30):
-            offset = tp.offset if tp.offset >= 0 else OFFSET_BEGINNING
-            try:
-                self.consumer.seek(TopicPartition(tp.topic, tp.partition, offset))
-            except KafkaException as exc:
-                log.warning("seek %s[%d] failed: %s", tp.topic, tp.partition, exc)
-        if self._paused:
+        assignment = self._forget_uncommitted()
+        if self._paused and assignment:
             self.consumer.resume(assignment)
             self._paused = False
         log.warning("rewound %d partitions to their committed offsets", len(assignment))
+
+    def _forget_uncommitted(self) -> list[TopicPartition]:
+        """Drop buffered records and seek every assigned partition back to its committed offset."""
+        self.batcher.drop(self._assigned)
+        assignment: list[TopicPartition] = self.consumer.assignment()
+        if assignment:
+            for tp in self.consumer.committed(assignment, timeout=30):
+                offset = tp.offset if tp.offset >= 0 else OFFSET_BEGINNING
+                try:
+                    self.consumer.seek(TopicPartition(tp.topic, tp.partition, offset))
+                except KafkaException as exc:
+                    log.warning("seek %s[%d] failed: %s", tp.topic, tp.partition, exc)
+        return assignment
+
+    def _outside_window(self) -> bool:
+        """Outside the job's time windows: in-flight work committed, partitions paused, nothing buffered.
+        Polling goes on (paused partitions return nothing), so the worker keeps its group membership."""
+        if self.schedule.in_window():
+            if self._window_closed:
+                self._window_closed = self._paused = False
+                self.consumer.resume(self.consumer.assignment())
+                log.info("time window open: resuming %s", self.config.job)
+            return False
+        if not self._window_closed:
+            log.info("outside the time windows of %s: pausing", self.config.job)
+            self._complete(block=True)
+            self._window_closed = True
+        assignment = self.consumer.assignment()
+        if assignment:
+            self.consumer.pause(assignment)
+        if len(self.batcher):
+            self._forget_uncommitted()
+        return True
 
     def _drain(self) -> None:
         """Finish and commit what is in flight and buffered (shutdown). A failed commit rewinds, which empties
