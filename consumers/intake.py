@@ -6,7 +6,6 @@ batch (its offset is committed with its neighbours') and leaves as a dead letter
 
 from __future__ import annotations
 
-import hashlib
 from collections.abc import Callable
 from datetime import UTC, datetime
 
@@ -15,7 +14,7 @@ from confluent_kafka import Message
 from batchline import headers as h
 from batchline.config import JobConfig
 from consumers.work import Failure, Source, WorkItem
-from schemas.codec import DecodeError, decode_request
+from schemas.codec import DecodeError, decode_request, fallback_id
 
 TokenCounter = Callable[[str], int]
 
@@ -23,13 +22,6 @@ TokenCounter = Callable[[str], int]
 def render_prompt(template: str, text: str) -> str:
     # str.replace, not str.format: record text may hold braces.
     return template.replace("{input}", text)
-
-
-def fallback_id(msg_key: bytes | None, payload: bytes) -> str:
-    """An id for a record whose own id cannot be read: its key, else a digest of its bytes."""
-    if msg_key:
-        return msg_key.decode("utf-8", "replace")
-    return "sha256:" + hashlib.sha256(payload).hexdigest()[:24]
 
 
 class Intake:

@@ -7,6 +7,7 @@ always readable. Decoding never raises anything but :class:`DecodeError`.
 
 from __future__ import annotations
 
+import hashlib
 import io
 import json
 import struct
@@ -110,6 +111,14 @@ def codec_for(kind: str) -> AvroCodec[Any]:
         "run_stats": models.RunStats,
     }[kind]
     return AvroCodec(kind, model)
+
+
+def fallback_id(key: bytes | None, payload: bytes) -> str:
+    """The id of a record whose own id cannot be read: its key, else a digest of its bytes. The worker's
+    dead letter and the ledger's count of such a record must agree, so both call this."""
+    if key:
+        return key.decode("utf-8", "replace")
+    return "sha256:" + hashlib.sha256(payload).hexdigest()[:24]
 
 
 def decode_request(data: bytes | None, max_bytes: int = 1 << 20) -> models.Request:

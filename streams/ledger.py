@@ -13,7 +13,6 @@ The cost is a full re-read on start (see README "Streams"); faust was not used, 
 
 from __future__ import annotations
 
-import hashlib
 import logging
 import time
 from datetime import UTC, datetime
@@ -25,7 +24,7 @@ from batchline.config import JobConfig, KafkaSettings
 from batchline.kafka import make_producer, make_reader
 from batchline.topics import JobTopics
 from schemas import RunStats, codec_for
-from schemas.codec import DecodeError, decode_request
+from schemas.codec import DecodeError, decode_request, fallback_id
 from streams.tally import DEFAULT_VALUE, LedgerEvent, LedgerState, RequestSeen, RetrySeen
 
 log = logging.getLogger(__name__)
@@ -37,16 +36,6 @@ FLUSH_TIMEOUT_S = 30.0
 CATCH_UP_EMPTY_POLLS = 10
 SNAPSHOT_SHARE = 10  # the next snapshot waits at least this many times as long as the last one took
 TP = tuple[str, int]
-
-
-def fallback_id(key: bytes | None, payload: bytes) -> str:
-    """The id the worker gives a record it cannot decode: its key, else a digest of its bytes.
-
-    The same rule as the worker's intake (``streams`` must not import ``consumers``); a unit test pins both.
-    """
-    if key:
-        return key.decode("utf-8", "replace")
-    return "sha256:" + hashlib.sha256(payload).hexdigest()[:24]
 
 
 def request_seen(msg: Message, max_bytes: int) -> RequestSeen:
