@@ -11,8 +11,8 @@ from datetime import UTC, datetime
 
 from confluent_kafka import Message
 
-from batchline import headers as h
 from batchline.config import JobConfig
+from batchline.kafka import headers as h
 from consumers.work import Failure, Source, WorkItem
 from schemas.codec import DecodeError, decode_request, fallback_id
 

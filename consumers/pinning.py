@@ -13,9 +13,9 @@ import logging
 import time
 
 from batchline.config import KafkaSettings
-from batchline.identity import Fingerprint
-from batchline.runs import STREAM_RUN, RunsView, pin_stream
-from batchline.topics import JobTopics
+from batchline.kafka.topics import JobTopics
+from batchline.runs.identity import Fingerprint
+from batchline.runs.manifests import STREAM_RUN, RunsView, pin_stream
 from consumers.work import WorkItem
 
 log = logging.getLogger(__name__)

@@ -11,10 +11,10 @@ from collections.abc import Sequence
 from dataclasses import dataclass
 from datetime import UTC, datetime
 
-from batchline import headers as h
 from batchline.config import JobConfig
-from batchline.identity import Fingerprint
-from batchline.topics import JobTopics
+from batchline.kafka import headers as h
+from batchline.kafka.topics import JobTopics
+from batchline.runs.identity import Fingerprint
 from consumers.engines.base import EngineOutput
 from consumers.work import Failure, WorkItem
 from schemas import DeadLetter, Lineage, Result, codec_for

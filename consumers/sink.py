@@ -1,7 +1,7 @@
 """The transactional sink: a batch's results, retries and dead letters, and its offsets, in one transaction.
 
 The transaction begins after inference (its timeout runs from its start). Error handling is the platform's
-:class:`~batchline.transactions.TransactionalProducer`: retriable errors retry, abortable ones abort (the
+:class:`~batchline.kafka.transactions.TransactionalProducer`: retriable errors retry, abortable ones abort (the
 worker rewinds to the committed offsets), fatal ones recreate the producer. Nothing is committed that was
 not produced.
 """
@@ -15,7 +15,7 @@ from typing import Any
 from confluent_kafka import KafkaError, KafkaException, TopicPartition
 
 from batchline.config import KafkaSettings
-from batchline.transactions import TransactionalProducer, TransactionFailed
+from batchline.kafka.transactions import TransactionalProducer, TransactionFailed
 from consumers.exceptions import SinkError
 from consumers.route import Produced
 

@@ -24,10 +24,10 @@ from opentelemetry import trace
 from opentelemetry.trace import SpanKind
 
 from batchline.config import JobConfig, KafkaSettings
-from batchline.identity import Fingerprint, fingerprint_of
-from batchline.kafka import make_consumer
+from batchline.kafka.client import make_consumer
+from batchline.kafka.topics import JobTopics
+from batchline.runs.identity import Fingerprint, fingerprint_of
 from batchline.telemetry import WorkerMetrics, link_from_traceparent, traceparent_of
-from batchline.topics import JobTopics
 from consumers.batcher import Batcher
 from consumers.engines import Engine, create_engine
 from consumers.exceptions import SinkError

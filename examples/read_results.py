@@ -12,9 +12,9 @@ from __future__ import annotations
 import argparse
 import os
 
-from batchline import headers
 from batchline.config import KafkaSettings
-from batchline.scan import scan
+from batchline.kafka import headers
+from batchline.kafka.scan import scan
 from schemas import codec_for
 
 

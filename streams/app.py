@@ -15,8 +15,8 @@ from dataclasses import dataclass
 from confluent_kafka import KafkaException
 
 from batchline.config import JobConfig, KafkaSettings
-from batchline.kafka import make_admin
-from batchline.topics import JobTopics
+from batchline.kafka.client import make_admin
+from batchline.kafka.topics import JobTopics
 from streams.exceptions import MissingTopicsError, StreamsError
 from streams.ledger import Ledger
 from streams.retry_scheduler import RetryScheduler

@@ -19,10 +19,10 @@ from datetime import UTC, datetime
 
 from confluent_kafka import OFFSET_BEGINNING, Consumer, KafkaError, Message, TopicPartition
 
-from batchline import headers as h
 from batchline.config import JobConfig, KafkaSettings
-from batchline.kafka import make_producer, make_reader
-from batchline.topics import JobTopics
+from batchline.kafka import headers as h
+from batchline.kafka.client import make_producer, make_reader
+from batchline.kafka.topics import JobTopics
 from schemas import RunStats, codec_for
 from schemas.codec import DecodeError, decode_request, fallback_id
 from streams.tally import DEFAULT_VALUE, LedgerEvent, LedgerState, RequestSeen, RetrySeen

@@ -31,11 +31,11 @@ from typing import Any
 
 from confluent_kafka import Consumer, KafkaError, Message, TopicPartition
 
-from batchline import headers as h
 from batchline.config import JobConfig, KafkaSettings
-from batchline.kafka import make_consumer
-from batchline.topics import JobTopics
-from batchline.transactions import TransactionalProducer, TransactionFailed
+from batchline.kafka import headers as h
+from batchline.kafka.client import make_consumer
+from batchline.kafka.topics import JobTopics
+from batchline.kafka.transactions import TransactionalProducer, TransactionFailed
 from streams.exceptions import RepublishError
 
 log = logging.getLogger(__name__)

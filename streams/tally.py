@@ -5,7 +5,7 @@ The ledger (``streams/ledger.py``) decodes topic records into the events below a
 
 Rules (DESIGN.md §5, §6), all per run and per distinct request id:
 
-- A record whose run id is empty or missing belongs to the open stream, :data:`batchline.runs.STREAM_RUN`.
+- A record whose run id is empty or missing belongs to the open stream, :data:`batchline.runs.manifests.STREAM_RUN`.
 - The final outcome of an id is *succeeded* if it has any result, else the class of its latest dead letter
   (*quarantined*), else it is *pending*. So duplicates (redelivery, aborted transactions the embedded broker
   does not hide) never count twice, and the order in which topics are read does not matter.
@@ -26,7 +26,7 @@ from collections.abc import Iterable
 from dataclasses import dataclass
 from datetime import UTC, datetime
 
-from batchline.runs import STREAM_RUN
+from batchline.runs.manifests import STREAM_RUN
 from schemas import DeadLetter, QuarantinedRecord, Result, RunManifest, RunStats
 
 DEFAULT_VALUE = 1.0

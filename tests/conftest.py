@@ -9,9 +9,9 @@ from pathlib import Path
 
 import pytest
 
-from batchline.broker import EmbeddedBroker
 from batchline.config import KafkaSettings
-from batchline.topics import JobTopics, create_job_topics
+from batchline.kafka.broker import EmbeddedBroker
+from batchline.kafka.topics import JobTopics, create_job_topics
 
 # vLLM CPU settings (DESIGN.md §11) for every test process and the workers they start.
 os.environ.setdefault("VLLM_CPU_KVCACHE_SPACE", "1")

@@ -15,9 +15,9 @@ from collections.abc import Callable
 from pathlib import Path
 
 from batchline.config import KafkaSettings, load_job_config
-from batchline.identity import fingerprint_of
-from batchline.submit import submit_file
-from batchline.topics import JobTopics
+from batchline.kafka.topics import JobTopics
+from batchline.runs.identity import fingerprint_of
+from batchline.runs.submit import submit_file
 from consumers.engines.base import EngineInput, Sampling
 from consumers.engines.deterministic import DeterministicEngine
 from consumers.worker import Worker

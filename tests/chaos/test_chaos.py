@@ -16,9 +16,9 @@ from pathlib import Path
 import pytest
 
 from batchline.config import KafkaSettings, load_job_config
-from batchline.identity import fingerprint_of
-from batchline.submit import submit_file
-from batchline.topics import JobTopics
+from batchline.kafka.topics import JobTopics
+from batchline.runs.identity import fingerprint_of
+from batchline.runs.submit import submit_file
 from consumers.engines.deterministic import DeterministicEngine
 from tests.support.jobs import job_toml
 from tests.support.kafka import dead_letters, results, wait_for

@@ -9,7 +9,7 @@ import sys
 
 import pytest
 
-from batchline.sample_data import LABELS
+from batchline.cli.sample_data import LABELS
 
 pytest.importorskip("vllm")
 pytestmark = pytest.mark.vllm

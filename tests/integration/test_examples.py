@@ -9,7 +9,7 @@ from collections.abc import Callable
 from pathlib import Path
 
 from batchline.config import KafkaSettings
-from batchline.topics import JobTopics
+from batchline.kafka.topics import JobTopics
 from tests.support.jobs import job_toml
 from tests.support.kafka import results, wait_for
 from tests.support.procs import CliProcess

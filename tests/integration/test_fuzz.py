@@ -10,8 +10,8 @@ from hypothesis import HealthCheck, given, settings
 from hypothesis import strategies as st
 
 from batchline.config import KafkaSettings
-from batchline.kafka import make_producer
-from batchline.topics import JobTopics
+from batchline.kafka.client import make_producer
+from batchline.kafka.topics import JobTopics
 from schemas import Request, codec_for
 from tests.support.kafka import dead_letters, read_topic, wait_for
 from tests.support.procs import CliProcess

@@ -7,11 +7,11 @@ import time
 from collections.abc import Callable
 from pathlib import Path
 
-from batchline import headers as h
 from batchline.config import KafkaSettings, load_job_config
-from batchline.identity import fingerprint_of
-from batchline.submit import submit_file
-from batchline.topics import JobTopics
+from batchline.kafka import headers as h
+from batchline.kafka.topics import JobTopics
+from batchline.runs.identity import fingerprint_of
+from batchline.runs.submit import submit_file
 from tests.support.jobs import job_toml, requests_file
 from tests.support.kafka import dead_letters, produce_raw, results, wait_for
 from tests.support.procs import CliProcess

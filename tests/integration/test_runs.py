@@ -7,10 +7,10 @@ from collections.abc import Callable
 from pathlib import Path
 
 from batchline.config import KafkaSettings, load_job_config
-from batchline.identity import fingerprint_of
-from batchline.runs import RunsView
-from batchline.submit import submit_file
-from batchline.topics import JobTopics
+from batchline.kafka.topics import JobTopics
+from batchline.runs.identity import fingerprint_of
+from batchline.runs.manifests import RunsView
+from batchline.runs.submit import submit_file
 from tests.support.cli import run_cli, status_json
 from tests.support.jobs import job_toml, requests_file
 from tests.support.kafka import dead_letters, results, wait_for

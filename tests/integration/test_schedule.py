@@ -9,10 +9,10 @@ from pathlib import Path
 from confluent_kafka import TopicPartition
 
 from batchline.config import KafkaSettings, load_job_config
-from batchline.identity import fingerprint_of
-from batchline.kafka import make_reader
-from batchline.submit import submit_file
-from batchline.topics import JobTopics
+from batchline.kafka.client import make_reader
+from batchline.kafka.topics import JobTopics
+from batchline.runs.identity import fingerprint_of
+from batchline.runs.submit import submit_file
 from consumers.worker import Worker
 from tests.support.jobs import job_toml, requests_file
 from tests.support.kafka import read_topic, results

@@ -12,13 +12,13 @@ from collections import Counter
 from collections.abc import Callable
 from pathlib import Path
 
-from batchline import headers as h
 from batchline.config import JobConfig, KafkaSettings, load_job_config
-from batchline.identity import fingerprint_of
-from batchline.kafka import make_producer
-from batchline.runs import STREAM_RUN
-from batchline.submit import submit_file
-from batchline.topics import JobTopics
+from batchline.kafka import headers as h
+from batchline.kafka.client import make_producer
+from batchline.kafka.topics import JobTopics
+from batchline.runs.identity import fingerprint_of
+from batchline.runs.manifests import STREAM_RUN
+from batchline.runs.submit import submit_file
 from consumers.engines.deterministic import DeterministicEngine
 from consumers.route import BatchContext, Router
 from consumers.work import Failure, Source, WorkItem

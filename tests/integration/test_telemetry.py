@@ -10,9 +10,9 @@ from opentelemetry.sdk.trace.export import SimpleSpanProcessor
 from opentelemetry.sdk.trace.export.in_memory_span_exporter import InMemorySpanExporter
 from opentelemetry.trace import SpanKind
 
-from batchline import headers as h
 from batchline.config import KafkaSettings, load_job_config
-from batchline.topics import JobTopics
+from batchline.kafka import headers as h
+from batchline.kafka.topics import JobTopics
 from consumers.worker import Worker
 from tests.support.jobs import job_toml
 from tests.support.kafka import produce_raw, results

@@ -18,11 +18,11 @@ from typing import Any
 import jsonschema
 import pytest
 
-from batchline import headers as h
 from batchline.config import KafkaSettings, load_job_config
-from batchline.identity import fingerprint_of, model_digest
-from batchline.submit import submit_file
-from batchline.topics import JobTopics
+from batchline.kafka import headers as h
+from batchline.kafka.topics import JobTopics
+from batchline.runs.identity import fingerprint_of, model_digest
+from batchline.runs.submit import submit_file
 from consumers.engines.base import EngineInput, EngineOutput, RecordFailure, Sampling
 from schemas import ChatMessage
 from tests.support.kafka import dead_letters, results

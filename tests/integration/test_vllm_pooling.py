@@ -9,12 +9,12 @@ from pathlib import Path
 
 import pytest
 
-from batchline import headers as h
+from batchline.cli.sample_data import LABEL_TEXTS, LABELS, tickets
 from batchline.config import JobConfig, KafkaSettings, load_job_config
-from batchline.identity import fingerprint_of, model_digest
-from batchline.sample_data import LABEL_TEXTS, LABELS, tickets
-from batchline.submit import submit_file
-from batchline.topics import JobTopics
+from batchline.kafka import headers as h
+from batchline.kafka.topics import JobTopics
+from batchline.runs.identity import fingerprint_of, model_digest
+from batchline.runs.submit import submit_file
 from tests.support.kafka import dead_letters, results
 from tests.support.models import minilm_path, run_worker
 

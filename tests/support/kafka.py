@@ -7,11 +7,11 @@ from collections import defaultdict
 from dataclasses import dataclass
 from typing import Any
 
-from batchline import headers as h
 from batchline.config import KafkaSettings
-from batchline.kafka import make_producer
-from batchline.scan import scan
-from batchline.topics import JobTopics
+from batchline.kafka import headers as h
+from batchline.kafka.client import make_producer
+from batchline.kafka.scan import scan
+from batchline.kafka.topics import JobTopics
 from schemas import DeadLetter, Lineage, Result, codec_for
 
 

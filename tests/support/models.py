@@ -60,7 +60,7 @@ def build_tiny_llama(out: Path) -> Path:
 
 
 def minilm_path() -> Path:
-    from batchline.demo import packaged_model
+    from batchline.cli.demo import packaged_model
 
     return packaged_model()
 

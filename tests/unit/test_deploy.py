@@ -7,7 +7,7 @@
   the Compose specification: unknown keys, bad durations, bad ports and undefined resources fail) and checked
   against its pydantic models, which are generated from the specification's JSON schema. The schema file
   itself is not vendored.
-- Consistency with the code: topics equal what ``batchline.topics`` creates, every command line parses with the
+- Consistency with the code: topics equal what ``batchline.kafka.topics`` creates, every command line parses with the
   real CLI, every ``BATCHLINE_*`` variable is a ``KafkaSettings`` field, every job TOML loads.
 """
 
@@ -30,9 +30,9 @@ from compose_spec import PyOptions
 from compose_spec import parse_duration as compose_duration
 from compose_spec.models import ComposeSpecification
 
-from batchline.cli import app
+from batchline.cli.app import app
 from batchline.config import JobConfig, KafkaSettings, load_job_config
-from batchline.topics import JobTopics, _specs
+from batchline.kafka.topics import JobTopics, _specs
 
 ROOT = Path(__file__).resolve().parents[2]
 DEPLOY = ROOT / "deploy"

@@ -4,7 +4,7 @@ from __future__ import annotations
 
 from pathlib import Path
 
-from batchline.config_doc import BEGIN, END, render
+from batchline.cli.config_doc import BEGIN, END, render
 
 README = Path(__file__).parents[2] / "README.md"
 

@@ -7,7 +7,7 @@ from datetime import UTC, datetime
 
 import pytest
 
-from batchline.runs import STREAM_RUN
+from batchline.runs.manifests import STREAM_RUN
 from consumers.intake import fallback_id as worker_fallback_id
 from schemas import DeadLetter, Result, RunManifest
 from streams.ledger import fallback_id

@@ -25,13 +25,13 @@ from typing import Any
 
 from confluent_kafka import TopicPartition
 
+from batchline.cli.sample_data import LABEL_TEXTS, LABELS, write_archive
 from batchline.config import KafkaSettings, load_job_config
 from batchline.exceptions import BatchlineError
-from batchline.identity import fingerprint_of
-from batchline.kafka import make_reader
-from batchline.sample_data import LABEL_TEXTS, LABELS, write_archive
-from batchline.submit import submit_file
-from batchline.topics import JobTopics, create_job_topics
+from batchline.kafka.client import make_reader
+from batchline.kafka.topics import JobTopics, create_job_topics
+from batchline.runs.identity import fingerprint_of
+from batchline.runs.submit import submit_file
 from schemas import DeadLetter, Result, codec_for
 
 JOB = "demo"
@@ -211,7 +211,7 @@ def run_demo(
     with ExitStack() as stack:
         work = Path(stack.enter_context(tempfile.TemporaryDirectory(prefix="batchline-demo-")))
         if bootstrap is None:
-            from batchline.broker import EmbeddedBroker
+            from batchline.kafka.broker import EmbeddedBroker
 
             bootstrap = stack.enter_context(EmbeddedBroker(log_path=str(work / "broker.log"))).bootstrap
         kafka = KafkaSettings(bootstrap=bootstrap)

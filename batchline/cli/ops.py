@@ -1,4 +1,4 @@
-"""Operations commands: ``status``, ``dlq JOB list|replay`` and ``replay`` (registered by ``batchline.cli``)."""
+"""Operations commands: ``status``, ``dlq JOB list|replay`` and ``replay`` (registered by ``batchline.cli.app``)."""
 
 from __future__ import annotations
 
@@ -7,7 +7,7 @@ from typing import Annotated, Any
 
 import typer
 
-from batchline.cli_common import (
+from batchline.cli.common import (
     Bootstrap,
     ConfigOpt,
     EngineArgs,
@@ -37,9 +37,9 @@ def status(
     from rich.console import Group
     from rich.live import Live
 
-    from batchline.render import run_panel
-    from batchline.status import collect
-    from batchline.topics import JobTopics
+    from batchline.cli.render import run_panel
+    from batchline.kafka.topics import JobTopics
+    from batchline.runs.status import collect
 
     kafka, topics = kafka_settings(bootstrap), JobTopics(job)
 
@@ -72,9 +72,9 @@ def dlq_list(
     """Quarantined records (dead letters without a later result): counts per class and sample errors."""
     import json
 
-    from batchline.render import dlq_table
-    from batchline.replay import quarantined, summarise
-    from batchline.topics import JobTopics
+    from batchline.cli.render import dlq_table
+    from batchline.kafka.topics import JobTopics
+    from batchline.runs.replay import quarantined, summarise
 
     summary = summarise(quarantined(kafka_settings(bootstrap), JobTopics(job), run, failure_class)).as_json()
     if json_out:
@@ -122,9 +122,9 @@ def replay(
 def _replay(
     job: str, source: str, run: str | None, file: Path | None, failure_class: str | None, cfg: JobConfig, bootstrap: str
 ) -> None:
-    from batchline import replay as rp
-    from batchline.identity import fingerprint_of
-    from batchline.topics import JobTopics
+    from batchline.kafka.topics import JobTopics
+    from batchline.runs import replay as rp
+    from batchline.runs.identity import fingerprint_of
 
     kafka, topics, fp = kafka_settings(bootstrap), JobTopics(job, cfg.retry.tiers), fingerprint_of(cfg)
     if source == "dlq":

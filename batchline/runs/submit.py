@@ -19,13 +19,13 @@ from typing import Any, Literal
 from confluent_kafka import KafkaError, Message
 from pydantic import ValidationError
 
-from batchline import headers as h
 from batchline.config import KafkaSettings
 from batchline.exceptions import InputFileError
-from batchline.identity import Fingerprint
-from batchline.kafka import make_producer
-from batchline.runs import manifest_for, write_manifest
-from batchline.topics import JobTopics
+from batchline.kafka import headers as h
+from batchline.kafka.client import make_producer
+from batchline.kafka.topics import JobTopics
+from batchline.runs.identity import Fingerprint
+from batchline.runs.manifests import manifest_for, write_manifest
 from schemas import PartitionBoundary, Request, RunManifest, codec_for
 
 Format = Literal["jsonl", "openai", "parquet"]

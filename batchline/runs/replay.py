@@ -12,11 +12,11 @@ from typing import Any
 
 from batchline.config import KafkaSettings
 from batchline.exceptions import BatchlineError
-from batchline.identity import Fingerprint
-from batchline.runs import RunsView
-from batchline.scan import scan
-from batchline.submit import Format, SubmitReport, publish_run, submit_file
-from batchline.topics import JobTopics
+from batchline.kafka.scan import scan
+from batchline.kafka.topics import JobTopics
+from batchline.runs.identity import Fingerprint
+from batchline.runs.manifests import RunsView
+from batchline.runs.submit import Format, SubmitReport, publish_run, submit_file
 from schemas import DeadLetter, codec_for
 from schemas.codec import DecodeError, decode_request
 

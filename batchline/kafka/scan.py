@@ -15,7 +15,7 @@ from typing import Any
 from confluent_kafka import TopicPartition
 
 from batchline.config import KafkaSettings
-from batchline.kafka import make_reader
+from batchline.kafka.client import make_reader
 
 READ_TIMEOUT_S = 30.0
 SCAN_IDLE_S = 0.6

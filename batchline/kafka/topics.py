@@ -10,7 +10,7 @@ from confluent_kafka.admin import NewPartitions, NewTopic
 
 from batchline.config import KafkaSettings
 from batchline.exceptions import TopicError
-from batchline.kafka import make_admin
+from batchline.kafka.client import make_admin
 
 log = logging.getLogger(__name__)
 ADMIN_TIMEOUT_S = 15.0

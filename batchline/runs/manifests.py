@@ -15,9 +15,9 @@ from datetime import UTC, datetime
 from confluent_kafka import TopicPartition
 
 from batchline.config import KafkaSettings
-from batchline.identity import Fingerprint
-from batchline.kafka import make_producer, make_reader
-from batchline.topics import JobTopics
+from batchline.kafka.client import make_producer, make_reader
+from batchline.kafka.topics import JobTopics
+from batchline.runs.identity import Fingerprint
 from schemas import RunManifest, codec_for
 from schemas.codec import DecodeError
 

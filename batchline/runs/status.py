@@ -16,10 +16,10 @@ from typing import Any
 from confluent_kafka import TopicPartition
 
 from batchline.config import KafkaSettings
-from batchline.kafka import make_reader
-from batchline.runs import STREAM_RUN, RunsView
-from batchline.scan import scan
-from batchline.topics import JobTopics
+from batchline.kafka.client import make_reader
+from batchline.kafka.scan import scan
+from batchline.kafka.topics import JobTopics
+from batchline.runs.manifests import STREAM_RUN, RunsView
 from schemas import RunManifest, RunStats, codec_for
 from schemas.codec import DecodeError
 

@@ -17,7 +17,7 @@ from confluent_kafka import KafkaError, KafkaException, Producer, TopicPartition
 
 from batchline.config import KafkaSettings
 from batchline.exceptions import BatchlineError
-from batchline.kafka import make_producer
+from batchline.kafka.client import make_producer
 
 log = logging.getLogger(__name__)
 T = TypeVar("T")

@@ -1,0 +1,1 @@
+"""Kafka plumbing: client factory, transactions, scans, topics, headers, the embedded broker."""

@@ -1,0 +1,1 @@
+"""Runs: fingerprints, manifests and pins, submit, replay, status."""
