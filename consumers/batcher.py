@@ -8,7 +8,7 @@ from __future__ import annotations
 
 import time
 from collections import deque
-from collections.abc import Callable, Iterable
+from collections.abc import Callable, Iterable, Iterator
 
 from batchline.config import BatchingConfig
 from consumers.work import WorkItem
@@ -38,6 +38,15 @@ class Batcher:
         if not self._items:
             return False
         return self.full() or (self.clock() - self._items[0][0]) * 1000 >= self.config.linger_ms
+
+    def due_in(self) -> float | None:
+        """Seconds until the oldest record's linger expires (0 if it has); None when empty."""
+        if not self._items:
+            return None
+        return max(0.0, self.config.linger_ms / 1000 - (self.clock() - self._items[0][0]))
+
+    def items(self) -> Iterator[WorkItem]:
+        return (item for _, item in self._items)
 
     def take(self, force: bool = False, full_only: bool = False) -> list[WorkItem]:
         """The next batch, or [] when none is ready. ``force`` takes what there is; ``full_only`` ignores linger

@@ -1,21 +1,48 @@
-"""The infer stage: engine inputs from work items, an isolated engine run, validated outcomes.
+"""The infer stage: micro-batches in, one engine thread keeping the engine busy, validated outcomes out.
 
-An output that fails validation is re-inferred with a new seed up to ``retry.invalid_output_retries`` times,
-then becomes an ``invalid_output`` failure carrying the last output.
+A micro-batch is the unit of commit, not of inference. With a :class:`StreamingEngine` (vLLM's continuous
+batching, or the deterministic engine), each record joins the engine's running batch as soon as its micro-batch
+is handed over and leaves it when it finishes, so the engine never drains to the longest record of a micro-batch;
+a micro-batch (a :class:`Flight`) is done when every one of its records has an outcome, in any order. Other
+engines are driven call by call, one micro-batch per call.
+
+Failures keep the guarantees of the call-by-call path: when a step fails as a whole, the running records are
+taken back and run through :class:`~consumers.isolate.IsolatingRunner` (bisection isolates a poison record;
+its neighbours lose nothing). Out-of-memory halves how many records may run at once; a run of good steps grows it
+back. An output that fails validation is re-inferred with a new seed up to ``retry.invalid_output_retries``
+times, then becomes an ``invalid_output`` failure carrying the last output.
+
+Only the engine thread touches the engine. The worker's thread hands flights over with :meth:`Feeder.submit`
+and is woken (``wake``) when one is done.
 """
 
 from __future__ import annotations
 
+import functools
 import hashlib
-from collections.abc import Sequence
-from dataclasses import replace
+import itertools
+import logging
+import threading
+import time
+from collections import deque
+from collections.abc import Callable, Iterable
+from dataclasses import dataclass, field, replace
 
-from batchline.config import JobConfig
-from consumers.engines.base import EngineInput, EngineOutput, RecordFailure, Sampling
-from consumers.isolate import IsolatingRunner
+from batchline.config import JobConfig, SamplingConfig
+from consumers.engines.base import (
+    Engine,
+    EngineInput,
+    EngineOutput,
+    RecordFailure,
+    Sampling,
+    StreamingEngine,
+)
+from consumers.exceptions import EngineOOM
+from consumers.isolate import GROW_AFTER, IsolatingRunner
 from consumers.validate import OutputValidator
 from consumers.work import Failure, WorkItem
 
+log = logging.getLogger(__name__)
 Outcome = EngineOutput | Failure
 RETRY_TEMPERATURE = 0.7
 
@@ -27,54 +54,271 @@ def record_seed(base: int, request_id: str, salt: int = 0) -> int:
 
 
 def engine_input(config: JobConfig, item: WorkItem) -> EngineInput:
+    """The engine's view of a record. Greedy records carry no seed (it would change nothing and costs vLLM a
+    per-request generator); sampled ones get a per-record seed so a replay reproduces them."""
     assert item.request is not None
     job = config.engine.sampling
     over = item.request.sampling
-    seed = over.seed if over and over.seed is not None else record_seed(job.seed, item.request_id)
-    sampling = Sampling(
-        temperature=over.temperature if over and over.temperature is not None else job.temperature,
-        top_p=over.top_p if over and over.top_p is not None else job.top_p,
-        max_tokens=over.max_tokens if over and over.max_tokens is not None else job.max_tokens,
-        seed=seed,
-    )
     messages = tuple(item.request.messages) if item.request.messages else None
-    return EngineInput(item.request_id, item.prompt, messages, sampling, item.attempt)
+    if over is None:
+        if job.temperature == 0:
+            return EngineInput(item.request_id, item.prompt, messages, _greedy(job), item.attempt)
+        temperature, top_p, max_tokens, seed = job.temperature, job.top_p, job.max_tokens, None
+    else:
+        temperature = over.temperature if over.temperature is not None else job.temperature
+        top_p = over.top_p if over.top_p is not None else job.top_p
+        max_tokens = over.max_tokens if over.max_tokens is not None else job.max_tokens
+        seed = over.seed
+    if seed is None and temperature > 0:
+        seed = record_seed(job.seed, item.request_id)
+    return EngineInput(
+        item.request_id, item.prompt, messages, Sampling(temperature, top_p, max_tokens, seed), item.attempt
+    )
 
 
-class InferStage:
-    def __init__(self, config: JobConfig, runner: IsolatingRunner) -> None:
+@functools.cache
+def _greedy(job: SamplingConfig) -> Sampling:
+    """The job's greedy sampling, shared by its records (never mutated: re-tries build a new one)."""
+    return Sampling(job.temperature, job.top_p, job.max_tokens, None)
+
+
+def is_streaming(engine: Engine) -> bool:
+    return isinstance(engine, StreamingEngine) and bool(getattr(engine, "streaming", True))
+
+
+@dataclass(eq=False)
+class Flight:
+    """One micro-batch handed to the engine. ``outcomes`` (by index in ``items``) is complete once ``done``."""
+
+    batch_id: str
+    items: list[WorkItem]
+    outcomes: dict[int, Outcome] = field(default_factory=dict)
+    pending: int = 0
+    started_ns: int = 0
+    ended_ns: int = 0
+    done: bool = False
+    cancelled: bool = False
+
+    @property
+    def engine_ms(self) -> float:
+        return (self.ended_ns - self.started_ns) / 1e6
+
+
+@dataclass
+class _Slot:
+    flight: Flight
+    index: int
+    inp: EngineInput
+    round: int = 0
+
+
+@dataclass
+class FeederStats:
+    steps: int = 0
+    step_failures: int = 0
+    oom_events: int = 0
+    resampled: int = 0
+
+
+class Feeder:
+    def __init__(self, engine: Engine, config: JobConfig, wake: Callable[[], None]) -> None:
+        self.engine = engine
         self.config = config
-        self.runner = runner
+        self.streaming = is_streaming(engine)
+        self.runner = IsolatingRunner(engine, config.batching.max_records)
         self.validator = OutputValidator(config)
+        self.retries = config.retry.invalid_output_retries
+        self.max_admitted = config.batching.max_in_flight_records
+        self.limit = self.max_admitted  # records allowed in the running batch at once; OOM halves it
+        self.stats = FeederStats()
+        self.error: BaseException | None = None
+        self._wake = wake
+        self._cond = threading.Condition()
+        self._queue: deque[Flight] = deque()
+        self._cancelling = False
+        self._stopping = False
+        self._keys = itertools.count()
+        self._slots: dict[int, _Slot] = {}
+        self._backlog: deque[int] = deque()  # keys waiting to join the running batch (or the next call)
+        self._running: set[int] = set()  # keys in the engine's running batch
+        self._good_steps = 0
+        self._thread = threading.Thread(target=self._run, name="engine", daemon=True)
 
-    def run(self, items: Sequence[WorkItem]) -> dict[int, Outcome]:
-        """Outcomes of the runnable items, keyed by their index in ``items``."""
-        todo = {i: engine_input(self.config, it) for i, it in enumerate(items) if it.runnable}
-        outcomes: dict[int, Outcome] = {}
-        last_invalid: dict[int, str] = {}
-        for round_ in range(self.config.retry.invalid_output_retries + 1):
-            if not todo:
-                break
-            keys = list(todo)
-            results = self.runner.run([todo[k] for k in keys])
-            retry: dict[int, EngineInput] = {}
-            for k, res in zip(keys, results, strict=True):
-                if isinstance(res, RecordFailure):
-                    outcomes[k] = Failure(res.failure_class, res.error_type, res.message)
-                    continue
-                problem = self.validator.problem(res)
-                if problem is None:
-                    outcomes[k] = res
-                    continue
-                last_invalid[k] = res.text if res.text is not None else str(res.label or res.embedding)
-                outcomes[k] = Failure("invalid_output", "InvalidOutput", problem, last_invalid[k][:2000])
-                s = todo[k].sampling
-                # A new seed only changes a sampled output: re-tries sample even when the job is greedy.
-                resampled = replace(
-                    s,
-                    seed=record_seed(s.seed, todo[k].request_id, round_ + 1),
-                    temperature=max(s.temperature, RETRY_TEMPERATURE),
-                )
-                retry[k] = replace(todo[k], sampling=resampled)
-            todo = retry
-        return outcomes
+    # -- the worker's side -----------------------------------------------------------------------
+    def start(self) -> None:
+        self._thread.start()
+
+    def submit(self, flight: Flight) -> None:
+        with self._cond:
+            self._queue.append(flight)
+            self._cond.notify()
+
+    def cancel(self, flights: Iterable[Flight]) -> None:
+        """Forget these flights: their records leave the engine, their outcomes are never reported."""
+        with self._cond:
+            for flight in flights:
+                flight.cancelled = True
+            self._queue = deque(f for f in self._queue if not f.cancelled)
+            self._cancelling = True
+            self._cond.notify()
+
+    def close(self, timeout: float = 30.0) -> None:
+        with self._cond:
+            self._stopping = True
+            self._cond.notify()
+        if self._thread.is_alive():
+            self._thread.join(timeout)
+
+    # -- the engine thread -------------------------------------------------------------------------
+    def _run(self) -> None:
+        try:
+            while True:
+                with self._cond:
+                    while not (self._stopping or self._queue or self._cancelling or self._busy()):
+                        self._cond.wait()
+                    if self._stopping:
+                        return
+                    new = list(self._queue)
+                    self._queue.clear()
+                    cancelling, self._cancelling = self._cancelling, False
+                if cancelling:
+                    self._drop_cancelled()
+                for flight in new:
+                    self._admit(flight)
+                if self.streaming:
+                    self._fill()
+                    if self._running:
+                        self._step()
+                elif self._backlog:
+                    self._call()
+        except BaseException as exc:  # the worker sees it and stops; nothing uncommitted is lost
+            log.exception("engine thread failed")
+            self.error = exc
+            self._wake()
+
+    def _busy(self) -> bool:
+        if self._backlog:
+            return True
+        return bool(self._running)
+
+    def _admit(self, flight: Flight) -> None:
+        flight.started_ns = time.time_ns()
+        for i, item in enumerate(flight.items):
+            if item.runnable:
+                key = next(self._keys)
+                self._slots[key] = _Slot(flight, i, engine_input(self.config, item))
+                self._backlog.append(key)
+                flight.pending += 1
+        if flight.pending == 0:
+            self._finish(flight)
+
+    def _drop_cancelled(self) -> None:
+        gone = [k for k, slot in self._slots.items() if slot.flight.cancelled]
+        if self.streaming and gone:
+            self.engine.abort(gone)  # type: ignore[attr-defined]
+            self._running.difference_update(gone)
+        for key in gone:
+            del self._slots[key]
+        self._backlog = deque(k for k in self._backlog if k in self._slots)
+
+    # -- continuous batching -------------------------------------------------------------------------
+    def _fill(self) -> None:
+        """Move backlog records into the running batch, up to ``limit``."""
+        engine: StreamingEngine = self.engine  # type: ignore[assignment]
+        while self._backlog and len(self._running) < self.limit:
+            key = self._backlog.popleft()
+            slot = self._slots.get(key)
+            if slot is None:
+                continue
+            failure = engine.add(key, slot.inp)
+            if failure is not None:
+                self._settle(key, failure)
+            else:
+                self._running.add(key)
+
+    def _step(self) -> None:
+        engine: StreamingEngine = self.engine  # type: ignore[assignment]
+        self.stats.steps += 1
+        try:
+            finished = engine.step()
+        except Exception as exc:
+            self.stats.step_failures += 1
+            engine.abort()  # the engine may have forgotten them already (a dead engine): we have not
+            keys, self._running = sorted(self._running), set()
+            self._isolate(keys, exc)
+            return
+        self._good_steps += 1
+        if self._good_steps >= GROW_AFTER and self.limit < self.max_admitted:
+            self.limit = min(self.max_admitted, self.limit * 2)
+            self._good_steps = 0
+        for key, outcome in finished:
+            self._running.discard(key)
+            self._settle(key, outcome)
+
+    def _isolate(self, keys: list[int], exc: Exception) -> None:
+        """The running batch failed as a whole: shrink it after OOM, else isolate its records call by call."""
+        keys = [k for k in keys if k in self._slots]
+        self._good_steps = 0
+        if isinstance(exc, EngineOOM) and len(keys) > 1:
+            self.stats.oom_events += 1
+            self.limit = max(1, len(keys) // 2)
+            log.warning("engine OOM with %d records running; running batch limit now %d", len(keys), self.limit)
+            self._backlog.extendleft(reversed(keys))
+            return
+        log.warning("engine step failed with %d records running (%s); isolating them", len(keys), exc)
+        outcomes = self.runner.run([self._slots[k].inp for k in keys])
+        for key, outcome in zip(keys, outcomes, strict=True):
+            self._settle(key, outcome)
+
+    # -- call by call -------------------------------------------------------------------------------
+    def _call(self) -> None:
+        keys = [self._backlog.popleft() for _ in range(min(len(self._backlog), self.config.batching.max_records))]
+        keys = [k for k in keys if k in self._slots]
+        if keys:
+            outcomes = self.runner.run([self._slots[k].inp for k in keys])
+            for key, outcome in zip(keys, outcomes, strict=True):
+                self._settle(key, outcome)
+
+    # -- outcomes -----------------------------------------------------------------------------------
+    def _settle(self, key: int, outcome: EngineOutput | RecordFailure) -> None:
+        slot = self._slots.pop(key, None)
+        if slot is None or slot.flight.cancelled:
+            return
+        final: Outcome
+        if isinstance(outcome, RecordFailure):
+            final = Failure(outcome.failure_class, outcome.error_type, outcome.message)
+        else:
+            problem = self.validator.problem(outcome)
+            if problem is None:
+                final = outcome
+            else:
+                shown = outcome.text if outcome.text is not None else str(outcome.label or outcome.embedding)
+                if slot.round < self.retries:
+                    self._resample(slot)
+                    return
+                final = Failure("invalid_output", "InvalidOutput", problem, shown[:2000])
+        flight = slot.flight
+        flight.outcomes[slot.index] = final
+        flight.pending -= 1
+        if flight.pending == 0:
+            self._finish(flight)
+
+    def _resample(self, slot: _Slot) -> None:
+        """Run the record again with a new seed; a new seed only changes a sampled output, so re-tries sample
+        even when the job is greedy."""
+        s = slot.inp.sampling
+        base = s.seed if s.seed is not None else self.config.engine.sampling.seed
+        sampling = replace(
+            s,
+            seed=record_seed(base, slot.inp.request_id, slot.round + 1),
+            temperature=max(s.temperature, RETRY_TEMPERATURE),
+        )
+        key = next(self._keys)
+        self._slots[key] = _Slot(slot.flight, slot.index, replace(slot.inp, sampling=sampling), slot.round + 1)
+        self._backlog.appendleft(key)  # its flight is already waiting on it
+        self.stats.resampled += 1
+
+    def _finish(self, flight: Flight) -> None:
+        flight.ended_ns = time.time_ns()
+        flight.done = True
+        self._wake()

@@ -30,20 +30,19 @@ class Intake:
         self.count_tokens = count_tokens
 
     def admit(self, msg: Message) -> WorkItem:
-        headers = h.as_dict(msg.headers())
+        raw_headers = msg.headers()
+        headers = h.as_dict(raw_headers) if raw_headers else {}
         ts_type, ts = msg.timestamp()
         payload: bytes = msg.value() or b""
         item = WorkItem(
-            source=Source(msg.topic(), msg.partition(), msg.offset(), ts if ts_type else None),
-            key=msg.key(),
-            payload=payload,
-            headers=headers,
-            attempt=h.integer(headers, h.ATTEMPT, 0) + 1,
-            trace_parent=h.text(headers, h.TRACEPARENT),
+            Source(msg.topic(), msg.partition(), msg.offset(), ts if ts_type else None), msg.key(), payload, headers
         )
-        first = h.integer(headers, h.FIRST_FAILURE_AT, 0)
-        if first:
-            item.first_failure_at = datetime.fromtimestamp(first / 1000, UTC)
+        if headers:
+            item.attempt = h.integer(headers, h.ATTEMPT, 0) + 1
+            item.trace_parent = h.text(headers, h.TRACEPARENT)
+            first = h.integer(headers, h.FIRST_FAILURE_AT, 0)
+            if first:
+                item.first_failure_at = datetime.fromtimestamp(first / 1000, UTC)
         try:
             item.request = decode_request(payload, self.config.max_request_bytes)
         except DecodeError as exc:

@@ -1,7 +1,9 @@
 """Route: every record's outcome becomes the messages to produce - a result, a retry or a dead letter.
 
 The failure class -> route table is data (``retry.routes`` in the job config); this is the one place that
-reads it. Results carry the lineage headers of DESIGN.md §3.
+reads it. Results carry the lineage headers of DESIGN.md §3. Results are the hot path: what is the same for every
+record of a worker (fingerprint headers, lineage fields) is encoded once, and a result is encoded from a plain
+dict, never through a model.
 """
 
 from __future__ import annotations
@@ -17,12 +19,13 @@ from batchline.kafka.topics import JobTopics
 from batchline.runs.identity import Fingerprint
 from consumers.engines.base import EngineOutput
 from consumers.work import Failure, WorkItem
-from schemas import DeadLetter, Lineage, Result, codec_for
+from schemas import DeadLetter, Lineage, codec_for
+from schemas.encoders import LineageEncoder, ResultEncoder
 
 Outcome = EngineOutput | Failure
 
 
-@dataclass(frozen=True)
+@dataclass(slots=True)
 class Produced:
     topic: str
     key: bytes
@@ -43,16 +46,39 @@ def _ms(dt: datetime) -> int:
 
 
 class Router:
-    def __init__(self, config: JobConfig, fingerprint: Fingerprint, topics: JobTopics) -> None:
+    def __init__(
+        self, config: JobConfig, fingerprint: Fingerprint, topics: JobTopics, worker_id: str = "worker"
+    ) -> None:
         self.config = config
         self.fp = fingerprint
         self.topics = topics
         self.routes = config.retry.routes
+        self.worker_id = worker_id
+        self._results = ResultEncoder(config.task)
+        self._lineage = LineageEncoder(
+            {
+                "model_id": fingerprint.model_id,
+                "model_revision": fingerprint.model_revision,
+                "model_digest": fingerprint.model_digest,
+                "engine": fingerprint.engine,
+                "engine_version": fingerprint.engine_version,
+                "config_digest": fingerprint.config_digest,
+                "prompt_template_digest": fingerprint.prompt_template_digest,
+                "fingerprint": fingerprint.value,
+                "worker_id": worker_id,
+            }
+        )
+        self._fixed_headers: h.Headers = [
+            (h.MODEL, fingerprint.model_id.encode()),
+            (h.CONFIG_DIGEST, fingerprint.config_digest.encode()),
+            (h.FINGERPRINT, fingerprint.value.encode()),
+        ]
 
     def route(
         self, items: Sequence[WorkItem], outcomes: dict[int, Outcome], ctx: BatchContext, latency_ms: float
     ) -> list[Produced]:
         out: list[Produced] = []
+        tail = self._results.tail(latency_ms, int(time.time() * 1000))
         for i, item in enumerate(items):
             if item.passed_over is not None:
                 continue
@@ -60,14 +86,16 @@ class Router:
             if outcome is None:
                 outcome = Failure("transient", "MissingOutcome", "engine returned no outcome")
             if isinstance(outcome, EngineOutput):
-                out.append(self._result(item, outcome, ctx, latency_ms))
+                out.append(self._result(item, outcome, ctx, tail))
             else:
                 out.append(self._failure(item, outcome, ctx))
         return out
 
     # -- results ---------------------------------------------------------------------------------
     def lineage(self, item: WorkItem, ctx: BatchContext) -> Lineage:
+        """The lineage of a result as a model (the hot path writes the same bytes with :class:`LineageEncoder`)."""
         fp = self.fp
+        topic, partition, offset = self._source(item)
         return Lineage(
             run_id=item.run_id,
             model_id=fp.model_id,
@@ -78,45 +106,45 @@ class Router:
             config_digest=fp.config_digest,
             prompt_template_digest=fp.prompt_template_digest,
             fingerprint=fp.value,
-            source_topic=h.text(item.headers, h.ORIGINAL_TOPIC) or item.source.topic,
-            source_partition=h.integer(item.headers, h.ORIGINAL_PARTITION, item.source.partition),
-            source_offset=h.integer(item.headers, h.ORIGINAL_OFFSET, item.source.offset),
+            source_topic=topic,
+            source_partition=partition,
+            source_offset=offset,
             worker_id=ctx.worker_id,
             batch_id=ctx.batch_id,
         )
 
-    def _result(self, item: WorkItem, out: EngineOutput, ctx: BatchContext, latency_ms: float) -> Produced:
-        result = Result(
-            request_id=item.request_id,
-            run_id=item.run_id,
-            task=self.config.task,
-            output=out.text,
-            label=out.label,
-            scores=out.scores,
-            embedding=out.embedding,
-            finish_reason=out.finish_reason,
-            prompt_tokens=out.prompt_tokens or item.prompt_tokens,
-            completion_tokens=out.completion_tokens,
-            attempt=item.attempt,
-            latency_ms=latency_ms,
-            produced_at=datetime.now(UTC),
+    @staticmethod
+    def _source(item: WorkItem) -> tuple[str, int, int]:
+        """Where the record was first published: a re-published retry keeps its original coordinates."""
+        if h.ORIGINAL_TOPIC not in item.headers:
+            return item.source.topic, item.source.partition, item.source.offset
+        return (
+            h.text(item.headers, h.ORIGINAL_TOPIC) or item.source.topic,
+            h.integer(item.headers, h.ORIGINAL_PARTITION, item.source.partition),
+            h.integer(item.headers, h.ORIGINAL_OFFSET, item.source.offset),
         )
-        headers: h.Headers = [
-            (h.LINEAGE, codec_for("lineage").encode(self.lineage(item, ctx))),
-            (h.RUN_ID, (item.run_id or "").encode()),
-            (h.MODEL, self.fp.model_id.encode()),
-            (h.CONFIG_DIGEST, self.fp.config_digest.encode()),
-            (h.FINGERPRINT, self.fp.value.encode()),
-        ]
+
+    def _result(self, item: WorkItem, out: EngineOutput, ctx: BatchContext, tail: bytes) -> Produced:
+        run_id = item.run_id
+        encoded = self._results.encode(
+            item.request_id,
+            run_id,
+            out.text,
+            out.label,
+            out.scores,
+            out.embedding,
+            out.finish_reason,
+            out.prompt_tokens or item.prompt_tokens,
+            out.completion_tokens,
+            item.attempt,
+            tail,
+        )
+        topic, partition, offset = self._source(item)
+        lineage = self._lineage.encode(run_id, topic, partition, offset, ctx.batch_id)
+        headers: h.Headers = [(h.LINEAGE, lineage), (h.RUN_ID, (run_id or "").encode()), *self._fixed_headers]
         if ctx.traceparent:
             headers.append((h.TRACEPARENT, ctx.traceparent.encode()))
-        return Produced(
-            self.topics.results,
-            item.request_id.encode(),
-            codec_for("result").encode(result),
-            headers,
-            "result",
-        )
+        return Produced(self.topics.results, item.request_id.encode(), encoded, headers, "result")
 
     # -- failures --------------------------------------------------------------------------------
     def _failure(self, item: WorkItem, failure: Failure, ctx: BatchContext) -> Produced:

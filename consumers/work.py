@@ -2,9 +2,9 @@
 
 from __future__ import annotations
 
-from dataclasses import dataclass, field
+from dataclasses import dataclass
 from datetime import datetime
-from typing import Literal
+from typing import Literal, NamedTuple
 
 from schemas import Request
 
@@ -19,8 +19,7 @@ FailureClass = Literal[
 ]
 
 
-@dataclass(frozen=True)
-class Source:
+class Source(NamedTuple):
     """Where a record was read: ``topic[partition]@offset``."""
 
     topic: str
@@ -42,7 +41,7 @@ class Failure:
     invalid_output: str | None = None
 
 
-@dataclass
+@dataclass(slots=True)
 class WorkItem:
     """One delivered message. ``request`` is None when the payload could not be decoded (``failure`` says why)."""
 
@@ -59,7 +58,6 @@ class WorkItem:
     failure: Failure | None = None
     passed_over: str | None = None  # a reason when this worker must not process the record (another run's pin)
     trace_parent: str | None = None
-    extra: dict[str, str] = field(default_factory=dict)
 
     @property
     def runnable(self) -> bool:

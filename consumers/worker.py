@@ -1,9 +1,16 @@
-"""The worker loop: intake -> batcher -> engine -> validate -> route -> sink, overlapped.
+"""The worker loop: intake -> batcher -> infer (engine thread) -> validate -> route -> sink, overlapped.
 
-The main thread polls Kafka and runs the sink; one engine thread runs inference. Up to
-``batching.pipeline_depth`` batches wait on the engine, so the GPU never waits for Kafka or for a commit.
-Partitions are paused (never slept on) when buffered + inferring records reach ``max_in_flight_records``;
-polling continues, so a long inference does not cost group membership.
+The worker's thread polls Kafka, batches, and commits; the engine thread (:class:`~consumers.infer.Feeder`)
+keeps the engine busy with every micro-batch handed over, records joining and leaving its running batch
+individually. The loop is event-driven: a finished micro-batch wakes it at once (``wake``); with nothing to do
+it waits in ``consume()`` for records, or on ``wake`` while its partitions are paused, so a waiting worker costs
+next to no CPU. Consecutive finished micro-batches commit together in one transaction (offsets in order).
+
+Partitions are paused, never slept on, for the reasons kept in :class:`~consumers.pauses.PauseBook` (flow control
+above ``max_in_flight_records``, outside a time window, yielding to another job); polling goes on, so a long
+inference never costs group membership, and the book survives rebalances. A failed transaction, a lost partition
+or a revocation that outlasts its grace period rewinds: everything uncommitted is dropped and re-read from the
+committed offsets (or, if the broker cannot say, from the first record still held: a duplicate, never a loss).
 """
 
 from __future__ import annotations
@@ -16,12 +23,11 @@ import time
 import uuid
 from collections import deque
 from collections.abc import Callable, Sequence
-from concurrent.futures import Future, ThreadPoolExecutor
 from dataclasses import dataclass, field
 
-from confluent_kafka import OFFSET_BEGINNING, Consumer, KafkaException, TopicPartition
+from confluent_kafka import Consumer, KafkaError, KafkaException, TopicPartition
 from opentelemetry import trace
-from opentelemetry.trace import SpanKind
+from opentelemetry.trace import SpanKind, Status, StatusCode
 
 from batchline.config import JobConfig, KafkaSettings
 from batchline.kafka.client import make_consumer
@@ -31,17 +37,25 @@ from batchline.telemetry import WorkerMetrics, link_from_traceparent, traceparen
 from consumers.batcher import Batcher
 from consumers.engines import Engine, create_engine
 from consumers.exceptions import SinkError
-from consumers.infer import InferStage, Outcome
+from consumers.infer import Feeder, Flight
 from consumers.intake import Intake
-from consumers.isolate import IsolatingRunner
+from consumers.pauses import PauseBook
 from consumers.pinning import Pinning
-from consumers.route import BatchContext, Router
+from consumers.route import BatchContext, Produced, Router
 from consumers.schedule import Schedule
 from consumers.sink import TransactionalSink
 from consumers.work import WorkItem
 
 log = logging.getLogger(__name__)
-POLL_BATCH = 500
+POLL_BATCH = 1000
+WAIT_FETCHING_S = 0.05  # longest wait on a finished inference while records may still arrive
+WAIT_PAUSED_S = 0.5  # longest wait while every partition is paused (callbacks are served between waits)
+WAIT_IDLE_S = 0.5  # longest wait in consume() with nothing in flight
+COMMIT_GROUP_RECORDS = 8192  # finished micro-batches committed in one transaction, at most this many records
+REVOKE_GRACE_S = 20.0  # how long a revocation waits for in-flight micro-batches before rewinding them
+COMMITTED_TIMEOUT_S = 10.0
+COMMITTED_TRIES = 3
+TP = tuple[str, int]
 
 
 @dataclass
@@ -51,27 +65,10 @@ class WorkerStats:
     retries: int = 0
     dead_letters: int = 0
     passed_over: int = 0
+    transactions: int = 0
     sink_failures: int = 0
     rewinds: int = 0
     by_kind: dict[str, int] = field(default_factory=dict)
-
-
-@dataclass(frozen=True)
-class _Inferred:
-    outcomes: dict[int, Outcome]
-    started_ns: int
-    ended_ns: int
-
-    @property
-    def engine_ms(self) -> float:
-        return (self.ended_ns - self.started_ns) / 1e6
-
-
-@dataclass
-class _InFlight:
-    batch_id: str
-    items: list[WorkItem]
-    future: Future[_Inferred]
 
 
 class Worker:
@@ -92,27 +89,25 @@ class Worker:
         self.engine = engine or create_engine(config)
         self.intake = Intake(config, self.engine.count_tokens)
         self.batcher = Batcher(config.batching)
-        self.runner = IsolatingRunner(self.engine, config.batching.max_records)
-        self.infer = InferStage(config, self.runner)
-        self.router = Router(config, self.fingerprint, self.topics)
+        self.wake = threading.Event()
+        self.feeder = Feeder(self.engine, config, self.wake.set)
+        self.router = Router(config, self.fingerprint, self.topics, self.worker_id)
         self.group = self.topics.worker_group(self.fingerprint.value)
         self.pinning = Pinning(kafka, self.topics, self.fingerprint)
         self.sink = TransactionalSink(kafka, f"{self.group}.{self.worker_id}", sink_fail_batches)
-        self.consumer: Consumer = make_consumer(kafka, self.group)
-        self.executor = ThreadPoolExecutor(1, thread_name_prefix="engine")
-        self.in_flight: deque[_InFlight] = deque()
+        prefetch_kb = max(1024, config.batching.max_in_flight_records * 2)  # librdkafka's queue counts too
+        self.consumer: Consumer = make_consumer(kafka, self.group, **{"queued.max.messages.kbytes": prefetch_kb})
+        self.pauses = PauseBook(self.consumer)
+        self.in_flight: deque[Flight] = deque()
         self.stats = WorkerStats()
         self.metrics = WorkerMetrics(config.job)
         self.tracer = trace.get_tracer("batchline.worker")
+        self.schedule = Schedule(config.schedule)
         self.stop_event = threading.Event()
         self.idle_exit_s = idle_exit_s
-        self._seq = 0
-        self._paused = False
-        self._window_closed = False
-        self.schedule = Schedule(config.schedule)
-        self._last_record = time.monotonic()
-        self._assigned: set[tuple[str, int]] = set()
         self.on_batch_committed: Callable[[str, list[WorkItem]], None] | None = None
+        self._seq = 0
+        self._last_record = time.monotonic()
 
     # -- lifecycle -------------------------------------------------------------------------------
     def run(self) -> WorkerStats:
@@ -124,14 +119,17 @@ class Worker:
             self.fingerprint.value,
         )
         self.pinning.start()
-        self.consumer.subscribe([self.topics.requests], on_assign=self._on_assign, on_revoke=self._on_revoke)
+        self.feeder.start()
+        self.consumer.subscribe(
+            [self.topics.requests], on_assign=self._on_assign, on_revoke=self._on_revoke, on_lost=self._on_lost
+        )
         try:
             while not self.stop_event.is_set() and not self._idle_done():
                 self._poll()
-                if self._outside_window():
-                    continue
+                self._check_engine()
+                self._follow_schedule()
                 self._dispatch()
-                self._complete(block=False)
+                self._complete()
                 self._flow_control()
             self._drain()
         finally:
@@ -140,9 +138,10 @@ class Worker:
 
     def stop(self) -> None:
         self.stop_event.set()
+        self.wake.set()
 
     def close(self) -> None:
-        self.executor.shutdown(wait=True)
+        self.feeder.close()
         self.pinning.stop()
         try:
             self.consumer.close()
@@ -151,180 +150,313 @@ class Worker:
             self.engine.close()
 
     def _idle_done(self) -> bool:
-        if self.idle_exit_s is None or self.in_flight or len(self.batcher) or not self._assigned:
+        if self.idle_exit_s is None or self.in_flight or len(self.batcher) or not self.pauses.assigned:
             return False
         return time.monotonic() - self._last_record >= self.idle_exit_s
 
+    def _check_engine(self) -> None:
+        if self.feeder.error is not None:
+            raise self.feeder.error
+
     # -- intake ----------------------------------------------------------------------------------
     def _poll(self) -> None:
-        busy = bool(self.in_flight) or len(self.batcher) > 0
-        timeout = 0.01 if busy else min(0.5, self.config.batching.linger_ms / 1000 or 0.1)
-        for msg in self.consumer.consume(POLL_BATCH, timeout):
+        """Take what librdkafka has fetched; with nothing to do, wait for records or a finished inference."""
+        self.wake.clear()
+        msgs = self.consumer.consume(POLL_BATCH, 0)
+        if not msgs and not self._work_ready():
+            if self.in_flight or (self.pauses.assigned and not self.pauses.fetching()):
+                self.wake.wait(WAIT_FETCHING_S if self.pauses.fetching() else WAIT_PAUSED_S)
+                msgs = self.consumer.consume(POLL_BATCH, 0)
+            else:  # nothing in flight: records are what we wait for (poll returns with the first one)
+                first = self.consumer.poll(self._linger_left(WAIT_IDLE_S))
+                if first is not None:
+                    msgs = [first, *self.consumer.consume(POLL_BATCH - 1, 0)]
+        for msg in msgs:
             if msg.error():
-                log.warning("consume error: %s", msg.error())
+                if msg.error().code() != KafkaError._PARTITION_EOF:
+                    log.warning("consume error: %s", msg.error())
                 continue
-            self._last_record = time.monotonic()
             item = self.intake.admit(msg)
             item.passed_over = self.pinning.pass_over(item)
             if item.passed_over:
                 self.stats.passed_over += 1
             self.batcher.add(item)
+        if msgs:
+            self._last_record = time.monotonic()
+
+    def _work_ready(self) -> bool:
+        if self.in_flight and self.in_flight[0].done:
+            return True
+        return self._may_dispatch() and self.batcher.ready()
+
+    def _linger_left(self, cap: float) -> float:
+        due = self.batcher.due_in()
+        return cap if due is None else max(0.0, min(cap, due))
 
     def _flow_control(self) -> None:
         held = len(self.batcher) + sum(len(f.items) for f in self.in_flight)
         limit = self.config.batching.max_in_flight_records
-        assignment = self.consumer.assignment()
-        if not self._paused and held >= limit and assignment:
-            self.consumer.pause(assignment)
-            self._paused = True
-        elif self._paused and held < limit // 2:
-            self.consumer.resume(assignment)
-            self._paused = False
+        if held >= limit:
+            self.pauses.hold("flow")
+        elif held < limit // 2:
+            self.pauses.lift("flow")
+
+    # -- scheduling ------------------------------------------------------------------------------
+    def _follow_schedule(self) -> None:
+        """Outside a time window: in-flight work still commits, nothing new starts, buffered records are given
+        back (re-read from their offsets when the window opens) and the partitions pause."""
+        if self.schedule.in_window():
+            if "window" in self.pauses.reasons:
+                log.info("time window open: resuming %s", self.config.job)
+                self.pauses.lift("window")
+            return
+        if "window" not in self.pauses.reasons:
+            log.info("outside the time windows of %s: pausing", self.config.job)
+            self.pauses.hold("window")
+        if len(self.batcher):
+            self._give_back_buffered()
+
+    def _may_dispatch(self) -> bool:
+        if "window" in self.pauses.reasons or "lanes" in self.pauses.reasons:
+            return False
+        if not self.feeder.streaming and len(self.in_flight) >= self.config.batching.pipeline_depth:
+            return False
+        return self.schedule.may_dispatch()
 
     # -- inference -------------------------------------------------------------------------------
     def _dispatch(self) -> None:
-        while len(self.in_flight) < self.config.batching.pipeline_depth and self.schedule.may_dispatch():
-            # Queue only full batches behind a busy engine; a lingering partial batch goes when it is idle.
-            batch = self.batcher.take(full_only=bool(self.in_flight))
+        """Hand ready micro-batches to the engine thread. A streaming engine takes each at once (its records join
+        the running batch); a call-by-call engine gets ``pipeline_depth`` queued, only full ones while busy."""
+        while self._may_dispatch():
+            busy = bool(self.in_flight) and not self.feeder.streaming
+            batch = self.batcher.take(full_only=busy)
             if not batch:
                 return
             runnable = [i for i in batch if i.runnable]
             self.schedule.charge(len(runnable), sum(i.prompt_tokens for i in runnable))
-            self._seq += 1
-            batch_id = f"{self.worker_id}-{self._seq}"
-            fut = self.executor.submit(self._infer, batch)
-            self.in_flight.append(_InFlight(batch_id, batch, fut))
+            self._launch(batch)
 
-    def _infer(self, batch: list[WorkItem]) -> _Inferred:
-        start = time.time_ns()
-        outcomes = self.infer.run(batch)
-        return _Inferred(outcomes, start, time.time_ns())
+    def _launch(self, batch: list[WorkItem]) -> None:
+        self._seq += 1
+        flight = Flight(f"{self.worker_id}-{self._seq}", batch)
+        self.in_flight.append(flight)
+        self.feeder.submit(flight)
 
     # -- sink ------------------------------------------------------------------------------------
-    def _complete(self, block: bool) -> None:
-        while self.in_flight and (block or self.in_flight[0].future.done()):
-            head = self.in_flight[0]
-            inferred = head.future.result()
-            try:
-                self._commit(head, inferred)
-            except SinkError as exc:
-                self.stats.sink_failures += 1  # a fatal error already recreated the producer
-                log.warning("rewinding after a failed transaction (fatal=%s)", exc.fatal)
-                self._rewind()
-                return
+    def _complete(self) -> bool:
+        """Commit the finished micro-batches at the head of the line, together. False if the commit failed."""
+        group: list[Flight] = []
+        records = 0
+        for flight in self.in_flight:
+            if not flight.done or (group and records + len(flight.items) > COMMIT_GROUP_RECORDS):
+                break
+            group.append(flight)
+            records += len(flight.items)
+        if not group:
+            return True
+        try:
+            self._commit(group)
+        except SinkError as exc:
+            self.stats.sink_failures += 1  # a fatal error already recreated the producer
+            log.warning("rewinding after a failed transaction (fatal=%s)", exc.fatal)
+            self._rewind()
+            return False
+        for _ in group:
             self.in_flight.popleft()
+        return True
 
-    def _commit(self, batch: _InFlight, inferred: _Inferred) -> None:
-        """One span per batch (from inference start to commit), linked to each record's producer span."""
-        links = [lk for lk in (link_from_traceparent(i.trace_parent) for i in batch.items) if lk is not None]
+    def _commit(self, group: list[Flight]) -> None:
+        """One transaction for ``group``; one span per micro-batch (inference start to commit), linked to each
+        record's producer span, with infer, route and produce-and-commit children."""
+        produced: list[Produced] = []
+        per_flight: list[list[Produced]] = []
+        spans: list[trace.Span] = []
+        for flight in group:
+            span = self._batch_span(flight)
+            spans.append(span)
+            ctx = trace.set_span_in_context(span)
+            self.tracer.start_span("infer", ctx, start_time=flight.started_ns).end(flight.ended_ns)
+            started = time.time_ns()
+            runnable = sum(1 for i in flight.items if i.runnable)
+            batch_ctx = BatchContext(flight.batch_id, self.worker_id, traceparent_of(span))
+            routed = self.router.route(flight.items, flight.outcomes, batch_ctx, flight.engine_ms / max(1, runnable))
+            per_flight.append(routed)
+            produced += routed
+            self.tracer.start_span("route", ctx, start_time=started).end(time.time_ns())
+        started = time.time_ns()
+        try:
+            self.sink.commit(
+                group[-1].batch_id, produced, self._offsets(group), self.consumer.consumer_group_metadata()
+            )
+        except SinkError as exc:
+            for span in spans:
+                span.set_status(Status(StatusCode.ERROR, str(exc)))
+                span.end()
+            raise
+        ended = time.time_ns()
+        for span in spans:
+            self.tracer.start_span("produce and commit", trace.set_span_in_context(span), start_time=started).end(ended)
+            span.end(ended)
+        self._count(group, per_flight)
+
+    def _batch_span(self, flight: Flight) -> trace.Span:
+        links = [lk for lk in (link_from_traceparent(i.trace_parent) for i in flight.items if i.trace_parent) if lk]
         attributes: dict[str, str | int | float] = {
             "messaging.system": "kafka",
             "messaging.operation.type": "process",
             "messaging.destination.name": self.topics.requests,
-            "messaging.batch.message_count": len(batch.items),
+            "messaging.batch.message_count": len(flight.items),
             "messaging.consumer.group.name": self.group,
-            "batchline.batch_id": batch.batch_id,
-            "batchline.engine_ms": inferred.engine_ms,
+            "batchline.batch_id": flight.batch_id,
+            "batchline.engine_ms": flight.engine_ms,
         }
-        name = f"process {self.topics.requests}"
-        with self.tracer.start_as_current_span(
-            name, kind=SpanKind.CONSUMER, links=links, attributes=attributes, start_time=inferred.started_ns
-        ) as span:
-            # Inference ran on the engine thread: its span is recorded with the times measured there.
-            self.tracer.start_span("infer", start_time=inferred.started_ns).end(inferred.ended_ns)
-            runnable = sum(1 for i in batch.items if i.runnable)
-            ctx = BatchContext(batch.batch_id, self.worker_id, traceparent_of(span))
-            with self.tracer.start_as_current_span("route"):
-                produced = self.router.route(batch.items, inferred.outcomes, ctx, inferred.engine_ms / max(1, runnable))
-            with self.tracer.start_as_current_span("produce and commit"):
-                offsets = self._offsets(batch.items)
-                self.sink.commit(batch.batch_id, produced, offsets, self.consumer.consumer_group_metadata())
-        self.stats.batches += 1
-        for p in produced:
-            self.stats.by_kind[p.kind] = self.stats.by_kind.get(p.kind, 0) + 1
-        self.stats.results = self.stats.by_kind.get("result", 0)
-        self.stats.retries = self.stats.by_kind.get("retry", 0)
-        self.stats.dead_letters = self.stats.by_kind.get("dlq", 0)
-        self.metrics.batch_done(batch.items, inferred.outcomes, produced, inferred.engine_ms)
+        return self.tracer.start_span(
+            f"process {self.topics.requests}",
+            kind=SpanKind.CONSUMER,
+            links=links,
+            attributes=attributes,
+            start_time=flight.started_ns,
+        )
+
+    def _count(self, group: list[Flight], per_flight: list[list[Produced]]) -> None:
+        self.stats.transactions += 1
+        self.stats.batches += len(group)
+        by_kind = self.stats.by_kind
+        for flight, produced in zip(group, per_flight, strict=True):
+            for p in produced:
+                by_kind[p.kind] = by_kind.get(p.kind, 0) + 1
+            self.metrics.batch_done(flight.items, flight.outcomes, produced, flight.engine_ms)
+        self.stats.results = by_kind.get("result", 0)
+        self.stats.retries = by_kind.get("retry", 0)
+        self.stats.dead_letters = by_kind.get("dlq", 0)
         if self.on_batch_committed:
-            self.on_batch_committed(batch.batch_id, batch.items)
+            for flight in group:
+                self.on_batch_committed(flight.batch_id, flight.items)
 
     @staticmethod
-    def _offsets(items: list[WorkItem]) -> list[TopicPartition]:
-        high: dict[tuple[str, int], int] = {}
-        for it in items:
-            key = (it.source.topic, it.source.partition)
-            high[key] = max(high.get(key, -1), it.source.offset + 1)
+    def _offsets(group: list[Flight]) -> list[TopicPartition]:
+        high: dict[TP, int] = {}
+        for flight in group:
+            for it in flight.items:
+                key = (it.source.topic, it.source.partition)
+                high[key] = max(high.get(key, -1), it.source.offset + 1)
         return [TopicPartition(t, p, o) for (t, p), o in high.items()]
 
-    def _rewind(self) -> None:
-        """After a failed transaction: drop everything uncommitted and re-read from the committed offsets."""
+    # -- rewinds ---------------------------------------------------------------------------------
+    def _rewind(self, partitions: set[TP] | None = None) -> None:
+        """Drop everything uncommitted (in flight and buffered) and re-read it. ``partitions`` limits the seeks
+        (the others were lost or revoked); by default every assigned partition."""
         self.stats.rewinds += 1
-        for f in self.in_flight:
-            f.future.result()  # let the engine finish; the outcomes are discarded
+        held = self._held_offsets()
+        self.feeder.cancel(self.in_flight)
         self.in_flight.clear()
-        assignment = self._forget_uncommitted()
-        if self._paused and assignment:
-            self.consumer.resume(assignment)
-            self._paused = False
-        log.warning("rewound %d partitions to their committed offsets", len(assignment))
+        self.batcher.drop(self.pauses.assigned | set(held))
+        targets = (self.pauses.assigned if partitions is None else partitions) & set(held)
+        self._seek_back(targets, held)
+        log.warning("rewound %d partitions to their committed offsets", len(targets))
 
-    def _forget_uncommitted(self) -> list[TopicPartition]:
-        """Drop buffered records and seek every assigned partition back to its committed offset."""
-        self.batcher.drop(self._assigned)
-        assignment: list[TopicPartition] = self.consumer.assignment()
-        if assignment:
-            for tp in self.consumer.committed(assignment, timeout=30):
-                offset = tp.offset if tp.offset >= 0 else OFFSET_BEGINNING
-                try:
-                    self.consumer.seek(TopicPartition(tp.topic, tp.partition, offset))
-                except KafkaException as exc:
-                    log.warning("seek %s[%d] failed: %s", tp.topic, tp.partition, exc)
-        return assignment
+    def _give_back_buffered(self) -> None:
+        """Forget the batcher's records (not the in-flight ones) and seek their partitions back to the first."""
+        held: dict[TP, int] = {}
+        for it in self.batcher.items():
+            key = (it.source.topic, it.source.partition)
+            held[key] = min(held.get(key, it.source.offset), it.source.offset)
+        self.batcher.drop(set(held))
+        for (topic, partition), offset in held.items():
+            self._seek(topic, partition, offset)
 
-    def _outside_window(self) -> bool:
-        """Outside the job's time windows: in-flight work committed, partitions paused, nothing buffered.
-        Polling goes on (paused partitions return nothing), so the worker keeps its group membership."""
-        if self.schedule.in_window():
-            if self._window_closed:
-                self._window_closed = self._paused = False
-                self.consumer.resume(self.consumer.assignment())
-                log.info("time window open: resuming %s", self.config.job)
-            return False
-        if not self._window_closed:
-            log.info("outside the time windows of %s: pausing", self.config.job)
-            self._complete(block=True)
-            self._window_closed = True
-        assignment = self.consumer.assignment()
-        if assignment:
-            self.consumer.pause(assignment)
-        if len(self.batcher):
-            self._forget_uncommitted()
-        return True
+    def _held_offsets(self) -> dict[TP, int]:
+        """The first offset of every partition that this worker holds uncommitted records of."""
+        held: dict[TP, int] = {}
+        for it in [i for f in self.in_flight for i in f.items] + list(self.batcher.items()):
+            key = (it.source.topic, it.source.partition)
+            held[key] = min(held.get(key, it.source.offset), it.source.offset)
+        return held
+
+    def _seek_back(self, partitions: set[TP], held: dict[TP, int]) -> None:
+        """Seek to the committed offset when the broker can tell it, else to the first record held. Never to the
+        beginning of a partition: with no commit yet, the first record held is where this worker started."""
+        committed = self._committed(partitions)
+        for topic, partition in partitions:
+            offset = committed.get((topic, partition))
+            target = offset if offset is not None and offset >= 0 else held[(topic, partition)]
+            self._seek(topic, partition, target)
+
+    def _committed(self, partitions: set[TP]) -> dict[TP, int]:
+        """The group's committed offsets, retried; partitions the broker cannot answer for are left out."""
+        todo = [TopicPartition(t, p) for t, p in partitions]
+        out: dict[TP, int] = {}
+        for attempt in range(COMMITTED_TRIES):
+            if not todo:
+                break
+            try:
+                answer = self.consumer.committed(todo, timeout=COMMITTED_TIMEOUT_S)
+            except KafkaException as exc:
+                log.warning("reading committed offsets failed (try %d): %s", attempt + 1, exc)
+                continue
+            todo = []
+            for tp in answer:
+                if tp.error is not None:
+                    todo.append(TopicPartition(tp.topic, tp.partition))
+                else:
+                    out[(tp.topic, tp.partition)] = tp.offset
+        if todo:
+            log.warning("no committed offset for %d partitions: rewinding them to the first record held", len(todo))
+        return out
+
+    def _seek(self, topic: str, partition: int, offset: int) -> None:
+        try:
+            self.consumer.seek(TopicPartition(topic, partition, offset))
+        except KafkaException as exc:  # not assigned any more: its next owner reads from the committed offset
+            log.warning("seek %s[%d]@%d failed: %s", topic, partition, offset, exc)
 
     def _drain(self) -> None:
         """Finish and commit what is in flight and buffered (shutdown). A failed commit rewinds, which empties
         both, so what was not committed is left for the partitions' next owner."""
         while True:
-            self._complete(block=True)
-            batch = self.batcher.take(force=True)
-            if not batch:
-                return
-            self._seq += 1
-            fut = self.executor.submit(self._infer, batch)
-            self.in_flight.append(_InFlight(f"{self.worker_id}-{self._seq}", batch, fut))
+            if not self.in_flight:
+                batch = self.batcher.take(force=True)
+                if not batch:
+                    return
+                self._launch(batch)
+            self._wait_head()
+            self._complete()
+
+    def _wait_head(self, deadline: float | None = None) -> bool:
+        """Wait until the head micro-batch is done (serving consumer callbacks meanwhile); False at the deadline."""
+        while self.in_flight and not self.in_flight[0].done:
+            self._check_engine()
+            if deadline is not None and time.monotonic() >= deadline:
+                return False
+            self.wake.wait(WAIT_PAUSED_S)
+            self.wake.clear()
+        return True
 
     # -- rebalance -------------------------------------------------------------------------------
     def _on_assign(self, consumer: Consumer, partitions: list[TopicPartition]) -> None:
-        self._assigned |= {(p.topic, p.partition) for p in partitions}
+        consumer.incremental_assign(partitions)
+        self.pauses.assigned_now(partitions)
         self._last_record = time.monotonic()
         log.info("assigned %s", [f"{p.topic}[{p.partition}]" for p in partitions])
 
     def _on_revoke(self, consumer: Consumer, partitions: list[TopicPartition]) -> None:
-        # Commit what is already inferring while we still own its partitions; buffered records of the
-        # revoked partitions are dropped and re-read by their new owner from the committed offsets.
-        self._complete(block=True)
+        """Commit what is in flight while the partitions are still ours (for at most REVOKE_GRACE_S); buffered
+        records of revoked partitions are dropped and re-read by their next owner from the committed offsets."""
         revoked = {(p.topic, p.partition) for p in partitions}
+        deadline = time.monotonic() + REVOKE_GRACE_S
+        while self.in_flight:
+            if not self._wait_head(deadline) or not self._complete():
+                if self.in_flight:  # out of time: give everything uncommitted back
+                    self._rewind(self.pauses.assigned - revoked)
+                break
         dropped = self.batcher.drop(revoked)
-        self._assigned -= revoked
+        self.pauses.gone(partitions)
         log.info("revoked %s (dropped %d buffered)", sorted(revoked), dropped)
+
+    def _on_lost(self, consumer: Consumer, partitions: list[TopicPartition]) -> None:
+        """Partitions taken from us (session timeout): commit nothing for them, forget everything uncommitted
+        and re-read the partitions still ours."""
+        lost = {(p.topic, p.partition) for p in partitions}
+        log.warning("lost %s: dropping uncommitted work", sorted(lost))
+        self._rewind(self.pauses.assigned - lost)
+        self.pauses.gone(partitions)

@@ -48,8 +48,8 @@ class Request(_Record):
 
     @model_validator(mode="after")
     def _one_input(self) -> Request:
-        given = [n for n in ("prompt", "messages", "text") if getattr(self, n) is not None]
-        if len(given) != 1:
+        if (self.prompt is not None) + (self.messages is not None) + (self.text is not None) != 1:
+            given = [n for n in ("prompt", "messages", "text") if getattr(self, n) is not None]
             raise ValueError(f"exactly one of prompt, messages, text must be set (got {given or 'none'})")
         if self.messages is not None and not self.messages:
             raise ValueError("messages must not be empty")

@@ -10,6 +10,7 @@ from __future__ import annotations
 import hashlib
 import json
 from dataclasses import asdict, dataclass
+from functools import cached_property
 from importlib import metadata
 from pathlib import Path
 from typing import Any
@@ -41,6 +42,9 @@ _NON_SEMANTIC_KWARGS = frozenset(
         "max_num_seqs",
         "dtype_cpu_threads",
         "infer_timeout_s",
+        "streaming",
+        "max_running",
+        "decode_steps",
     }
 )
 
@@ -107,12 +111,13 @@ class Fingerprint:
     config_digest: str
     prompt_template_digest: str
 
-    @property
+    @cached_property
     def value(self) -> str:
+        """The fingerprint itself (computed once: the worker reads it for every record)."""
         return digest(asdict(self))
 
     def as_dict(self) -> dict[str, Any]:
-        return asdict(self) | {"fingerprint": self.value}
+        return {f: getattr(self, f) for f in self.__dataclass_fields__} | {"fingerprint": self.value}
 
 
 def config_digest(config: JobConfig) -> str:

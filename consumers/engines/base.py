@@ -1,13 +1,19 @@
-"""The engine seam: one small Protocol every inference engine keeps.
+"""The engine seam: one small Protocol every inference engine keeps, and one for continuous batching.
 
-Contract: ``infer`` returns exactly one outcome per input, in input order. A per-record problem is returned
-as a :class:`RecordFailure`; a failure of the whole call is raised (:class:`EngineOOM`, :class:`EngineError`,
-or anything else for a crash) and the caller bisects the batch to isolate the record that causes it.
+Contract of :class:`Engine`: ``infer`` returns exactly one outcome per input, in input order. A per-record
+problem is returned as a :class:`RecordFailure`; a failure of the whole call is raised (:class:`EngineOOM`,
+:class:`EngineError`, or anything else for a crash) and the caller bisects the batch to isolate the record that
+causes it.
+
+A :class:`StreamingEngine` also keeps a running batch that records join (``add``) and leave one by one as they
+finish (``step``), like vLLM's scheduler: the engine never drains to the longest record of a micro-batch.
+``step`` raising means the whole running batch failed; the caller takes it back with ``abort`` and isolates it
+with ``infer`` (bisection), exactly as for a failed call.
 """
 
 from __future__ import annotations
 
-from collections.abc import Sequence
+from collections.abc import Iterable, Sequence
 from dataclasses import dataclass
 from typing import Protocol, runtime_checkable
 
@@ -15,15 +21,17 @@ from consumers.work import FailureClass
 from schemas import ChatMessage
 
 
-@dataclass(frozen=True)
+# The records below are built per record on the hot path: slotted, and not frozen (a frozen dataclass's
+# __init__ costs about twice as much). Treat them as values all the same.
+@dataclass(slots=True)
 class Sampling:
     temperature: float
     top_p: float
     max_tokens: int
-    seed: int
+    seed: int | None = None
 
 
-@dataclass(frozen=True)
+@dataclass(slots=True)
 class EngineInput:
     request_id: str
     prompt: str  # the rendered prompt (or the text to embed/classify)
@@ -32,7 +40,7 @@ class EngineInput:
     attempt: int = 1
 
 
-@dataclass(frozen=True)
+@dataclass(slots=True)
 class EngineOutput:
     text: str | None = None
     label: str | None = None
@@ -65,3 +73,24 @@ class Engine(Protocol):
     def infer(self, inputs: Sequence[EngineInput]) -> list[Outcome]: ...
 
     def close(self) -> None: ...
+
+
+@runtime_checkable
+class StreamingEngine(Engine, Protocol):
+    """An engine with a running batch that records join and leave individually (continuous batching)."""
+
+    def add(self, key: int, inp: EngineInput) -> RecordFailure | None:
+        """Admit one record under ``key``; a RecordFailure when this record alone cannot run."""
+        ...
+
+    def step(self) -> list[tuple[int, Outcome]]:
+        """Advance the running batch once; the records that finished. Only called while ``running()``."""
+        ...
+
+    def running(self) -> int:
+        """Records admitted and not finished."""
+        ...
+
+    def abort(self, keys: Iterable[int] | None = None) -> list[int]:
+        """Drop the given records (every running record when None) from the running batch; their keys."""
+        ...

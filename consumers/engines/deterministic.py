@@ -10,19 +10,40 @@ can compute exactly which ids must end where. Knobs (``engine_kwargs``):
 - ``invalid_output_rate``: share of ids whose output never passes validation.
 - ``oom_above``: calls with more records raise EngineOOM.
 - ``embed_dim``: embedding size (default 32). ``fault_seed``: salt of the fault functions.
+
+It batches like a GPU engine: a running batch of at most ``max_running`` records (default 256) advances one
+step at a time, a step costs ``batch_latency_ms + latency_ms * running``, and a record finishes after one step -
+or, with ``decode_steps = true``, after one step per completion token, so records of one batch finish at
+different times as in vLLM. ``infer`` runs its inputs as a private running batch until all have finished (a
+synchronous call that drains to its longest record); ``add``/``step`` keep one shared running batch that records
+join and leave individually (continuous feeding, :class:`~consumers.engines.base.StreamingEngine`). A step whose
+batch holds a poison record crashes; a step over ``oom_above`` records raises EngineOOM. ``streaming = false``
+hides ``add``/``step``, so the worker drives it call by call.
 """
 
 from __future__ import annotations
 
 import hashlib
+import itertools
 import json
 import math
 import time
-from collections.abc import Sequence
+import zlib
+from collections.abc import Iterable, Sequence
 from typing import Any
 
 from consumers.engines.base import EngineInput, EngineOutput, Outcome, RecordFailure
 from consumers.exceptions import EngineOOM
+
+
+class _Running:
+    """A record in a running batch and the steps it still needs."""
+
+    __slots__ = ("inp", "left")
+
+    def __init__(self, inp: EngineInput, steps: int) -> None:
+        self.inp = inp
+        self.left = steps
 
 
 class PoisonRecordCrash(RuntimeError):
@@ -57,14 +78,21 @@ class DeterministicEngine:
         self.oom_above: int | None = kw.get("oom_above")
         self.embed_dim = int(kw.get("embed_dim", 32))
         self.fault_seed = kw.get("fault_seed", 0)
+        self.max_running = int(kw.get("max_running", 256))
+        self.decode_steps = bool(kw.get("decode_steps", False))
+        self.streaming = bool(kw.get("streaming", True))
         self.calls = 0
+        self.steps = 0
+        self._running: dict[int, _Running] = {}
 
     # -- the fault functions, public so tests can predict every outcome --------------------------
     def fails_transiently(self, request_id: str, attempt: int) -> bool:
-        return _unit("transient", self.fault_seed, request_id, attempt) < self.transient_rate
+        return (
+            self.transient_rate > 0 and _unit("transient", self.fault_seed, request_id, attempt) < self.transient_rate
+        )
 
     def gives_invalid_output(self, request_id: str) -> bool:
-        return _unit("invalid", self.fault_seed, request_id) < self.invalid_output_rate
+        return self.invalid_output_rate > 0 and _unit("invalid", self.fault_seed, request_id) < self.invalid_output_rate
 
     def is_poison(self, text: str) -> bool:
         return bool(self.poison_marker) and self.poison_marker in text  # type: ignore[operator]
@@ -75,15 +103,56 @@ class DeterministicEngine:
 
     def infer(self, inputs: Sequence[EngineInput]) -> list[Outcome]:
         self.calls += 1
-        if self.oom_above is not None and len(inputs) > self.oom_above:
-            raise EngineOOM(f"simulated OOM: {len(inputs)} records > {self.oom_above}")
-        time.sleep(self.batch_latency_s + self.latency_s * len(inputs))
-        if any(self.is_poison(i.prompt) for i in inputs):
-            raise PoisonRecordCrash("engine crashed on a poison record")
-        return [self._one(i) for i in inputs]
+        running = {i: _Running(inp, self._steps_of(inp)) for i, inp in enumerate(inputs)}
+        outcomes: dict[int, Outcome] = {}
+        while running:
+            outcomes.update(self._advance(running))
+        return [outcomes[i] for i in range(len(inputs))]
 
     def close(self) -> None:
         return None
+
+    # -- continuous batching (StreamingEngine) ---------------------------------------------------
+    def add(self, key: int, inp: EngineInput) -> RecordFailure | None:
+        self._running[key] = _Running(inp, self._steps_of(inp))
+        return None
+
+    def step(self) -> list[tuple[int, Outcome]]:
+        return list(self._advance(self._running).items())
+
+    def running(self) -> int:
+        return len(self._running)
+
+    def abort(self, keys: Iterable[int] | None = None) -> list[int]:
+        gone = list(self._running) if keys is None else [k for k in keys if k in self._running]
+        for key in gone:
+            del self._running[key]
+        return gone
+
+    def _steps_of(self, inp: EngineInput) -> int:
+        if not self.decode_steps or self.task != "generate":
+            return 1
+        return max(1, min(inp.sampling.max_tokens, len(inp.prompt.split()) + 1))
+
+    def _advance(self, running: dict[int, _Running]) -> dict[int, Outcome]:
+        """One step of the first ``max_running`` records of ``running``; the ones that finished, removed."""
+        batch = list(itertools.islice(running, self.max_running))
+        self.steps += 1
+        if self.oom_above is not None and len(batch) > self.oom_above:
+            raise EngineOOM(f"simulated OOM: {len(batch)} records > {self.oom_above}")
+        pause = self.batch_latency_s + self.latency_s * len(batch)
+        if pause > 0:
+            time.sleep(pause)
+        if self.poison_marker and any(self.is_poison(running[k].inp.prompt) for k in batch):
+            raise PoisonRecordCrash("engine crashed on a poison record")
+        done: dict[int, Outcome] = {}
+        for key in batch:
+            rec = running[key]
+            rec.left -= 1
+            if rec.left <= 0:
+                done[key] = self._one(rec.inp)
+                del running[key]
+        return done
 
     # -- outputs ---------------------------------------------------------------------------------
     def _one(self, inp: EngineInput) -> Outcome:
@@ -119,7 +188,7 @@ class DeterministicEngine:
         # Greedy (temperature 0) outputs ignore the seed, as a real engine's would.
         salt = s.seed if s.temperature > 0 else 0
         words = inp.prompt.split()[: max(1, s.max_tokens - 1)]
-        tag = hashlib.sha256(f"{inp.prompt}|{salt}".encode()).hexdigest()[:8]
+        tag = f"{zlib.crc32(f'{inp.prompt}|{salt}'.encode()):08x}"
         if self.json_schema is not None:
             text = "not json" if invalid else json.dumps(_instance(self.json_schema, tag))
         else:

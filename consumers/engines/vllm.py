@@ -7,7 +7,12 @@ longer restarts the engine. Only local model paths are accepted: nothing is down
 
 - ``generate``: a prompt, or chat messages rendered with the model's chat template; per-record sampling
   parameters (seed included); an optional JSON schema enforced by vLLM's structured outputs.
-- ``embed``: the pooling runner's vector per record.
+  Generation streams (continuous batching, :class:`~consumers.engines.base.StreamingEngine`): ``add`` puts a
+  record into vLLM's engine (``LLMEngine.add_request``) as soon as the worker hands it over, ``step`` advances
+  vLLM's scheduler one iteration (``LLMEngine.step``) and returns the records that finished, so vLLM's running
+  batch stays full across micro-batches exactly as in ``LLM.generate(all prompts)``.
+- ``embed``: the pooling runner's vector per record (one call per micro-batch: a pooling request finishes in a
+  single forward pass, so streaming would gain nothing).
 - ``classify``: ``classify_mode="embedding"`` scores each record by cosine similarity of its embedding to each
   label text's embedding (computed once at start), softmaxed; ``"generation"`` constrains the completion to
   the label set.
@@ -22,7 +27,7 @@ import logging
 import math
 import threading
 import time
-from collections.abc import Iterator, Sequence
+from collections.abc import Iterable, Iterator, Sequence
 from contextlib import contextmanager
 from pathlib import Path
 from typing import Any
@@ -68,10 +73,11 @@ class VLLMEngine:
         if unknown:
             raise EngineStartError(f"label_texts name labels not in engine.labels: {sorted(unknown)}")
         import vllm
-        from vllm.sampling_params import StructuredOutputsParams
+        from vllm.sampling_params import RequestOutputKind, StructuredOutputsParams
 
         self._vllm = vllm
         self._structured = StructuredOutputsParams
+        self._final_only = RequestOutputKind.FINAL_ONLY
         self.config = config
         self.task: str = config.task
         self.model = eng.model
@@ -79,6 +85,9 @@ class VLLMEngine:
         self.labels = tuple(eng.labels)
         self.label_texts = tuple(eng.label_texts.get(label, label) for label in self.labels)
         self.by_embedding = config.task == "embed" or (config.task == "classify" and eng.classify_mode == "embedding")
+        self.streaming = not self.by_embedding
+        self._keys: dict[int, str] = {}  # running record -> vLLM request id
+        self._ids: dict[str, int] = {}
         self._llm: Any = None
         self._watchdog: _Watchdog | None = None
         self._label_vectors: list[list[float]] = []
@@ -106,7 +115,9 @@ class VLLMEngine:
             self._label_vectors = [_unit(o.outputs.embedding) for o in outs]
 
     def close(self) -> None:
-        """Stop vLLM's engine-core processes; idempotent."""
+        """Stop vLLM's engine-core processes; idempotent. Running records are forgotten."""
+        self._keys.clear()
+        self._ids.clear()
         llm, self._llm = self._llm, None
         if self._watchdog is not None:
             self._watchdog.stop()
@@ -124,7 +135,7 @@ class VLLMEngine:
     def count_tokens(self, text: str) -> int:
         return len(self.tokenizer.encode(text))
 
-    def infer(self, inputs: Sequence[EngineInput]) -> list[Outcome]:
+    def _ensure_running(self) -> None:
         if self._llm is None or (self._watchdog is not None and not self._watchdog.alive()):
             log.warning("vLLM engine is not running; restarting it")
             self.close()
@@ -132,6 +143,9 @@ class VLLMEngine:
                 self._start()
             except EngineStartError as exc:
                 raise EngineError(str(exc)) from exc
+
+    def infer(self, inputs: Sequence[EngineInput]) -> list[Outcome]:
+        self._ensure_running()
         outcomes: list[Outcome | None] = [None] * len(inputs)
         todo: list[tuple[int, EngineInput, list[int]]] = []
         for i, inp in enumerate(inputs):
@@ -153,6 +167,57 @@ class VLLMEngine:
             for (i, _, _), outcome in zip(todo, done, strict=True):
                 outcomes[i] = outcome
         return [o for o in outcomes if o is not None]
+
+    # -- continuous batching (generation) ----------------------------------------------------------
+    def add(self, key: int, inp: EngineInput) -> RecordFailure | None:
+        self._ensure_running()
+        checked = self._tokens(inp)
+        if isinstance(checked, RecordFailure):
+            return checked
+        request_id = f"r{key}"
+        params = self._sampling(inp)
+        params.output_kind = self._final_only  # only finished records come back from step()
+        try:
+            self._llm.llm_engine.add_request(request_id, self._vllm.TokensPrompt(prompt_token_ids=checked), params)
+        except Exception as exc:  # vLLM refused this request alone
+            failure = self._failure_of(exc, 1)
+            if failure is None:
+                raise
+            return failure
+        self._keys[key] = request_id
+        self._ids[request_id] = key
+        return None
+
+    def step(self) -> list[tuple[int, Outcome]]:
+        assert self._watchdog is not None
+        try:
+            with self._watchdog.call():
+                outs = self._llm.llm_engine.step()
+        except Exception as exc:
+            self._failure_of(exc, len(self._keys) + 1)  # raises the engine-level error, if it is one
+            raise
+        done: list[tuple[int, Outcome]] = []
+        for o in outs:
+            key = self._ids.pop(o.request_id, None) if o.finished else None
+            if key is not None:
+                del self._keys[key]
+                done.append((key, self._generated(o)))
+        return done
+
+    def running(self) -> int:
+        return len(self._keys)
+
+    def abort(self, keys: Iterable[int] | None = None) -> list[int]:
+        gone = list(self._keys) if keys is None else [k for k in keys if k in self._keys]
+        request_ids = [self._keys.pop(k) for k in gone]
+        for request_id in request_ids:
+            self._ids.pop(request_id, None)
+        if request_ids and self._llm is not None:
+            try:
+                self._llm.llm_engine.abort_request(request_ids)
+            except Exception as exc:  # a dead engine has nothing left to abort
+                log.warning("vLLM abort of %d requests: %s", len(request_ids), exc)
+        return gone
 
     # -- per-record admission --------------------------------------------------------------------
     def _tokens(self, inp: EngineInput) -> list[int] | RecordFailure:
@@ -191,21 +256,19 @@ class VLLMEngine:
             return [self._by_similarity(v, len(o.prompt_token_ids)) for v, o in zip(vectors, outs, strict=True)]
         prompts = [self._vllm.TokensPrompt(prompt_token_ids=t) for t in ids]
         outs = self._llm.generate(prompts, [self._sampling(inp) for inp in inputs], use_tqdm=False)
-        results: list[Outcome] = []
-        for o in outs:
-            c = o.outputs[0]
-            text = str(c.text)
-            label = text.strip() if self.task == "classify" else None
-            results.append(
-                EngineOutput(
-                    text=None if label is not None else text,
-                    label=label,
-                    finish_reason=c.finish_reason,
-                    prompt_tokens=len(o.prompt_token_ids),
-                    completion_tokens=len(c.token_ids),
-                )
-            )
-        return results
+        return [self._generated(o) for o in outs]
+
+    def _generated(self, o: Any) -> EngineOutput:
+        c = o.outputs[0]
+        text = str(c.text)
+        label = text.strip() if self.task == "classify" else None
+        return EngineOutput(
+            text=None if label is not None else text,
+            label=label,
+            finish_reason=c.finish_reason,
+            prompt_tokens=len(o.prompt_token_ids),
+            completion_tokens=len(c.token_ids),
+        )
 
     def _sampling(self, inp: EngineInput) -> Any:
         s = inp.sampling

@@ -2,12 +2,12 @@
 
 from __future__ import annotations
 
-from collections.abc import Sequence
+from collections.abc import Iterable, Sequence
 from pathlib import Path
 from typing import Any
 
 from batchline.config import JobConfig, KafkaSettings
-from consumers.engines.base import EngineInput, Outcome
+from consumers.engines.base import EngineInput, Outcome, RecordFailure
 
 # A chat template in the tokenizer, so chat records go through the model's own template as in production.
 CHAT_TEMPLATE = (
@@ -66,12 +66,14 @@ def minilm_path() -> Path:
 
 
 class SharedEngine:
-    """The module's engine lent to one Worker at a time: the worker's close() must not stop it."""
+    """The module's engine lent to one Worker at a time: the worker's close() must not stop it. It streams
+    (continuous batching) exactly when the engine it wraps does."""
 
     def __init__(self, engine: Any) -> None:
         self.inner = engine
         self.name: str = engine.name
         self.task: str = engine.task
+        self.streaming: bool = bool(getattr(engine, "streaming", False))
 
     def count_tokens(self, text: str) -> int:
         return int(self.inner.count_tokens(text))
@@ -79,8 +81,21 @@ class SharedEngine:
     def infer(self, inputs: Sequence[EngineInput]) -> list[Outcome]:
         return list(self.inner.infer(inputs))
 
+    def add(self, key: int, inp: EngineInput) -> RecordFailure | None:
+        failure: RecordFailure | None = self.inner.add(key, inp)
+        return failure
+
+    def step(self) -> list[tuple[int, Outcome]]:
+        return list(self.inner.step())
+
+    def running(self) -> int:
+        return int(self.inner.running())
+
+    def abort(self, keys: Iterable[int] | None = None) -> list[int]:
+        return list(self.inner.abort(keys))
+
     def close(self) -> None:
-        return None
+        self.inner.abort()  # the next worker starts with an empty running batch
 
 
 def run_worker(cfg: JobConfig, kafka: KafkaSettings, engine: Any = None, idle_exit_s: float = 4) -> None:

@@ -35,3 +35,30 @@ def item(
         failure=failure,
         attempt=attempt,
     )
+
+
+STAGE_TIMEOUT_S = 30.0
+
+
+def run_stage(cfg: JobConfig, engine: Any, items: list[WorkItem]) -> dict[int, Any]:
+    """The infer stage (engine thread included) on one micro-batch: its outcomes by index."""
+    import threading
+    import time
+
+    from consumers.infer import Feeder, Flight
+
+    woken = threading.Event()
+    feeder = Feeder(engine, cfg, woken.set)
+    feeder.start()
+    flight = Flight("unit-1", items)
+    try:
+        feeder.submit(flight)
+        deadline = time.monotonic() + STAGE_TIMEOUT_S
+        while not flight.done:
+            assert feeder.error is None, feeder.error
+            assert time.monotonic() < deadline, "the infer stage did not finish the micro-batch"
+            woken.wait(0.1)
+            woken.clear()
+    finally:
+        feeder.close()
+    return flight.outcomes
