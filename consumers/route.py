@@ -164,18 +164,16 @@ class Router:
         now_ms = int(time.time() * 1000)
         tier, delay_s = self.config.retry.delay_of(item.attempt)
         first = _ms(item.first_failure_at) if item.first_failure_at else now_ms
+        topic, partition, offset = self._source(item)
         headers: h.Headers = [
             (h.ATTEMPT, str(item.attempt).encode()),
             (h.DUE_AT, str(now_ms + int(delay_s * 1000)).encode()),
             (h.FIRST_FAILURE_AT, str(first).encode()),
             (h.LAST_ERROR_TYPE, failure.error_type.encode()),
             (h.LAST_ERROR, failure.message[:1000].encode()),
-            (h.ORIGINAL_TOPIC, (h.text(item.headers, h.ORIGINAL_TOPIC) or item.source.topic).encode()),
-            (
-                h.ORIGINAL_PARTITION,
-                str(h.integer(item.headers, h.ORIGINAL_PARTITION, item.source.partition)).encode(),
-            ),
-            (h.ORIGINAL_OFFSET, str(h.integer(item.headers, h.ORIGINAL_OFFSET, item.source.offset)).encode()),
+            (h.ORIGINAL_TOPIC, topic.encode()),
+            (h.ORIGINAL_PARTITION, str(partition).encode()),
+            (h.ORIGINAL_OFFSET, str(offset).encode()),
             (h.RETRY_TIER, tier.encode()),
             (h.REQUEST_ID, item.request_id.encode()),
             (h.RUN_ID, (item.run_id or "").encode()),
@@ -186,6 +184,7 @@ class Router:
 
     def _dead_letter(self, item: WorkItem, failure: Failure) -> Produced:
         now = datetime.now(UTC)
+        topic, partition, offset = self._source(item)
         letter = DeadLetter(
             request_id=item.request_id,
             run_id=item.run_id,
@@ -193,9 +192,9 @@ class Router:
             error_type=failure.error_type,
             error_message=failure.message[:4000],
             attempts=item.attempt,
-            original_topic=h.text(item.headers, h.ORIGINAL_TOPIC) or item.source.topic,
-            original_partition=h.integer(item.headers, h.ORIGINAL_PARTITION, item.source.partition),
-            original_offset=h.integer(item.headers, h.ORIGINAL_OFFSET, item.source.offset),
+            original_topic=topic,
+            original_partition=partition,
+            original_offset=offset,
             original_timestamp=item.source.timestamp,
             payload=item.payload,
             first_failure_at=item.first_failure_at or now,

@@ -1,0 +1,169 @@
+"""batchline against vLLM used by hand, on the same model and the same prompts, side by side in one run.
+
+(a) generate: the tiny Llama of the tests, greedy, per-record ``max_tokens`` long-tailed between 8 and 160 (most
+    short, a few long: the case where a micro-batch that drains to its longest record wastes the engine), against
+    ``LLM.generate(all prompts)`` in one call. Output tokens per second.
+(b) classify by embedding: the packaged MiniLM, ticket texts, against ``LLM.embed(all texts)``. Records per second.
+
+Baseline rates are outputs over the wall time of the one call; pipeline rates are outputs over the span from the
+worker's first micro-batch reaching the engine to the last output's broker timestamp (model load and the group join
+excluded, as for the baseline). On a CUDA machine with the ``gpu`` extra the same code measures the GPU
+(``tests/bench/gpu.sh``). Nothing is asserted on time.
+"""
+
+from __future__ import annotations
+
+import os
+import random
+import time
+from collections.abc import Callable
+from pathlib import Path
+from typing import Any
+
+import pytest
+
+from batchline.cli.sample_data import LABEL_TEXTS, LABELS, tickets
+from batchline.config import KafkaSettings, load_job_config
+from batchline.kafka.topics import JobTopics
+from tests.bench.conftest import record
+from tests.bench.support import outputs, publish, run_measured_worker
+from tests.support.models import build_tiny_llama, minilm_path
+
+pytest.importorskip("vllm")
+
+GENERATE_CASES = [(384, 64), (768, 256)]  # (prompts, max_records)
+EMBED_TEXTS = int(os.environ.get("BENCH_EMBED_TEXTS", "1000"))
+MAX_MODEL_LEN = 512
+
+
+def _device() -> str:
+    try:
+        import torch
+
+        return "cuda" if torch.cuda.is_available() else "cpu"
+    except ImportError:
+        return "cpu"
+
+
+def _max_tokens(n: int) -> list[int]:
+    """Long-tailed: 8 + 152 * u^4 for u spread over [0, 1), shuffled with a fixed seed."""
+    values = [8 + int(152 * ((i + 0.5) / n) ** 4) for i in range(n)]
+    random.Random(7).shuffle(values)
+    return values
+
+
+def _prompts(n: int) -> list[str]:
+    return [f"ticket {i}: customer {i % 97} writes about order {i * 7} and a parcel" for i in range(n)]
+
+
+def _shutdown(llm: Any) -> None:
+    llm.llm_engine.engine_core.shutdown()
+
+
+@pytest.fixture(scope="module")
+def tiny_llama(tmp_path_factory: pytest.TempPathFactory) -> Path:
+    return build_tiny_llama(tmp_path_factory.mktemp("models") / "tiny-llama")
+
+
+@pytest.mark.parametrize(("n", "max_records"), GENERATE_CASES)
+def test_generate_against_llm_generate(
+    kafka: KafkaSettings,
+    make_job: Callable[..., JobTopics],
+    job_name: str,
+    tiny_llama: Path,
+    n: int,
+    max_records: int,
+) -> None:
+    import vllm
+
+    prompts, budgets = _prompts(n), _max_tokens(n)
+    llm = vllm.LLM(model=str(tiny_llama), max_model_len=MAX_MODEL_LEN, enforce_eager=True, seed=0)
+    params = [vllm.SamplingParams(temperature=0.0, max_tokens=m) for m in budgets]
+    started = time.perf_counter()
+    outs = llm.generate(prompts, params, use_tqdm=False)
+    alone_s = time.perf_counter() - started
+    alone_tokens = sum(len(o.outputs[0].token_ids) for o in outs)
+    _shutdown(llm)
+
+    topics = make_job(job_name, partitions=4)
+    rows = [
+        (f"g-{i}".encode(), f'{{"id": "g-{i}", "prompt": "{p}", "sampling": {{"max_tokens": {m}}}}}'.encode())
+        for i, (p, m) in enumerate(zip(prompts, budgets, strict=True))
+    ]
+    publish(kafka, topics.requests, rows)
+    config = load_job_config(
+        job_name,
+        None,
+        {
+            "engine.name": "vllm",
+            "engine.model": str(tiny_llama),
+            "engine.max_model_len": MAX_MODEL_LEN,
+            "engine.engine_kwargs": {"enforce_eager": True},
+            "batching.max_records": max_records,
+        },
+    )
+    stats, first = run_measured_worker(config, kafka)
+    out = outputs(kafka, topics)
+    assert out.count == n == stats.results
+    pipeline_rate = out.completion_tokens / ((out.last_ms - first) / 1000)
+    alone_rate = alone_tokens / alone_s
+    record(
+        f"generate_{n}_{max_records}",
+        {
+            "device": _device(),
+            "prompts": n,
+            "max_records": max_records,
+            "max_tokens": "8..160 long-tailed",
+            "llm_generate_out_tokens_per_s": round(alone_rate),
+            "batchline_out_tokens_per_s": round(pipeline_rate),
+            "ratio": round(pipeline_rate / alone_rate, 3),
+            "tokens_alone": alone_tokens,
+            "tokens_batchline": out.completion_tokens,
+        },
+    )
+
+
+def test_classify_by_embedding_against_llm_embed(
+    kafka: KafkaSettings, make_job: Callable[..., JobTopics], job_name: str
+) -> None:
+    import vllm
+
+    sample = tickets(EMBED_TEXTS, seed=5)
+    model = str(minilm_path())
+    llm = vllm.LLM(model=model, runner="pooling", max_model_len=64, enforce_eager=True, seed=0)
+    started = time.perf_counter()
+    llm.embed([t.text for t in sample], use_tqdm=False)
+    alone_rate = len(sample) / (time.perf_counter() - started)
+    _shutdown(llm)
+
+    topics = make_job(job_name, partitions=4)
+    publish(
+        kafka, topics.requests, [(t.id.encode(), f'{{"id": "{t.id}", "text": "{t.text}"}}'.encode()) for t in sample]
+    )
+    config = load_job_config(
+        job_name,
+        None,
+        {
+            "task": "classify",
+            "engine.name": "vllm",
+            "engine.model": model,
+            "engine.max_model_len": 64,
+            "engine.engine_kwargs": {"enforce_eager": True},
+            "engine.labels": list(LABELS),
+            "engine.label_texts": LABEL_TEXTS,
+        },
+    )
+    stats, first = run_measured_worker(config, kafka)
+    out = outputs(kafka, topics)
+    assert out.count == len(sample) == stats.results
+    pipeline_rate = out.count / ((out.last_ms - first) / 1000)
+    record(
+        "classify_embedding",
+        {
+            "device": _device(),
+            "texts": len(sample),
+            "llm_embed_texts_per_s": round(alone_rate, 1),
+            "batchline_records_per_s": round(pipeline_rate, 1),
+            "ratio": round(pipeline_rate / alone_rate, 3),
+        },
+    )
