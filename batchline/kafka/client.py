@@ -16,8 +16,8 @@ from typing import Any, TypeVar
 from confluent_kafka import Consumer, KafkaException, Producer
 from confluent_kafka.admin import AdminClient
 
-from batchline.config import KafkaSettings
 from batchline.exceptions import ConfigError
+from batchline.kafka.settings import KafkaSettings
 
 log = logging.getLogger(__name__)
 C = TypeVar("C")
