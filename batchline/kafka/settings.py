@@ -44,6 +44,8 @@ CLIENT_PROPERTIES = {
 }
 # Typed settings the client factory applies only where they belong (consumers; transactional producers).
 FACTORY_APPLIED = {"session_timeout_ms": "session.timeout.ms", "transaction_timeout_ms": "transaction.timeout.ms"}
+# librdkafka's other names of typed settings.
+ALIASES = {"metadata.broker.list": "bootstrap", "sasl.mechanisms": "sasl_mechanism"}
 # Set by the client factory on every client: batchline's delivery and exactly-once guarantees rest on them.
 FACTORY_PROPERTIES = frozenset(
     {
@@ -57,8 +59,6 @@ FACTORY_PROPERTIES = frozenset(
         "request.required.acks",
         "auto.offset.reset",
         "partition.assignment.strategy",
-        "metadata.broker.list",
-        "sasl.mechanisms",
         "sasl.oauthbearer.method",
         "logger",
     }
@@ -197,13 +197,13 @@ class KafkaSettings(BaseSettings):
     @field_validator("kafka")
     @classmethod
     def _passthrough(cls, props: dict[str, SecretStr]) -> dict[str, SecretStr]:
-        typed = {prop: f"{ENV_PREFIX}{field.upper()}" for field, prop in (CLIENT_PROPERTIES | FACTORY_APPLIED).items()}
+        typed = {prop: field for field, prop in (CLIENT_PROPERTIES | FACTORY_APPLIED).items()} | ALIASES
         for prop in props:
             env = f"{PASSTHROUGH_PREFIX}{prop}"
             if not _PROPERTY_NAME.match(prop):
                 raise ValueError(f"{env}: not a librdkafka property name")
             if prop in typed:
-                raise ValueError(f"{env}: set {typed[prop]} instead")
+                raise ValueError(f"{env}: set {ENV_PREFIX}{typed[prop].upper()} instead")
             if prop in FACTORY_PROPERTIES:
                 raise ValueError(f"{env}: {prop} is set by batchline (its delivery guarantees rest on it)")
         return props

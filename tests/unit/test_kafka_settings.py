@@ -75,6 +75,8 @@ def test_passthrough_takes_the_dotted_name_or_double_underscores(monkeypatch: py
         ("bootstrap.servers", "BATCHLINE_BOOTSTRAP"),
         ("sasl.password", "BATCHLINE_SASL_PASSWORD"),
         ("session.timeout.ms", "BATCHLINE_SESSION_TIMEOUT_MS"),
+        ("metadata.broker.list", "BATCHLINE_BOOTSTRAP"),
+        ("sasl.mechanisms", "BATCHLINE_SASL_MECHANISM"),
         ("isolation.level", "set by batchline"),
         ("enable.auto.commit", "set by batchline"),
         ("acks", "set by batchline"),
