@@ -54,7 +54,7 @@ def test_a_run_completes_over_tls(
         view = results(kafka, JobTopics(job_name))
     assert run.status["succeeded"] == RECORDS and run.status["total"] == RECORDS
     assert len(view) == RECORDS and {r.run_id for copies in view.values() for r, _, _ in copies} == {run.run_id}
-    assert proxy.accepted > 0 and not proxy.refused and not proxy.client_subjects
+    assert proxy.accepted > 0 and not proxy.refused and not proxy.client_subjects, proxy.refused
 
 
 def test_a_run_completes_over_mutual_tls_with_an_encrypted_client_key(
@@ -65,7 +65,7 @@ def test_a_run_completes_over_mutual_tls_with_an_encrypted_client_key(
         run = run_job(proxy.bootstrap, job_name, tmp_path, logs_dir, RECORDS)
         view = results(kafka, JobTopics(job_name))
     assert run.status["succeeded"] == RECORDS and len(view) == RECORDS
-    assert proxy.client_subjects == {"batchline-client"} and not proxy.refused
+    assert proxy.client_subjects == {"batchline-client"} and not proxy.refused, proxy.refused
 
 
 def test_mutual_tls_refuses_a_client_without_a_certificate_or_with_a_foreign_one(

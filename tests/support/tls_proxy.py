@@ -34,7 +34,8 @@ class TlsProxy:
             self.context.verify_mode = ssl.CERT_REQUIRED
         self.accepted = 0  # TLS sessions established
         self.client_subjects: set[str] = set()  # CNs of the client certificates presented
-        self.refused: list[str] = []  # why each refused handshake failed
+        self.refused: list[str] = []  # why each handshake the proxy refused failed
+        self.aborted: list[str] = []  # handshakes the client gave up
         self._stop = threading.Event()
         self._lock = threading.Lock()
         self._threads: list[threading.Thread] = []
@@ -81,6 +82,11 @@ class TlsProxy:
         tls = self.context.wrap_socket(conn, server_side=True, do_handshake_on_connect=False)
         try:
             tls.do_handshake()
+        except (ssl.SSLEOFError, ConnectionError, TimeoutError) as exc:
+            with self._lock:  # the client went away mid-handshake (a process exiting): not a refusal
+                self.aborted.append(f"{type(exc).__name__}: {exc}")
+            tls.close()
+            return
         except (ssl.SSLError, OSError) as exc:
             with self._lock:
                 self.refused.append(f"{type(exc).__name__}: {exc}")
