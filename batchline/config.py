@@ -11,12 +11,14 @@ import tomllib
 from pathlib import Path
 from typing import Any, Literal
 
-from pydantic import BaseModel, ConfigDict, Field, SecretStr, ValidationError, field_validator
-from pydantic_settings import BaseSettings, SettingsConfigDict
+from pydantic import BaseModel, ConfigDict, Field, ValidationError, field_validator
 
 from batchline.exceptions import ConfigError
 
-DEFAULT_BOOTSTRAP = "127.0.0.1:9092"
+# The Kafka concern (TLS, SASL, the librdkafka passthrough) has its own module; its names are here as before.
+from batchline.kafka.settings import DEFAULT_BOOTSTRAP as DEFAULT_BOOTSTRAP
+from batchline.kafka.settings import KafkaSettings as KafkaSettings
+
 Task = Literal["generate", "embed", "classify"]
 Route = Literal["retry", "dlq"]
 DEFAULT_ROUTES: dict[str, Route] = {
@@ -39,44 +41,6 @@ def parse_duration(text: str) -> float:
 
 class _Frozen(BaseModel):
     model_config = ConfigDict(frozen=True, extra="forbid")
-
-
-class KafkaSettings(BaseSettings):
-    """How to reach the brokers. Env: ``BATCHLINE_BOOTSTRAP``, ``BATCHLINE_SASL_PASSWORD``, ..."""
-
-    model_config = SettingsConfigDict(env_prefix="BATCHLINE_", frozen=True, extra="ignore")
-
-    bootstrap: str = Field(DEFAULT_BOOTSTRAP, description="Kafka bootstrap servers (host:port,...).")
-    session_timeout_ms: int = Field(
-        6000,
-        description="Consumer session timeout. Lower detects dead workers sooner; the embedded broker's "
-        "first group join takes about half of it.",
-    )
-    security_protocol: Literal["PLAINTEXT", "SSL", "SASL_PLAINTEXT", "SASL_SSL"] = Field(
-        "PLAINTEXT", description="librdkafka security.protocol."
-    )
-    sasl_mechanism: str | None = Field(None, description="librdkafka sasl.mechanism, e.g. SCRAM-SHA-512.")
-    sasl_username: str | None = Field(None, description="SASL user name.")
-    sasl_password: SecretStr | None = Field(None, description="SASL password (never logged).")
-    transaction_timeout_ms: int = Field(
-        60000,
-        description="Producer transaction timeout; transactions begin after inference, so this "
-        "bounds produce+commit only.",
-    )
-
-    def librdkafka(self) -> dict[str, Any]:
-        """The librdkafka ``dotted.keys`` shared by every client."""
-        conf: dict[str, Any] = {
-            "bootstrap.servers": self.bootstrap,
-            "security.protocol": self.security_protocol,
-        }
-        if self.sasl_mechanism:
-            conf["sasl.mechanism"] = self.sasl_mechanism
-        if self.sasl_username:
-            conf["sasl.username"] = self.sasl_username
-        if self.sasl_password:
-            conf["sasl.password"] = self.sasl_password.get_secret_value()
-        return conf
 
 
 class SamplingConfig(_Frozen):

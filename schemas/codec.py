@@ -1,6 +1,15 @@
 """Avro single-object encoding (and the Confluent wire format) for every record of DESIGN.md §3.
 
-Single-object: ``C3 01`` + 8-byte little-endian CRC-64-AVRO fingerprint of the canonical schema + body.
+Single-object: ``C3 01`` + the CRC-64-AVRO (Rabin) fingerprint of the schema's Parsing Canonical Form as 8
+little-endian bytes + body, as the Avro spec and its reference implementation (Java ``BinaryMessageDecoder``)
+write and read it; for ``result.avsc`` the header is ``c301 b2e5099766bfe6e3``. fastavro's
+``fingerprint(canonical, "CRC-64-AVRO")`` hex string already is that little-endian byte sequence.
+
+Records written by batchline 0.1.0 carry the fingerprint's 8 bytes reversed (``c301 e3e6bf669709e5b2`` for a
+Result). They are still read, never written, so topics and archives written by older workers stay readable;
+spec-following clients of other languages cannot read them (the Java decoder fails with
+``MissingSchemaException``).
+
 Confluent: ``00`` + 4-byte big-endian schema id + body; written only when a registry id is configured,
 always readable. Decoding never raises anything but :class:`DecodeError`.
 """
@@ -53,9 +62,10 @@ class AvroCodec(Generic[M]):
         self.raw_schema = load_schema(schema_name)
         self.parsed = fastavro.parse_schema(self.raw_schema)
         canonical = to_parsing_canonical_form(self.raw_schema)
+        # fastavro's hex digest is the fingerprint's 8 little-endian bytes: the spec's order, written as is.
         self.fingerprint = bytes.fromhex(fingerprint(canonical, "CRC-64-AVRO"))
-        # The spec's fingerprint is little-endian; fastavro returns the big-endian hex digest.
-        self.fingerprint = self.fingerprint[::-1]
+        # The reversed order that batchline wrote before it followed the spec; read only.
+        self.legacy_fingerprint = self.fingerprint[::-1]
         self.registry_id = registry_id
 
     def encode(self, record: M) -> bytes:
@@ -90,7 +100,7 @@ class AvroCodec(Generic[M]):
         if data[:2] == SINGLE_OBJECT_MAGIC:
             if len(data) < HEADER_LEN:
                 raise DecodeError("truncated avro header")
-            if data[2:HEADER_LEN] != self.fingerprint:
+            if data[2:HEADER_LEN] not in (self.fingerprint, self.legacy_fingerprint):
                 raise DecodeError("unknown schema fingerprint", data[2:HEADER_LEN].hex())
             return data[HEADER_LEN:]
         if data[:1] == CONFLUENT_MAGIC and len(data) >= 5:

@@ -55,11 +55,16 @@ def broker_binary() -> str:
 
 
 class EmbeddedBroker:
-    """A tansu broker subprocess on 127.0.0.1; a context manager that always stops it."""
+    """A tansu broker subprocess on 127.0.0.1; a context manager that always stops it.
 
-    def __init__(self, port: int | None = None, log_path: str | None = None) -> None:
+    ``advertised`` (host:port) is the address the broker gives clients in metadata, when they must reach it
+    through something in front of it (a TLS terminator, a proxy); by default its own listener.
+    """
+
+    def __init__(self, port: int | None = None, log_path: str | None = None, advertised: str | None = None) -> None:
         self.port = port or free_port()
         self.log_path = log_path
+        self.advertised = advertised
         self.proc: subprocess.Popen[bytes] | None = None
 
     @property
@@ -76,7 +81,7 @@ class EmbeddedBroker:
             "--listener-url",
             url,
             "--advertised-listener-url",
-            url,
+            f"tcp://{self.advertised}" if self.advertised else url,
             "--storage-engine",
             "memory://tansu/",
         ]

@@ -1,27 +1,33 @@
-"""Kafka client factory: every consumer, producer and admin client batchline makes is configured here."""
+"""Kafka client factory: every consumer, producer and admin client batchline makes is configured here.
+
+Each client gets the shared settings (:meth:`KafkaSettings.librdkafka`: bootstrap, TLS, SASL and the
+``BATCHLINE_KAFKA__*`` passthrough) on top of its role's defaults, then the guarantees batchline's
+exactly-once path rests on, which nothing overrides but the caller's explicit ``overrides``. A client that
+librdkafka refuses (unknown property, unreadable certificate, wrong key password) is one :class:`ConfigError`
+line with every secret value redacted.
+"""
 
 from __future__ import annotations
 
 import logging
-from typing import Any
+from collections.abc import Callable
+from typing import Any, TypeVar
 
-from confluent_kafka import Consumer, Producer
+from confluent_kafka import Consumer, KafkaException, Producer
 from confluent_kafka.admin import AdminClient
 
-from batchline.config import KafkaSettings
+from batchline.exceptions import ConfigError
+from batchline.kafka.settings import KafkaSettings
 
 log = logging.getLogger(__name__)
+C = TypeVar("C")
+REDACTED = "**********"
 
 
-def _quiet(conf: dict[str, Any]) -> dict[str, Any]:
-    # librdkafka prints connection chatter to stderr; route it through logging instead.
-    conf.setdefault("logger", logging.getLogger("librdkafka"))
-    return conf
-
-
-def make_consumer(kafka: KafkaSettings, group: str, **overrides: Any) -> Consumer:
+def consumer_conf(kafka: KafkaSettings, group: str, **overrides: Any) -> dict[str, Any]:
     """A worker-style consumer: manual commits, read_committed, cooperative-sticky."""
-    conf = kafka.librdkafka() | {
+    defaults = {"heartbeat.interval.ms": max(500, kafka.session_timeout_ms // 6)}
+    fixed = {
         "group.id": group,
         "enable.auto.commit": False,
         "enable.auto.offset.store": False,
@@ -29,38 +35,61 @@ def make_consumer(kafka: KafkaSettings, group: str, **overrides: Any) -> Consume
         "isolation.level": "read_committed",
         "partition.assignment.strategy": "cooperative-sticky",
         "session.timeout.ms": kafka.session_timeout_ms,
-        "heartbeat.interval.ms": max(500, kafka.session_timeout_ms // 6),
     }
-    conf.update(overrides)
-    return Consumer(_quiet(conf))
+    return defaults | kafka.librdkafka() | fixed | overrides
 
 
-def make_reader(kafka: KafkaSettings, **overrides: Any) -> Consumer:
-    """A group-less consumer for ``assign()``-based reads of whole topics (status, tests, views)."""
-    conf = kafka.librdkafka() | {
+def reader_conf(kafka: KafkaSettings, **overrides: Any) -> dict[str, Any]:
+    """A group-less consumer for ``assign()``-based reads of whole topics (status, scans, views)."""
+    fixed = {
         "group.id": "batchline-reader",
         "enable.auto.commit": False,
         "auto.offset.reset": "earliest",
         "isolation.level": "read_committed",
     }
-    conf.update(overrides)
-    return Consumer(_quiet(conf))
+    return kafka.librdkafka() | fixed | overrides
+
+
+def producer_conf(kafka: KafkaSettings, transactional_id: str | None = None, **overrides: Any) -> dict[str, Any]:
+    """An idempotent producer; transactional when ``transactional_id`` is given."""
+    defaults = {"linger.ms": 5, "compression.type": "lz4"}
+    fixed: dict[str, Any] = {"enable.idempotence": True, "acks": "all"}
+    if transactional_id:
+        fixed |= {"transactional.id": transactional_id, "transaction.timeout.ms": kafka.transaction_timeout_ms}
+    return defaults | kafka.librdkafka() | fixed | overrides
+
+
+def make_consumer(kafka: KafkaSettings, group: str, **overrides: Any) -> Consumer:
+    return _build(Consumer, consumer_conf(kafka, group, **overrides), kafka)
+
+
+def make_reader(kafka: KafkaSettings, **overrides: Any) -> Consumer:
+    return _build(Consumer, reader_conf(kafka, **overrides), kafka)
 
 
 def make_producer(kafka: KafkaSettings, transactional_id: str | None = None, **overrides: Any) -> Producer:
-    """An idempotent producer; transactional when ``transactional_id`` is given."""
-    conf = kafka.librdkafka() | {
-        "enable.idempotence": True,
-        "acks": "all",
-        "linger.ms": 5,
-        "compression.type": "lz4",
-    }
-    if transactional_id:
-        conf["transactional.id"] = transactional_id
-        conf["transaction.timeout.ms"] = kafka.transaction_timeout_ms
-    conf.update(overrides)
-    return Producer(_quiet(conf))
+    return _build(Producer, producer_conf(kafka, transactional_id, **overrides), kafka)
 
 
 def make_admin(kafka: KafkaSettings) -> AdminClient:
-    return AdminClient(_quiet(kafka.librdkafka()))
+    return _build(AdminClient, kafka.librdkafka(), kafka)
+
+
+def redact(text: str, kafka: KafkaSettings) -> str:
+    """``text`` with every secret of ``kafka`` replaced, for messages that quote librdkafka."""
+    for secret in kafka.secrets():
+        text = text.replace(secret, REDACTED)
+    return text
+
+
+def _build(kind: Callable[[dict[str, Any]], C], conf: dict[str, Any], kafka: KafkaSettings) -> C:
+    # librdkafka prints connection chatter to stderr; route it through logging instead.
+    conf.setdefault("logger", logging.getLogger("librdkafka"))
+    try:
+        return kind(conf)
+    except KafkaException as exc:
+        error = exc.args[0] if exc.args else exc
+        reason = error.str() if hasattr(error, "str") else str(error)
+        raise ConfigError(
+            f"Kafka client for {kafka.bootstrap} refused by librdkafka: {redact(reason, kafka)}"
+        ) from None

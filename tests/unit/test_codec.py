@@ -5,19 +5,19 @@ from __future__ import annotations
 import io
 import json
 import struct
-from datetime import UTC, datetime
 from pathlib import Path
 
 import fastavro
 import pytest
+from fastavro.schema import to_parsing_canonical_form
 from hypothesis import given, settings
 from hypothesis import strategies as st
 
 from schemas import DeadLetter, Lineage, Request, Result, RunManifest, RunStats, codec_for
 from schemas.codec import DecodeError, decode_request, load_schema
-from tests.support.records import lineage
+from tests.support.records import SAMPLES, lineage
 
-NOW = datetime(2026, 12, 2, 12, 0, tzinfo=UTC)
+RESULT = SAMPLES["result"]
 
 
 def test_request_round_trips_through_single_object_encoding() -> None:
@@ -31,85 +31,133 @@ def test_request_round_trips_through_single_object_encoding() -> None:
         metadata={"k": "v"},
     )
     data = codec_for("request").encode(req)
-    assert data[:2] == b"\xc3\x01"
-    assert data[2:10] == codec_for("request").fingerprint
+    assert data[:10] == spec_header("request")
     assert decode_request(data) == req
 
 
-def test_fingerprint_is_the_little_endian_crc64_of_the_canonical_schema() -> None:
-    from fastavro.schema import fingerprint, to_parsing_canonical_form
+# --- The spec's own algorithms, written here from the Avro specification, not taken from the codec or fastavro.
 
-    schema = load_schema("request")
-    big_endian = bytes.fromhex(fingerprint(to_parsing_canonical_form(schema), "CRC-64-AVRO"))
-    assert codec_for("request").fingerprint == big_endian[::-1]
+EMPTY = 0xC15D213AA4D7A795  # the spec's CRC-64-AVRO EMPTY constant (and polynomial)
+MASK64 = (1 << 64) - 1
+KINDS = ("request", "result", "dead_letter", "lineage", "run_manifest", "run_stats")
+
+
+def _fp_table() -> list[int]:
+    table = []
+    for i in range(256):
+        fp = i
+        for _ in range(8):
+            fp = (fp >> 1) ^ (EMPTY & -(fp & 1))
+        table.append(fp & MASK64)
+    return table
+
+
+FP_TABLE = _fp_table()
+
+
+def rabin64(data: bytes) -> int:
+    """``fingerprint64`` of the spec: ``fp = (fp >>> 8) ^ FP_TABLE[(fp ^ b) & 0xff]`` from EMPTY."""
+    fp = EMPTY
+    for byte in data:
+        fp = (fp >> 8) ^ FP_TABLE[(fp ^ byte) & 0xFF]
+    return fp
+
+
+PRIMITIVES = {"null", "boolean", "int", "long", "float", "double", "bytes", "string"}
+
+
+def canonical_form(schema: object, namespace: str = "", seen: set[str] | None = None) -> str:
+    """The spec's Parsing Canonical Form: PRIMITIVES, FULLNAMES, STRIP, ORDER, STRINGS, INTEGERS, WHITESPACE."""
+    seen = set() if seen is None else seen
+    if isinstance(schema, list):
+        return "[" + ",".join(canonical_form(s, namespace, seen) for s in schema) + "]"
+    if isinstance(schema, str):
+        if schema in PRIMITIVES or "." in schema or not namespace:
+            return json.dumps(schema, ensure_ascii=False)
+        return json.dumps(f"{namespace}.{schema}", ensure_ascii=False)
+    assert isinstance(schema, dict)
+    kind = schema["type"]
+    if kind in ("array", "map"):
+        key = "items" if kind == "array" else "values"
+        return f'{{"type":"{kind}","{key}":{canonical_form(schema[key], namespace, seen)}}}'
+    if kind not in ("record", "enum", "fixed"):
+        return canonical_form(kind, namespace, seen)  # {"type": "int"}, {"type": "long", "logicalType": ...}
+    name = schema["name"]
+    ns = name.rsplit(".", 1)[0] if "." in name else schema.get("namespace", namespace)
+    full = name if "." in name or not ns else f"{ns}.{name}"
+    if full in seen:  # a named type is defined once; later uses are its full name
+        return json.dumps(full, ensure_ascii=False)
+    seen.add(full)
+    parts = [f'"name":{json.dumps(full, ensure_ascii=False)}', f'"type":"{kind}"']
+    if kind == "record":
+        fields = [
+            f'{{"name":{json.dumps(f["name"], ensure_ascii=False)},"type":{canonical_form(f["type"], ns, seen)}}}'
+            for f in schema["fields"]
+        ]
+        parts.append(f'"fields":[{",".join(fields)}]')
+    elif kind == "enum":
+        parts.append('"symbols":' + json.dumps(schema["symbols"], separators=(",", ":"), ensure_ascii=False))
+    else:
+        parts.append(f'"size":{int(schema["size"])}')
+    return "{" + ",".join(parts) + "}"
+
+
+def spec_header(kind: str) -> bytes:
+    """``C3 01`` + the 8 little-endian bytes of the schema's 64-bit Rabin fingerprint (the spec's single-object)."""
+    return b"\xc3\x01" + rabin64(canonical_form(load_schema(kind)).encode("utf-8")).to_bytes(8, "little")
 
 
 @pytest.mark.parametrize(
-    ("kind", "record"),
-    [
-        ("result", Result(request_id="a", task="classify", label="x", scores={"x": 0.9}, produced_at=NOW)),
-        (
-            "dead_letter",
-            DeadLetter(
-                request_id="a",
-                failure_class="invalid_input",
-                error_type="E",
-                error_message="m",
-                original_topic="t",
-                original_partition=1,
-                original_offset=5,
-                payload=b"\xff",
-                first_failure_at=NOW,
-                last_failure_at=NOW,
-            ),
-        ),
-        (
-            "lineage",
-            lineage(),
-        ),
-        (
-            "run_manifest",
-            RunManifest(
-                run_id="r",
-                job="j",
-                created_at=NOW,
-                fingerprint="f",
-                model_id="m",
-                model_digest="d",
-                engine="e",
-                engine_version="v",
-                config_digest="c",
-                prompt_template_digest="p",
-                boundaries=[{"partition": 0, "start_offset": 0, "end_offset": 3}],
-                record_count=3,
-                value_total=3.0,
-            ),
-        ),
-        (
-            "run_stats",
-            RunStats(
-                run_id="r",
-                total=3,
-                succeeded=2,
-                failed_permanent=1,
-                quarantined=1,
-                retried=0,
-                retries=0,
-                pending=0,
-                in_flight=0,
-                value_total=3,
-                value_completed=2,
-                tokens_in=10,
-                tokens_out=5,
-                updated_at=NOW,
-                top_quarantined=[{"request_id": "x", "value": 1.0, "failure_class": "poison"}],
-            ),
-        ),
+    ("canonical", "signed"),
+    [  # published by the Avro project (share/test/data/schema-tests.txt) as Java longs
+        ('"null"', 7195948357588979594),
+        ('"boolean"', -6970731678124411036),
+        ('"int"', 8247732601305521295),
+        ('{"name":"foo","type":"fixed","size":15}', 1756455273707447556),
+        ('{"name":"foo","type":"record","fields":[{"name":"f1","type":"boolean"}]}', 7843277075252814651),
     ],
 )
-def test_every_record_kind_round_trips(kind: str, record: object) -> None:
+def test_the_tests_rabin_fingerprint_matches_the_specs_published_vectors(canonical: str, signed: int) -> None:
+    assert rabin64(canonical.encode()) == signed & MASK64
+
+
+def test_the_tests_canonical_form_matches_the_specs_examples() -> None:
+    assert canonical_form({"type": "int"}) == '"int"'
+    record = {"type": "record", "name": "foo", "fields": [{"name": "f1", "type": "boolean", "default": True}]}
+    assert canonical_form(record) == '{"name":"foo","type":"record","fields":[{"name":"f1","type":"boolean"}]}'
+
+
+def test_result_header_is_the_one_the_java_reference_expects() -> None:
+    assert spec_header("result").hex() == "c301b2e5099766bfe6e3"
+    assert codec_for("result").encode(RESULT)[:10].hex() == "c301b2e5099766bfe6e3"
+
+
+@pytest.mark.parametrize("kind", KINDS)
+def test_every_schema_is_written_with_the_specs_single_object_header(kind: str) -> None:
+    assert codec_for(kind).fingerprint == spec_header(kind)[2:]
+    assert canonical_form(load_schema(kind)) == to_parsing_canonical_form(load_schema(kind))
+
+
+@pytest.mark.parametrize("kind", KINDS)
+def test_records_written_in_the_old_reversed_order_are_still_read(kind: str) -> None:
     codec = codec_for(kind)
-    assert codec.decode(codec.encode(record)) == record
+    record = SAMPLES[kind]
+    written = codec.encode(record)
+    assert written[:10] == spec_header(kind)
+    legacy = written[:2] + written[2:10][::-1] + written[10:]
+    assert legacy != written and codec.decode(legacy) == record
+
+
+def test_a_legacy_request_is_still_accepted_by_the_worker_decoder() -> None:
+    req = Request(id="old-1", prompt="written by batchline 0.1.0")
+    written = codec_for("request").encode(req)
+    assert decode_request(written[:2] + written[2:10][::-1] + written[10:]) == req
+
+
+@pytest.mark.parametrize("kind", KINDS)
+def test_every_record_kind_round_trips(kind: str) -> None:
+    codec = codec_for(kind)
+    assert codec.decode(codec.encode(SAMPLES[kind])) == SAMPLES[kind]
 
 
 def test_confluent_wire_format_is_read() -> None:
