@@ -171,6 +171,16 @@ class ScheduleConfig(_Frozen):
         description="UTC time windows HH:MM-HH:MM when the job may run (e.g. 22:00-06:00); empty: always. "
         "Outside them the worker pauses its partitions and keeps its group membership.",
     )
+    yield_to: tuple[str, ...] = Field(
+        (),
+        description="Lanes: jobs this one yields to. While any of them has more than `yield_threshold` records "
+        "not yet committed by its workers, this job's workers finish what is in flight, pause their partitions "
+        "and keep their group membership; they resume when the backlog falls.",
+    )
+    yield_threshold: int = Field(
+        0, ge=0, description="Backlog (records) of a job in `yield_to` above which this job yields; 0: any backlog."
+    )
+    yield_check_s: float = Field(2.0, gt=0, description="How often the backlogs of the `yield_to` jobs are measured.")
 
     @field_validator("windows")
     @classmethod

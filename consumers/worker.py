@@ -39,7 +39,8 @@ from consumers.engines import Engine, create_engine
 from consumers.exceptions import SinkError
 from consumers.infer import Feeder, Flight
 from consumers.intake import Intake
-from consumers.pauses import PauseBook
+from consumers.lanes import Lanes
+from consumers.pauses import PauseBook, Reason
 from consumers.pinning import Pinning
 from consumers.route import BatchContext, Produced, Router
 from consumers.schedule import Schedule
@@ -103,6 +104,7 @@ class Worker:
         self.metrics = WorkerMetrics(config.job)
         self.tracer = trace.get_tracer("batchline.worker")
         self.schedule = Schedule(config.schedule)
+        self.lanes = Lanes(kafka, config.schedule)
         self.stop_event = threading.Event()
         self.idle_exit_s = idle_exit_s
         self.on_batch_committed: Callable[[str, list[WorkItem]], None] | None = None
@@ -119,6 +121,7 @@ class Worker:
             self.fingerprint.value,
         )
         self.pinning.start()
+        self.lanes.start()
         self.feeder.start()
         self.consumer.subscribe(
             [self.topics.requests], on_assign=self._on_assign, on_revoke=self._on_revoke, on_lost=self._on_lost
@@ -142,6 +145,7 @@ class Worker:
 
     def close(self) -> None:
         self.feeder.close()
+        self.lanes.stop()
         self.pinning.stop()
         try:
             self.consumer.close()
@@ -203,17 +207,26 @@ class Worker:
 
     # -- scheduling ------------------------------------------------------------------------------
     def _follow_schedule(self) -> None:
-        """Outside a time window: in-flight work still commits, nothing new starts, buffered records are given
-        back (re-read from their offsets when the window opens) and the partitions pause."""
-        if self.schedule.in_window():
-            if "window" in self.pauses.reasons:
-                log.info("time window open: resuming %s", self.config.job)
-                self.pauses.lift("window")
-            return
-        if "window" not in self.pauses.reasons:
-            log.info("outside the time windows of %s: pausing", self.config.job)
-            self.pauses.hold("window")
-        if len(self.batcher):
+        """Outside a time window, or while a job this one yields to has a backlog: in-flight work still commits,
+        nothing new starts, buffered records are given back (re-read from their offsets later) and the
+        partitions pause."""
+        window = not self.schedule.in_window()
+        lanes = self.lanes.yielding_to is not None
+        checks: tuple[tuple[Reason, bool], ...] = (("window", window), ("lanes", lanes))
+        for reason, holds in checks:
+            if holds and reason not in self.pauses.reasons:
+                log.info(
+                    "%s: pausing %s",
+                    "outside its time windows" if reason == "window" else f"yielding to {self.lanes.yielding_to}",
+                    self.config.job,
+                )
+                self.pauses.hold(reason)
+            elif not holds and reason in self.pauses.reasons:
+                log.info(
+                    "%s: resuming %s", "time window open" if reason == "window" else "lanes clear", self.config.job
+                )
+                self.pauses.lift(reason)
+        if (window or lanes) and len(self.batcher):
             self._give_back_buffered()
 
     def _may_dispatch(self) -> bool:

@@ -70,3 +70,35 @@ def _read(
             left -= set(reached)
         elif len(reached) == len(left) and time.monotonic() - last_message >= idle_s:
             return
+
+
+def end_offsets(reader: Any, topic: str, partitions: list[int], timeout: float = READ_TIMEOUT_S) -> dict[int, int]:
+    """Each partition's end: the offset after its last record, read past a short high watermark.
+
+    A fetch from offset ``high - 1`` returns the whole record batch that holds it, so the largest offset read from
+    there (plus one) is the end even where the embedded broker reports only the last batch's first offset + 1; on
+    Apache Kafka that fetch returns the one record at ``high - 1`` and the answer is the watermark itself. The
+    ``reader`` is re-assigned (give it one of its own).
+    """
+    ends: dict[int, int] = {}
+    probe: list[TopicPartition] = []
+    for p in partitions:
+        _, high = reader.get_watermark_offsets(TopicPartition(topic, p), timeout, cached=False)
+        ends[p] = high
+        if high > 0:
+            probe.append(TopicPartition(topic, p, high - 1))
+    if not probe:
+        return ends
+    reader.assign(probe)
+    waiting = {tp.partition for tp in probe}
+    deadline = time.monotonic() + timeout
+    while waiting and time.monotonic() < deadline:
+        msgs = reader.consume(1000, 0.2)
+        for msg in msgs:
+            if not msg.error():
+                ends[msg.partition()] = max(ends[msg.partition()], msg.offset() + 1)
+                waiting.discard(msg.partition())
+        positions = reader.position([TopicPartition(topic, p) for p in waiting])
+        waiting -= {tp.partition for tp in positions if tp.offset >= ends[tp.partition]}
+    reader.unassign()
+    return ends

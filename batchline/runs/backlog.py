@@ -1,0 +1,83 @@
+"""A job's backlog: records on ``J.requests`` that its workers have not yet committed.
+
+Workers of a job form one consumer group per fingerprint (``J.workers.<fp>``), and each group reads every
+record (it passes over other fingerprints' runs), so the job's backlog is the largest of its groups' backlogs:
+per partition, the high watermark minus the group's committed offset (the low watermark where the group has
+committed nothing). The fingerprints are those named in ``J.runs`` (runs, pins and claims). A job that no worker
+has ever run has its whole topic as backlog. Ends are read past the embedded broker's short high watermarks
+(:func:`batchline.kafka.scan.end_offsets`), so the figure is exact there too.
+
+Used by lanes (``schedule.yield_to``): a job yields while a job it yields to has a backlog over a threshold.
+"""
+
+from __future__ import annotations
+
+import logging
+
+from confluent_kafka import Consumer, KafkaException, TopicPartition
+
+from batchline.config import KafkaSettings
+from batchline.kafka.client import make_reader
+from batchline.kafka.scan import end_offsets
+from batchline.kafka.topics import JobTopics
+from batchline.runs.manifests import RunsView
+
+log = logging.getLogger(__name__)
+TIMEOUT_S = 10.0
+
+
+class JobBacklog:
+    """Measures one job's backlog on demand; keeps its readers between measurements. Close it when done."""
+
+    def __init__(self, kafka: KafkaSettings, job: str) -> None:
+        self.kafka = kafka
+        self.topics = JobTopics(job, ())
+        self.view = RunsView(kafka, self.topics)
+        self._meta = make_reader(kafka)
+        self._groups: dict[str, Consumer] = {}
+
+    def measure(self) -> int | None:
+        """The backlog in records, or None when the job's request topic cannot be read."""
+        try:
+            ends = self._watermarks()
+        except KafkaException as exc:
+            log.warning("backlog of %s unknown: %s", self.topics.job, exc)
+            return None
+        if ends is None:
+            return None
+        self.view.sync(TIMEOUT_S)
+        fingerprints = {m.fingerprint for m in self.view.all().values() if m.fingerprint}
+        behind = [self._group_backlog(self.topics.worker_group(fp), ends) for fp in sorted(fingerprints)]
+        whole = sum(high - low for low, high in ends.values())
+        return max(behind) if behind else whole
+
+    def _watermarks(self) -> dict[int, tuple[int, int]] | None:
+        topic = self.topics.requests
+        meta = self._meta.list_topics(topic, timeout=TIMEOUT_S).topics.get(topic)
+        if meta is None or meta.error is not None:
+            return None
+        partitions = sorted(meta.partitions)
+        ends = end_offsets(self._meta, topic, partitions, TIMEOUT_S)
+        lows = {
+            p: self._meta.get_watermark_offsets(TopicPartition(topic, p), TIMEOUT_S, cached=False)[0]
+            for p in partitions
+        }
+        return {p: (lows[p], ends[p]) for p in partitions}
+
+    def _group_backlog(self, group: str, ends: dict[int, tuple[int, int]]) -> int:
+        reader = self._groups.get(group)
+        if reader is None:
+            reader = self._groups[group] = make_reader(self.kafka, **{"group.id": group})
+        committed = reader.committed([TopicPartition(self.topics.requests, p) for p in ends], timeout=TIMEOUT_S)
+        total = 0
+        for tp in committed:
+            low, high = ends[tp.partition]
+            done = tp.offset if tp.offset >= 0 else low
+            total += max(0, high - done)
+        return total
+
+    def close(self) -> None:
+        self.view.stop()
+        self._meta.close()
+        for reader in self._groups.values():
+            reader.close()
