@@ -18,7 +18,6 @@ and is woken (``wake``) when one is done.
 
 from __future__ import annotations
 
-import functools
 import hashlib
 import itertools
 import logging
@@ -28,7 +27,7 @@ from collections import deque
 from collections.abc import Callable, Iterable
 from dataclasses import dataclass, field, replace
 
-from batchline.config import JobConfig, SamplingConfig
+from batchline.config import JobConfig
 from consumers.engines.base import (
     Engine,
     EngineInput,
@@ -53,16 +52,19 @@ def record_seed(base: int, request_id: str, salt: int = 0) -> int:
     return int.from_bytes(h[:4], "big")
 
 
-def engine_input(config: JobConfig, item: WorkItem) -> EngineInput:
+def engine_input(config: JobConfig, item: WorkItem, greedy: Sampling | None = None) -> EngineInput:
     """The engine's view of a record. Greedy records carry no seed (it would change nothing and costs vLLM a
-    per-request generator); sampled ones get a per-record seed so a replay reproduces them."""
-    assert item.request is not None
+    per-request generator); sampled ones get a per-record seed so a replay reproduces them. ``greedy`` is the
+    job's greedy sampling, shared by records without overrides (pass it from a loop)."""
+    request = item.request
+    assert request is not None
     job = config.engine.sampling
-    over = item.request.sampling
-    messages = tuple(item.request.messages) if item.request.messages else None
+    over = request.sampling
+    messages = tuple(request.messages) if request.messages else None
     if over is None:
         if job.temperature == 0:
-            return EngineInput(item.request_id, item.prompt, messages, _greedy(job), item.attempt)
+            shared = greedy or Sampling(job.temperature, job.top_p, job.max_tokens, None)
+            return EngineInput(item.request_id, item.prompt, messages, shared, item.attempt)
         temperature, top_p, max_tokens, seed = job.temperature, job.top_p, job.max_tokens, None
     else:
         temperature = over.temperature if over.temperature is not None else job.temperature
@@ -74,12 +76,6 @@ def engine_input(config: JobConfig, item: WorkItem) -> EngineInput:
     return EngineInput(
         item.request_id, item.prompt, messages, Sampling(temperature, top_p, max_tokens, seed), item.attempt
     )
-
-
-@functools.cache
-def _greedy(job: SamplingConfig) -> Sampling:
-    """The job's greedy sampling, shared by its records (never mutated: re-tries build a new one)."""
-    return Sampling(job.temperature, job.top_p, job.max_tokens, None)
 
 
 def is_streaming(engine: Engine) -> bool:
@@ -128,6 +124,9 @@ class Feeder:
         self.runner = IsolatingRunner(engine, config.batching.max_records)
         self.validator = OutputValidator(config)
         self.retries = config.retry.invalid_output_retries
+        job = config.engine.sampling
+        # shared by the records without overrides of a greedy job; never mutated (re-tries build a new one)
+        self._greedy = Sampling(job.temperature, job.top_p, job.max_tokens, None)
         self.max_admitted = config.batching.max_in_flight_records
         self.limit = self.max_admitted  # records allowed in the running batch at once; OOM halves it
         self.stats = FeederStats()
@@ -206,7 +205,7 @@ class Feeder:
         for i, item in enumerate(flight.items):
             if item.runnable:
                 key = next(self._keys)
-                self._slots[key] = _Slot(flight, i, engine_input(self.config, item))
+                self._slots[key] = _Slot(flight, i, engine_input(self.config, item, self._greedy))
                 self._backlog.append(key)
                 flight.pending += 1
         if flight.pending == 0:

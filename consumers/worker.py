@@ -15,6 +15,7 @@ committed offsets (or, if the broker cannot say, from the first record still hel
 
 from __future__ import annotations
 
+import gc
 import logging
 import os
 import socket
@@ -57,6 +58,11 @@ REVOKE_GRACE_S = 20.0  # how long a revocation waits for in-flight micro-batches
 COMMITTED_TIMEOUT_S = 10.0
 COMMITTED_TRIES = 3
 TP = tuple[str, int]
+# Young-generation collections every 700 allocations cost the loop about a third of its throughput: it allocates
+# a few short-lived objects per record, freed by reference counting (none sit in cycles). And every full
+# collection would re-scan the engine's long-lived objects (vLLM and torch hold millions). So the worker freezes
+# what exists once it has started and collects young objects every GC_YOUNG allocations.
+GC_YOUNG = 50_000
 
 
 @dataclass
@@ -122,6 +128,9 @@ class Worker:
         )
         self.pinning.start()
         self.lanes.start()
+        gc.collect()
+        gc.freeze()
+        gc.set_threshold(GC_YOUNG, 20, 100)
         self.feeder.start()
         self.consumer.subscribe(
             [self.topics.requests], on_assign=self._on_assign, on_revoke=self._on_revoke, on_lost=self._on_lost

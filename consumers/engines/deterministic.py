@@ -158,13 +158,13 @@ class DeterministicEngine:
     def _one(self, inp: EngineInput) -> Outcome:
         if self.fails_transiently(inp.request_id, inp.attempt):
             return RecordFailure("InjectedTransientFault", f"injected fault on attempt {inp.attempt}")
-        tokens = self.count_tokens(inp.prompt)
+        words = inp.prompt.split()
         invalid = self.gives_invalid_output(inp.request_id)
         if self.task == "embed":
-            return EngineOutput(embedding=self._embedding(inp.prompt), prompt_tokens=tokens)
+            return EngineOutput(embedding=self._embedding(inp.prompt), prompt_tokens=len(words))
         if self.task == "classify":
-            return self._classify(inp.prompt, tokens, invalid)
-        return self._generate(inp, tokens, invalid)
+            return self._classify(inp.prompt, len(words), invalid)
+        return self._generate(inp, words, invalid)
 
     def _embedding(self, text: str) -> list[float]:
         raw = [_unit("embed", text, i) - 0.5 for i in range(self.embed_dim)]
@@ -183,20 +183,23 @@ class DeterministicEngine:
             label = "__not_a_label__"
         return EngineOutput(label=label, scores=scores, prompt_tokens=tokens, finish_reason="stop")
 
-    def _generate(self, inp: EngineInput, tokens: int, invalid: bool) -> Outcome:
+    def _generate(self, inp: EngineInput, words: list[str], invalid: bool) -> Outcome:
         s = inp.sampling
         # Greedy (temperature 0) outputs ignore the seed, as a real engine's would.
         salt = s.seed if s.temperature > 0 else 0
-        words = inp.prompt.split()[: max(1, s.max_tokens - 1)]
+        kept = words[: max(1, s.max_tokens - 1)]
         tag = f"{zlib.crc32(f'{inp.prompt}|{salt}'.encode()):08x}"
         if self.json_schema is not None:
             text = "not json" if invalid else json.dumps(_instance(self.json_schema, tag))
+            completion = len(text.split())
+        elif invalid:
+            text, completion = "", 0
         else:
-            text = "" if invalid else " ".join([tag, *reversed(words)])
-        completion = len(text.split())
+            kept.reverse()
+            text, completion = f"{tag} {' '.join(kept)}", len(kept) + 1
         return EngineOutput(
             text=text,
-            prompt_tokens=tokens,
+            prompt_tokens=len(words),
             completion_tokens=completion,
             finish_reason="length" if completion >= s.max_tokens else "stop",
         )
