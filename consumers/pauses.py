@@ -6,6 +6,11 @@ partition the worker owns, so the book keeps one set of reasons and the set of a
 consumer's pause state follow them on every change - and on every assignment: librdkafka keeps an application
 pause across a revoke and a re-assign, so a partition that comes back is paused or resumed explicitly, never left
 as it was. A partition that is assigned while no reason holds is always fetching.
+
+librdkafka does not wake a broker's fetcher thread on resume: with every partition paused, the thread sleeps on
+(measured here: 0.6-0.7 s before the first record after a resume), which leaves the engine idle after every flow-
+control pause. So a resume is followed by one watermark query per leader broker of the resumed partitions, which
+wakes its thread at once (first record in under 10 ms).
 """
 
 from __future__ import annotations
@@ -18,6 +23,7 @@ from confluent_kafka import Consumer, KafkaException, TopicPartition
 
 log = logging.getLogger(__name__)
 Reason = Literal["flow", "window", "lanes"]
+WAKE_TIMEOUT_S = 1.0
 TP = tuple[str, int]
 
 
@@ -67,5 +73,17 @@ class PauseBook:
                 self.consumer.pause(parts)
             else:
                 self.consumer.resume(parts)
+                self._wake_fetchers(parts)
         except KafkaException as exc:  # a partition revoked under us: the next assignment re-applies the book
             log.warning("%s of %d partitions failed: %s", "pause" if pause else "resume", len(parts), exc)
+
+    def _wake_fetchers(self, parts: list[TopicPartition]) -> None:
+        """One request to each leader of ``parts``: its broker thread then fetches at once (see the docstring)."""
+        by_leader: dict[int, TopicPartition] = {}
+        for topic in {p.topic for p in parts}:
+            meta = self.consumer.list_topics(topic, timeout=WAKE_TIMEOUT_S).topics.get(topic)
+            for p in parts:
+                if meta is not None and p.topic == topic and p.partition in meta.partitions:
+                    by_leader.setdefault(meta.partitions[p.partition].leader, p)
+        for tp in by_leader.values():
+            self.consumer.get_watermark_offsets(tp, timeout=WAKE_TIMEOUT_S, cached=False)

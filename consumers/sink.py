@@ -9,7 +9,11 @@ not produced.
 from __future__ import annotations
 
 import logging
-from collections.abc import Sequence
+import threading
+import time
+from collections import deque
+from collections.abc import Callable, Sequence
+from dataclasses import dataclass
 from typing import Any
 
 from confluent_kafka import KafkaError, KafkaException, TopicPartition
@@ -50,3 +54,94 @@ class TransactionalSink:
 
     def close(self) -> None:
         self.txn.close()
+
+
+@dataclass(eq=False)
+class Commit:
+    """One transaction: the messages of consecutive finished micro-batches, and their offsets."""
+
+    batch_id: str  # the last micro-batch's
+    messages: list[Produced]
+    offsets: list[TopicPartition]
+    group_metadata: Any
+    started_ns: int = 0
+    ended_ns: int = 0
+    done: bool = False
+    error: SinkError | None = None
+
+
+class SinkThread:
+    """Commits transactions one after another on a thread of its own, in the order they were queued, so the worker
+    routes (and the engine infers) the next micro-batches while the broker commits the last ones.
+
+    After a failed transaction every queued one is dropped unstarted (``error`` set, nothing produced): the
+    worker rewinds to the committed offsets, which covers them. At most ``depth`` transactions wait."""
+
+    def __init__(self, sink: TransactionalSink, wake: Callable[[], None], depth: int = 2) -> None:
+        self.sink = sink
+        self.depth = depth
+        self._wake = wake
+        self._cond = threading.Condition()
+        self._queue: deque[Commit] = deque()
+        self._busy = False
+        self._stopping = False
+        self._thread = threading.Thread(target=self._run, name="sink", daemon=True)
+
+    def start(self) -> None:
+        self._thread.start()
+
+    def has_room(self) -> bool:
+        with self._cond:
+            return len(self._queue) + self._busy < self.depth
+
+    def submit(self, commit: Commit) -> None:
+        with self._cond:
+            self._queue.append(commit)
+            self._cond.notify_all()
+
+    def idle(self) -> bool:
+        with self._cond:
+            return not self._queue and not self._busy
+
+    def wait_idle(self) -> None:
+        """Until nothing is queued or committing (a transaction's calls are bounded by their timeouts)."""
+        with self._cond:
+            while self._queue or self._busy:
+                self._cond.wait(0.5)
+
+    def close(self) -> None:
+        with self._cond:
+            self._stopping = True
+            self._cond.notify_all()
+        if self._thread.is_alive():
+            self._thread.join(60)
+
+    def _run(self) -> None:
+        while True:
+            with self._cond:
+                while not self._queue and not self._stopping:
+                    self._cond.wait()
+                if not self._queue:
+                    return
+                commit = self._queue[0]
+                self._busy = True
+            commit.started_ns = time.time_ns()
+            try:
+                self.sink.commit(commit.batch_id, commit.messages, commit.offsets, commit.group_metadata)
+            except SinkError as exc:
+                commit.error = exc
+            except BaseException as exc:  # a bug or an unexpected client error: reported like a failed commit
+                log.exception("transaction of batch %s failed unexpectedly", commit.batch_id)
+                commit.error = SinkError(f"{type(exc).__name__}: {exc}", commit.batch_id, abortable=False, fatal=True)
+            commit.ended_ns = time.time_ns()
+            with self._cond:
+                self._queue.popleft()
+                commit.done = True
+                if commit.error is not None:  # the queued ones were routed on top of it: drop them unstarted
+                    for dropped in self._queue:
+                        dropped.error = SinkError("dropped after a failed transaction", dropped.batch_id, True, False)
+                        dropped.done = True
+                    self._queue.clear()
+                self._busy = False
+                self._cond.notify_all()
+            self._wake()

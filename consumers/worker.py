@@ -23,29 +23,28 @@ import threading
 import time
 import uuid
 from collections import deque
-from collections.abc import Callable, Sequence
+from collections.abc import Sequence
 from dataclasses import dataclass, field
 
-from confluent_kafka import Consumer, KafkaError, KafkaException, TopicPartition
-from opentelemetry import trace
-from opentelemetry.trace import SpanKind, Status, StatusCode
+from confluent_kafka import Consumer, KafkaError, TopicPartition
 
 from batchline.config import JobConfig, KafkaSettings
 from batchline.kafka.client import make_consumer
 from batchline.kafka.topics import JobTopics
 from batchline.runs.identity import Fingerprint, fingerprint_of
-from batchline.telemetry import WorkerMetrics, link_from_traceparent, traceparent_of
+from batchline.telemetry import WorkerMetrics
 from consumers.batcher import Batcher
+from consumers.committer import Committer
 from consumers.engines import Engine, create_engine
-from consumers.exceptions import SinkError
 from consumers.infer import Feeder, Flight
 from consumers.intake import Intake
 from consumers.lanes import Lanes
 from consumers.pauses import PauseBook, Reason
 from consumers.pinning import Pinning
-from consumers.route import BatchContext, Produced, Router
+from consumers.rewind import Rewinder, first_offsets
+from consumers.route import Router
 from consumers.schedule import Schedule
-from consumers.sink import TransactionalSink
+from consumers.sink import SinkThread, TransactionalSink
 from consumers.work import WorkItem
 
 log = logging.getLogger(__name__)
@@ -53,10 +52,7 @@ POLL_BATCH = 1000
 WAIT_FETCHING_S = 0.05  # longest wait on a finished inference while records may still arrive
 WAIT_PAUSED_S = 0.5  # longest wait while every partition is paused (callbacks are served between waits)
 WAIT_IDLE_S = 0.5  # longest wait in consume() with nothing in flight
-COMMIT_GROUP_RECORDS = 8192  # finished micro-batches committed in one transaction, at most this many records
 REVOKE_GRACE_S = 20.0  # how long a revocation waits for in-flight micro-batches before rewinding them
-COMMITTED_TIMEOUT_S = 10.0
-COMMITTED_TRIES = 3
 TP = tuple[str, int]
 # Young-generation collections every 700 allocations cost the loop about a third of its throughput: it allocates
 # a few short-lived objects per record, freed by reference counting (none sit in cycles). And every full
@@ -102,18 +98,28 @@ class Worker:
         self.group = self.topics.worker_group(self.fingerprint.value)
         self.pinning = Pinning(kafka, self.topics, self.fingerprint)
         self.sink = TransactionalSink(kafka, f"{self.group}.{self.worker_id}", sink_fail_batches)
-        prefetch_kb = max(1024, config.batching.max_in_flight_records * 2)  # librdkafka's queue counts too
-        self.consumer: Consumer = make_consumer(kafka, self.group, **{"queued.max.messages.kbytes": prefetch_kb})
+        self.sink_thread = SinkThread(self.sink, self.wake.set)
+        # librdkafka's prefetch counts against memory too: bounded in bytes and records. Its default back-off when
+        # that queue is full (fetch.queue.backoff.ms, 1 s) would leave the engine idle after every pause.
+        prefetch = {
+            "queued.max.messages.kbytes": max(1024, config.batching.max_in_flight_records * 2),
+            "queued.min.messages": config.batching.max_in_flight_records,
+            "fetch.queue.backoff.ms": 20,
+        }
+        self.consumer: Consumer = make_consumer(kafka, self.group, **prefetch)
         self.pauses = PauseBook(self.consumer)
+        self.rewinder = Rewinder(self.consumer)
         self.in_flight: deque[Flight] = deque()
-        self.stats = WorkerStats()
         self.metrics = WorkerMetrics(config.job)
-        self.tracer = trace.get_tracer("batchline.worker")
+        self.committer = Committer(
+            self.router, self.sink_thread, self.consumer, self.metrics, self.topics.requests, self.group
+        )
         self.schedule = Schedule(config.schedule)
         self.lanes = Lanes(kafka, config.schedule)
         self.stop_event = threading.Event()
         self.idle_exit_s = idle_exit_s
-        self.on_batch_committed: Callable[[str, list[WorkItem]], None] | None = None
+        self._passed_over = 0
+        self._rewinds = 0
         self._seq = 0
         self._last_record = time.monotonic()
 
@@ -132,6 +138,7 @@ class Worker:
         gc.freeze()
         gc.set_threshold(GC_YOUNG, 20, 100)
         self.feeder.start()
+        self.sink_thread.start()
         self.consumer.subscribe(
             [self.topics.requests], on_assign=self._on_assign, on_revoke=self._on_revoke, on_lost=self._on_lost
         )
@@ -154,6 +161,7 @@ class Worker:
 
     def close(self) -> None:
         self.feeder.close()
+        self.sink_thread.close()
         self.lanes.stop()
         self.pinning.stop()
         try:
@@ -192,13 +200,13 @@ class Worker:
             item = self.intake.admit(msg)
             item.passed_over = self.pinning.pass_over(item)
             if item.passed_over:
-                self.stats.passed_over += 1
+                self._passed_over += 1
             self.batcher.add(item)
         if msgs:
             self._last_record = time.monotonic()
 
     def _work_ready(self) -> bool:
-        if self.in_flight and self.in_flight[0].done:
+        if self.committer.ready(self.in_flight):
             return True
         return self._may_dispatch() and self.batcher.ready()
 
@@ -266,193 +274,69 @@ class Worker:
 
     # -- sink ------------------------------------------------------------------------------------
     def _complete(self) -> bool:
-        """Commit the finished micro-batches at the head of the line, together. False if the commit failed."""
-        group: list[Flight] = []
-        records = 0
-        for flight in self.in_flight:
-            if not flight.done or (group and records + len(flight.items) > COMMIT_GROUP_RECORDS):
-                break
-            group.append(flight)
-            records += len(flight.items)
-        if not group:
-            return True
-        try:
-            self._commit(group)
-        except SinkError as exc:
-            self.stats.sink_failures += 1  # a fatal error already recreated the producer
-            log.warning("rewinding after a failed transaction (fatal=%s)", exc.fatal)
+        """Take committed micro-batches off the line, queue the next finished ones. False after a failed commit
+        (everything uncommitted was rewound)."""
+        error = self.committer.harvest(self.in_flight)
+        if error is not None:
+            log.warning("rewinding after a failed transaction (fatal=%s)", error.fatal)
             self._rewind()
             return False
-        for _ in group:
-            self.in_flight.popleft()
+        self.committer.queue(self.in_flight)
         return True
 
-    def _commit(self, group: list[Flight]) -> None:
-        """One transaction for ``group``; one span per micro-batch (inference start to commit), linked to each
-        record's producer span, with infer, route and produce-and-commit children."""
-        produced: list[Produced] = []
-        per_flight: list[list[Produced]] = []
-        spans: list[trace.Span] = []
-        for flight in group:
-            span = self._batch_span(flight)
-            spans.append(span)
-            ctx = trace.set_span_in_context(span)
-            self.tracer.start_span("infer", ctx, start_time=flight.started_ns).end(flight.ended_ns)
-            started = time.time_ns()
-            runnable = sum(1 for i in flight.items if i.runnable)
-            batch_ctx = BatchContext(flight.batch_id, self.worker_id, traceparent_of(span))
-            routed = self.router.route(flight.items, flight.outcomes, batch_ctx, flight.engine_ms / max(1, runnable))
-            per_flight.append(routed)
-            produced += routed
-            self.tracer.start_span("route", ctx, start_time=started).end(time.time_ns())
-        started = time.time_ns()
-        try:
-            self.sink.commit(
-                group[-1].batch_id, produced, self._offsets(group), self.consumer.consumer_group_metadata()
-            )
-        except SinkError as exc:
-            for span in spans:
-                span.set_status(Status(StatusCode.ERROR, str(exc)))
-                span.end()
-            raise
-        ended = time.time_ns()
-        for span in spans:
-            self.tracer.start_span("produce and commit", trace.set_span_in_context(span), start_time=started).end(ended)
-            span.end(ended)
-        self._count(group, per_flight)
-
-    def _batch_span(self, flight: Flight) -> trace.Span:
-        links = [lk for lk in (link_from_traceparent(i.trace_parent) for i in flight.items if i.trace_parent) if lk]
-        attributes: dict[str, str | int | float] = {
-            "messaging.system": "kafka",
-            "messaging.operation.type": "process",
-            "messaging.destination.name": self.topics.requests,
-            "messaging.batch.message_count": len(flight.items),
-            "messaging.consumer.group.name": self.group,
-            "batchline.batch_id": flight.batch_id,
-            "batchline.engine_ms": flight.engine_ms,
-        }
-        return self.tracer.start_span(
-            f"process {self.topics.requests}",
-            kind=SpanKind.CONSUMER,
-            links=links,
-            attributes=attributes,
-            start_time=flight.started_ns,
+    @property
+    def stats(self) -> WorkerStats:
+        c = self.committer.stats
+        by_kind = c.by_kind
+        return WorkerStats(
+            batches=c.batches,
+            results=by_kind.get("result", 0),
+            retries=by_kind.get("retry", 0),
+            dead_letters=by_kind.get("dlq", 0),
+            passed_over=self._passed_over,
+            transactions=c.transactions,
+            sink_failures=c.sink_failures,
+            rewinds=self._rewinds,
+            by_kind=dict(by_kind),
         )
-
-    def _count(self, group: list[Flight], per_flight: list[list[Produced]]) -> None:
-        self.stats.transactions += 1
-        self.stats.batches += len(group)
-        by_kind = self.stats.by_kind
-        for flight, produced in zip(group, per_flight, strict=True):
-            for p in produced:
-                by_kind[p.kind] = by_kind.get(p.kind, 0) + 1
-            self.metrics.batch_done(flight.items, flight.outcomes, produced, flight.engine_ms)
-        self.stats.results = by_kind.get("result", 0)
-        self.stats.retries = by_kind.get("retry", 0)
-        self.stats.dead_letters = by_kind.get("dlq", 0)
-        if self.on_batch_committed:
-            for flight in group:
-                self.on_batch_committed(flight.batch_id, flight.items)
-
-    @staticmethod
-    def _offsets(group: list[Flight]) -> list[TopicPartition]:
-        high: dict[TP, int] = {}
-        for flight in group:
-            for it in flight.items:
-                key = (it.source.topic, it.source.partition)
-                high[key] = max(high.get(key, -1), it.source.offset + 1)
-        return [TopicPartition(t, p, o) for (t, p), o in high.items()]
 
     # -- rewinds ---------------------------------------------------------------------------------
     def _rewind(self, partitions: set[TP] | None = None) -> None:
         """Drop everything uncommitted (in flight and buffered) and re-read it. ``partitions`` limits the seeks
-        (the others were lost or revoked); by default every assigned partition."""
-        self.stats.rewinds += 1
-        held = self._held_offsets()
+        (the others were lost or revoked); by default every assigned partition. Transactions already queued are
+        let finish first: what they committed is not re-read."""
+        self._rewinds += 1
+        if self.committer.settle(self.in_flight) is not None:
+            self.committer.settle(self.in_flight)  # the failed one's followers were dropped unstarted
+        held = first_offsets([i for f in self.in_flight for i in f.items] + list(self.batcher.items()))
         self.feeder.cancel(self.in_flight)
         self.in_flight.clear()
         self.batcher.drop(self.pauses.assigned | set(held))
         targets = (self.pauses.assigned if partitions is None else partitions) & set(held)
-        self._seek_back(targets, held)
+        self.rewinder.seek_back(targets, held)
         log.warning("rewound %d partitions to their committed offsets", len(targets))
 
     def _give_back_buffered(self) -> None:
         """Forget the batcher's records (not the in-flight ones) and seek their partitions back to the first."""
-        held: dict[TP, int] = {}
-        for it in self.batcher.items():
-            key = (it.source.topic, it.source.partition)
-            held[key] = min(held.get(key, it.source.offset), it.source.offset)
+        held = first_offsets(self.batcher.items())
         self.batcher.drop(set(held))
         for (topic, partition), offset in held.items():
-            self._seek(topic, partition, offset)
-
-    def _held_offsets(self) -> dict[TP, int]:
-        """The first offset of every partition that this worker holds uncommitted records of."""
-        held: dict[TP, int] = {}
-        for it in [i for f in self.in_flight for i in f.items] + list(self.batcher.items()):
-            key = (it.source.topic, it.source.partition)
-            held[key] = min(held.get(key, it.source.offset), it.source.offset)
-        return held
-
-    def _seek_back(self, partitions: set[TP], held: dict[TP, int]) -> None:
-        """Seek to the committed offset when the broker can tell it, else to the first record held. Never to the
-        beginning of a partition: with no commit yet, the first record held is where this worker started."""
-        committed = self._committed(partitions)
-        for topic, partition in partitions:
-            offset = committed.get((topic, partition))
-            target = offset if offset is not None and offset >= 0 else held[(topic, partition)]
-            self._seek(topic, partition, target)
-
-    def _committed(self, partitions: set[TP]) -> dict[TP, int]:
-        """The group's committed offsets, retried; partitions the broker cannot answer for are left out."""
-        todo = [TopicPartition(t, p) for t, p in partitions]
-        out: dict[TP, int] = {}
-        for attempt in range(COMMITTED_TRIES):
-            if not todo:
-                break
-            try:
-                answer = self.consumer.committed(todo, timeout=COMMITTED_TIMEOUT_S)
-            except KafkaException as exc:
-                log.warning("reading committed offsets failed (try %d): %s", attempt + 1, exc)
-                continue
-            todo = []
-            for tp in answer:
-                if tp.error is not None:
-                    todo.append(TopicPartition(tp.topic, tp.partition))
-                else:
-                    out[(tp.topic, tp.partition)] = tp.offset
-        if todo:
-            log.warning("no committed offset for %d partitions: rewinding them to the first record held", len(todo))
-        return out
-
-    def _seek(self, topic: str, partition: int, offset: int) -> None:
-        try:
-            self.consumer.seek(TopicPartition(topic, partition, offset))
-        except KafkaException as exc:  # not assigned any more: its next owner reads from the committed offset
-            log.warning("seek %s[%d]@%d failed: %s", topic, partition, offset, exc)
+            self.rewinder.seek(topic, partition, offset)
 
     def _drain(self) -> None:
         """Finish and commit what is in flight and buffered (shutdown). A failed commit rewinds, which empties
         both, so what was not committed is left for the partitions' next owner."""
         while True:
+            self._complete()
             if not self.in_flight:
                 batch = self.batcher.take(force=True)
                 if not batch:
                     return
                 self._launch(batch)
-            self._wait_head()
-            self._complete()
-
-    def _wait_head(self, deadline: float | None = None) -> bool:
-        """Wait until the head micro-batch is done (serving consumer callbacks meanwhile); False at the deadline."""
-        while self.in_flight and not self.in_flight[0].done:
+                continue
             self._check_engine()
-            if deadline is not None and time.monotonic() >= deadline:
-                return False
             self.wake.wait(WAIT_PAUSED_S)
             self.wake.clear()
-        return True
 
     # -- rebalance -------------------------------------------------------------------------------
     def _on_assign(self, consumer: Consumer, partitions: list[TopicPartition]) -> None:
@@ -466,11 +350,15 @@ class Worker:
         records of revoked partitions are dropped and re-read by their next owner from the committed offsets."""
         revoked = {(p.topic, p.partition) for p in partitions}
         deadline = time.monotonic() + REVOKE_GRACE_S
-        while self.in_flight:
-            if not self._wait_head(deadline) or not self._complete():
-                if self.in_flight:  # out of time: give everything uncommitted back
-                    self._rewind(self.pauses.assigned - revoked)
-                break
+        while self.in_flight and time.monotonic() < deadline:
+            if not self._complete():
+                break  # a failed commit rewound everything
+            if self.in_flight:
+                self._check_engine()
+                self.wake.wait(min(WAIT_PAUSED_S, max(0.0, deadline - time.monotonic())))
+                self.wake.clear()
+        if self.in_flight:  # out of time: give everything uncommitted back
+            self._rewind(self.pauses.assigned - revoked)
         dropped = self.batcher.drop(revoked)
         self.pauses.gone(partitions)
         log.info("revoked %s (dropped %d buffered)", sorted(revoked), dropped)

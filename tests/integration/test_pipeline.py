@@ -126,7 +126,7 @@ def test_sink_failure_commits_nothing_and_the_batch_is_processed_again(
         failed.append((int(head.batch_id.rsplit("-", 1)[1]), [i.request_id for i in head.items]))
         real_rewind(partitions)
 
-    worker.on_batch_committed = on_commit
+    worker.committer.on_batch_committed = on_commit
     worker._rewind = observing_rewind  # type: ignore[method-assign]
     stats = worker.run()
 

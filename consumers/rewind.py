@@ -1,0 +1,76 @@
+"""Rewinds: where to re-read from when uncommitted work is dropped (a failed transaction, a lost partition, a
+revocation that outlasts its grace period, records given back outside a time window).
+
+The target of a partition is its committed offset when the broker can tell it - so a transaction whose commit
+was ambiguous but went through is not processed again - else the first record this worker still holds of it: a
+duplicate at worst, never a loss. Never the beginning of a partition: with no commit yet, the first record held
+is where this worker started. Reading the committed offsets is retried; a partition the broker keeps failing on
+falls back to the first record held.
+"""
+
+from __future__ import annotations
+
+import logging
+from collections.abc import Iterable
+
+from confluent_kafka import Consumer, KafkaException, TopicPartition
+
+from consumers.work import WorkItem
+
+log = logging.getLogger(__name__)
+COMMITTED_TIMEOUT_S = 10.0
+COMMITTED_TRIES = 3
+TP = tuple[str, int]
+
+
+def first_offsets(items: Iterable[WorkItem]) -> dict[TP, int]:
+    """The first offset of every partition among ``items``."""
+    held: dict[TP, int] = {}
+    for it in items:
+        key = (it.source.topic, it.source.partition)
+        offset = it.source.offset
+        if held.get(key, offset) >= offset:
+            held[key] = offset
+    return held
+
+
+class Rewinder:
+    def __init__(self, consumer: Consumer) -> None:
+        self.consumer = consumer
+
+    def seek_back(self, partitions: Iterable[TP], held: dict[TP, int]) -> None:
+        """Seek each partition (all of them in ``held``) to its committed offset, else to its first held record."""
+        wanted = set(partitions)
+        committed = self.committed(wanted)
+        for topic, partition in wanted:
+            offset = committed.get((topic, partition))
+            self.seek(topic, partition, offset if offset is not None and offset >= 0 else held[(topic, partition)])
+
+    def committed(self, partitions: set[TP]) -> dict[TP, int]:
+        """The group's committed offsets, retried; partitions the broker cannot answer for are left out (an
+        answer of "no commit yet" is a negative offset)."""
+        todo = [TopicPartition(t, p) for t, p in partitions]
+        out: dict[TP, int] = {}
+        for attempt in range(COMMITTED_TRIES):
+            if not todo:
+                break
+            try:
+                answer = self.consumer.committed(todo, timeout=COMMITTED_TIMEOUT_S)
+            except KafkaException as exc:
+                log.warning("reading committed offsets failed (try %d): %s", attempt + 1, exc)
+                continue
+            todo = []
+            for tp in answer:
+                if tp.error is not None:
+                    todo.append(TopicPartition(tp.topic, tp.partition))
+                else:
+                    out[(tp.topic, tp.partition)] = tp.offset
+        if todo:
+            log.warning("no committed offset for %d partitions: rewinding them to the first record held", len(todo))
+        return out
+
+    def seek(self, topic: str, partition: int, offset: int) -> None:
+        try:
+            self.consumer.seek(TopicPartition(topic, partition, offset))
+        except KafkaException as exc:  # not assigned any more: its next owner reads from the committed offset
+            log.warning("seek %s[%d]@%d failed: %s", topic, partition, offset, exc)
