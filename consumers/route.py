@@ -100,6 +100,7 @@ class Router:
             attempt=item.attempt,
             latency_ms=latency_ms,
             produced_at=datetime.now(UTC),
+            value=item.value,
         )
         headers: h.Headers = [
             (h.LINEAGE, codec_for("lineage").encode(self.lineage(item, ctx))),
