@@ -2,7 +2,9 @@
 
 Single-object: ``C3 01`` + 8-byte little-endian CRC-64-AVRO fingerprint of the canonical schema + body.
 Confluent: ``00`` + 4-byte big-endian schema id + body; written only when a registry id is configured,
-always readable. Decoding never raises anything but :class:`DecodeError`.
+always readable. Decoding never raises anything but :class:`DecodeError`. Records written with a previous
+version of a schema (``schemas/previous/<kind>.v<N>.avsc``) are read through Avro schema resolution, so a
+rolling upgrade that adds a field with a default does not make older records unreadable.
 """
 
 from __future__ import annotations
@@ -57,6 +59,7 @@ class AvroCodec(Generic[M]):
         # The spec's fingerprint is little-endian; fastavro returns the big-endian hex digest.
         self.fingerprint = self.fingerprint[::-1]
         self.registry_id = registry_id
+        self.writers = {self.fingerprint: self.parsed} | _previous_writers(schema_name)
 
     def encode(self, record: M) -> bytes:
         buf = io.BytesIO()
@@ -68,9 +71,9 @@ class AvroCodec(Generic[M]):
         return buf.getvalue()
 
     def decode(self, data: bytes) -> M:
-        body = self._body(data)
+        body, writer = self._body(data)
         try:
-            raw = fastavro.schemaless_reader(io.BytesIO(body), self.parsed, return_record_name=False)
+            raw = fastavro.schemaless_reader(io.BytesIO(body), writer, self.parsed, return_record_name=False)
         except Exception as exc:  # fastavro raises many types on garbage: EOFError, ValueError, ...
             raise DecodeError("malformed avro body", f"{type(exc).__name__}: {exc}") from None
         try:
@@ -81,16 +84,30 @@ class AvroCodec(Generic[M]):
     def is_avro(self, data: bytes) -> bool:
         return data[:2] == SINGLE_OBJECT_MAGIC or (data[:1] == CONFLUENT_MAGIC and len(data) >= 5)
 
-    def _body(self, data: bytes) -> bytes:
+    def _body(self, data: bytes) -> tuple[bytes, Any]:
+        """The Avro body and the schema it was written with."""
         if data[:2] == SINGLE_OBJECT_MAGIC:
             if len(data) < HEADER_LEN:
                 raise DecodeError("truncated avro header")
-            if data[2:HEADER_LEN] != self.fingerprint:
+            writer = self.writers.get(data[2:HEADER_LEN])
+            if writer is None:
                 raise DecodeError("unknown schema fingerprint", data[2:HEADER_LEN].hex())
-            return data[HEADER_LEN:]
+            return data[HEADER_LEN:], writer
         if data[:1] == CONFLUENT_MAGIC and len(data) >= 5:
-            return data[5:]
+            return data[5:], self.parsed
         raise DecodeError("not avro", "missing C3 01 or 00 magic")
+
+
+def _previous_writers(name: str) -> dict[bytes, Any]:
+    """Earlier versions of a schema, by their single-object fingerprint (little-endian CRC-64-AVRO)."""
+    out: dict[bytes, Any] = {}
+    for entry in resources.files("schemas").joinpath("previous").iterdir():
+        if entry.name.startswith(f"{name}.v") and entry.name.endswith(".avsc"):
+            raw = json.loads(entry.read_text())
+            out[bytes.fromhex(fingerprint(to_parsing_canonical_form(raw), "CRC-64-AVRO"))[::-1]] = (
+                fastavro.parse_schema(raw)
+            )
+    return out
 
 
 def _first_error(exc: ValidationError) -> str:
