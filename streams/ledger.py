@@ -37,16 +37,16 @@ from pydantic import Field
 from pydantic_settings import BaseSettings, SettingsConfigDict
 
 from batchline.config import JobConfig, KafkaSettings
-from batchline.kafka import headers as h
 from batchline.kafka.client import make_consumer, make_producer, make_reader
 from batchline.kafka.topics import JobTopics
 from batchline.runs.status import TOP_QUARANTINED
 from schemas import codec_for
-from schemas.codec import DecodeError, fallback_id
+from schemas.codec import DecodeError
 from streams.exceptions import StreamsError
+from streams.outcomes import outcome_of_record
 from streams.slots import TP, Layout
 from streams.store import LedgerStore
-from streams.tally import DEAD, RESULT, RETRY, Outcome
+from streams.tally import Outcome
 
 log = logging.getLogger(__name__)
 POLL_BATCH = 1000
@@ -236,29 +236,12 @@ class Ledger:
         return False
 
     def _decode(self, msg: Message) -> Outcome | None:
-        topic = msg.topic()
         try:
-            if topic == self.topics.results:
-                r = codec_for("result").decode(msg.value() or b"")
-                return Outcome(
-                    RESULT,
-                    r.request_id,
-                    r.run_id,
-                    r.value,
-                    tokens_in=r.prompt_tokens,
-                    tokens_out=r.completion_tokens,
-                    latency_ms=r.latency_ms,
-                )
-            if topic == self.topics.dlq:
-                d = codec_for("dead_letter").decode(msg.value() or b"")
-                return Outcome(DEAD, d.request_id, d.run_id, d.value, failure_class=d.failure_class)
+            return outcome_of_record(msg, self.topics)
         except DecodeError as exc:
             self.undecodable += 1
-            log.warning("ledger skips unreadable %s[%d]@%d: %s", topic, msg.partition(), msg.offset(), exc)
+            log.warning("ledger skips unreadable %s[%d]@%d: %s", msg.topic(), msg.partition(), msg.offset(), exc)
             return None
-        headers = h.as_dict(msg.headers())
-        rid = h.text(headers, h.REQUEST_ID) or fallback_id(msg.key(), msg.value() or b"")
-        return Outcome(RETRY, rid, h.text(headers, h.RUN_ID), attempt=h.integer(headers, h.ATTEMPT, 0))
 
     def _check_caught_up(self) -> None:
         """A slot is caught up once an empty poll finds its partitions at or past their high watermarks at start.
