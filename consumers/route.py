@@ -138,6 +138,7 @@ class Router:
             out.completion_tokens,
             item.attempt,
             tail,
+            item.value,
         )
         topic, partition, offset = self._source(item)
         lineage = self._lineage.encode(run_id, topic, partition, offset, ctx.batch_id)

@@ -2,8 +2,9 @@
 
 Single-object: ``C3 01`` + the CRC-64-AVRO (Rabin) fingerprint of the schema's Parsing Canonical Form as 8
 little-endian bytes + body, as the Avro spec and its reference implementation (Java ``BinaryMessageDecoder``)
-write and read it; for ``result.avsc`` the header is ``c301 b2e5099766bfe6e3``. fastavro's
-``fingerprint(canonical, "CRC-64-AVRO")`` hex string already is that little-endian byte sequence.
+write and read it; for ``result.avsc`` the header is ``c301 6383fed9c9d54bed`` (``c301 b2e5099766bfe6e3``
+before ``value`` was added). fastavro's ``fingerprint(canonical, "CRC-64-AVRO")`` hex string already is that
+little-endian byte sequence.
 
 Records written by batchline 0.1.0 carry the fingerprint's 8 bytes reversed (``c301 e3e6bf669709e5b2`` for a
 Result). They are still read, never written, so topics and archives written by older workers stay readable;
@@ -11,7 +12,9 @@ spec-following clients of other languages cannot read them (the Java decoder fai
 ``MissingSchemaException``).
 
 Confluent: ``00`` + 4-byte big-endian schema id + body; written only when a registry id is configured,
-always readable. Decoding never raises anything but :class:`DecodeError`.
+always readable. Decoding never raises anything but :class:`DecodeError`. Records written with a previous
+version of a schema (``schemas/previous/<kind>.v<N>.avsc``) are read through Avro schema resolution, so a
+rolling upgrade that adds a field with a default does not make older records unreadable.
 """
 
 from __future__ import annotations
@@ -67,6 +70,9 @@ class AvroCodec(Generic[M]):
         # The reversed order that batchline wrote before it followed the spec; read only.
         self.legacy_fingerprint = self.fingerprint[::-1]
         self.registry_id = registry_id
+        # Every schema version this codec reads, under its fingerprint in the spec's order and in the legacy one.
+        self.writers = {self.fingerprint: self.parsed, self.legacy_fingerprint: self.parsed}
+        self.writers |= _previous_writers(schema_name)
 
     def encode(self, record: M) -> bytes:
         return self.encode_dict(record.model_dump(mode="python"))
@@ -83,9 +89,9 @@ class AvroCodec(Generic[M]):
         return buf.getvalue()
 
     def decode(self, data: bytes) -> M:
-        body = self._body(data)
+        body, writer = self._body(data)
         try:
-            raw = fastavro.schemaless_reader(io.BytesIO(body), self.parsed, return_record_name=False)
+            raw = fastavro.schemaless_reader(io.BytesIO(body), writer, self.parsed, return_record_name=False)
         except Exception as exc:  # fastavro raises many types on garbage: EOFError, ValueError, ...
             raise DecodeError("malformed avro body", f"{type(exc).__name__}: {exc}") from None
         try:
@@ -96,16 +102,31 @@ class AvroCodec(Generic[M]):
     def is_avro(self, data: bytes) -> bool:
         return data[:2] == SINGLE_OBJECT_MAGIC or (data[:1] == CONFLUENT_MAGIC and len(data) >= 5)
 
-    def _body(self, data: bytes) -> bytes:
+    def _body(self, data: bytes) -> tuple[bytes, Any]:
+        """The Avro body and the schema it was written with."""
         if data[:2] == SINGLE_OBJECT_MAGIC:
             if len(data) < HEADER_LEN:
                 raise DecodeError("truncated avro header")
-            if data[2:HEADER_LEN] not in (self.fingerprint, self.legacy_fingerprint):
+            writer = self.writers.get(data[2:HEADER_LEN])
+            if writer is None:
                 raise DecodeError("unknown schema fingerprint", data[2:HEADER_LEN].hex())
-            return data[HEADER_LEN:]
+            return data[HEADER_LEN:], writer
         if data[:1] == CONFLUENT_MAGIC and len(data) >= 5:
-            return data[5:]
+            return data[5:], self.parsed
         raise DecodeError("not avro", "missing C3 01 or 00 magic")
+
+
+def _previous_writers(name: str) -> dict[bytes, Any]:
+    """Earlier versions of a schema, by their single-object fingerprint: in the spec's (little-endian) order, and
+    reversed, as batchline 0.1.0 wrote it."""
+    out: dict[bytes, Any] = {}
+    for entry in resources.files("schemas").joinpath("previous").iterdir():
+        if entry.name.startswith(f"{name}.v") and entry.name.endswith(".avsc"):
+            raw = json.loads(entry.read_text())
+            spec = bytes.fromhex(fingerprint(to_parsing_canonical_form(raw), "CRC-64-AVRO"))
+            parsed = fastavro.parse_schema(raw)
+            out[spec] = out[spec[::-1]] = parsed
+    return out
 
 
 def _first_error(exc: ValidationError) -> str:

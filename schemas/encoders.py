@@ -55,6 +55,7 @@ RESULT_FIELDS = (
     "attempt",
     "latency_ms",
     "produced_at",
+    "value",
 )
 _DOUBLE = struct.Struct("<d")
 
@@ -149,6 +150,7 @@ class ResultEncoder:
         completion_tokens: int,
         attempt: int,
         tail: bytes,
+        value: float | None,
     ) -> bytes:
         """A Result; ``tail`` is :meth:`tail` (latency_ms and produced_at)."""
         return b"".join(
@@ -166,6 +168,7 @@ class ResultEncoder:
                 varint(completion_tokens),
                 varint(attempt),
                 tail,
+                b"\x00" if value is None else b"\x02" + _DOUBLE.pack(value),
             )
         )
 
@@ -185,6 +188,7 @@ def _empty_result() -> dict[str, Any]:
         "attempt": 1,
         "latency_ms": 0.0,
         "produced_at": 0,
+        "value": None,
     }
 
 

@@ -77,6 +77,7 @@ class Result(_Record):
     attempt: int = 1
     latency_ms: float = 0.0
     produced_at: datetime
+    value: float | None = None  # the request's value weight (None: a result written before the field existed)
 
 
 class DeadLetter(_Record):
@@ -165,3 +166,7 @@ class RunStats(_Record):
     engine_seconds: float = 0.0
     top_quarantined: list[QuarantinedRecord] = Field(default_factory=list)
     updated_at: datetime
+    slot: int = 0
+    slots: int = 0  # > 0: a partial snapshot of slot ``slot`` of ``slots``; 0: a whole-run snapshot
+    position: int = 0
+    instance: str = ""

@@ -18,7 +18,7 @@ from batchline.config import JobConfig, KafkaSettings
 from batchline.kafka.client import make_admin
 from batchline.kafka.topics import JobTopics
 from streams.exceptions import MissingTopicsError, StreamsError
-from streams.ledger import Ledger
+from streams.ledger import Ledger, LedgerSettings
 from streams.retry_scheduler import RetryScheduler
 
 log = logging.getLogger(__name__)
@@ -55,8 +55,10 @@ class StreamsApp:
         kafka: KafkaSettings,
         idle_exit_s: float | None = None,
         snapshot_interval_s: float = 1.0,
+        ledger: LedgerSettings | None = None,
     ) -> None:
         self.config = config
+        self.ledger_settings = ledger
         self.kafka = kafka
         self.idle_exit_s = idle_exit_s
         self.snapshot_interval_s = snapshot_interval_s
@@ -69,7 +71,7 @@ class StreamsApp:
     def run(self) -> StreamsReport:
         check_topics(self.kafka, JobTopics(self.config.job, self.config.retry.tiers))
         scheduler = RetryScheduler(self.config, self.kafka)
-        ledger = Ledger(self.config, self.kafka, self.snapshot_interval_s)
+        ledger = Ledger(self.config, self.kafka, self.snapshot_interval_s, self.ledger_settings)
         threads = [
             self._thread("retry-scheduler", scheduler.start, scheduler.step, scheduler.close),
             self._thread("ledger", ledger.start, ledger.step, ledger.close),
@@ -94,7 +96,7 @@ class StreamsApp:
             scheduler.stats.failures,
             ledger.events,
             ledger.snapshots,
-            len(ledger.state.runs),
+            ledger.runs,
         )
 
     def _idle_done(self, scheduler: RetryScheduler, ledger: Ledger) -> bool:

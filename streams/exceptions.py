@@ -25,3 +25,7 @@ class RepublishError(StreamsError):
         super().__init__(f"re-publishing {records} retries: {message}")
         self.records = records
         self.fatal = fatal
+
+
+class LedgerStoreError(StreamsError):
+    """The ledger's store folder cannot be used (not writable, or every folder is held by another process)."""

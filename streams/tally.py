@@ -1,7 +1,10 @@
-"""The completion ledger's arithmetic, with no Kafka in it: per-run state deduplicated by request id.
+"""The completion ledger's arithmetic, with no Kafka and no store in it: one request id's state and a run's counts.
 
-The ledger (``streams/ledger.py``) decodes topic records into the events below and folds them into a
-:class:`LedgerState`; :func:`compute_run_stats` is the same fold over plain lists, for tests and tools.
+The ledger (``streams/ledger.py``) decodes outcome records (``J.results``, ``J.dlq``, ``J.retry.*``) into
+:class:`Outcome` events; :func:`fold` moves one id's :class:`IdState` and the run's :class:`RunCounts` by exactly
+the difference the event makes, so counts are maintained incrementally and a snapshot never costs O(ids).
+The store (``streams/store.py``) keeps the id states on disk; :func:`compute_run_stats` is the same fold over
+plain lists in memory, for tests and tools, merged exactly as ``batchline status`` merges the ledger's partials.
 
 Rules (DESIGN.md §5, §6), all per run and per distinct request id:
 
@@ -9,39 +12,50 @@ Rules (DESIGN.md §5, §6), all per run and per distinct request id:
 - The final outcome of an id is *succeeded* if it has any result, else the class of its latest dead letter
   (*quarantined*), else it is *pending*. So duplicates (redelivery, aborted transactions the embedded broker
   does not hide) never count twice, and the order in which topics are read does not matter.
-- ``retried`` counts distinct ids seen on retry topics, ``retries`` distinct (id, attempt) retry events;
-  ``in_flight`` the retried ids with no terminal outcome yet (waiting in a tier or being re-processed).
+- ``retried`` counts distinct ids seen on retry topics, ``retries`` distinct (id, attempt) retry events
+  (attempts above :data:`MAX_ATTEMPT_BIT` count as that one); ``in_flight`` the retried ids with no terminal
+  outcome yet (waiting in a tier or being re-processed).
 - Tokens and engine seconds come from each id's first result (later copies are the same work re-delivered).
-- Values come from the requests themselves (read from ``J.requests``), else from a dead letter's ``value``,
-  else the default weight 1.0 - results carry no value. ``value_completed`` is the value of succeeded ids.
-- ``total`` is the manifest's record count (at least the distinct ids seen); without a complete manifest
-  (the open stream, whose manifest is only its pin; a run still being submitted) it is the distinct ids seen.
+- Values come from the outcomes: a result's ``value`` (the request's, filled by the worker), else the latest
+  dead letter's, else the default weight 1.0. ``value_completed`` is the value of succeeded ids.
+- Totals are not the ledger's to know: ``batchline status`` takes a run's total and value total from its complete
+  manifest; the open stream (and a run without a complete manifest) counts the distinct ids with an outcome or a
+  retry (``batchline.runs.status.merge_run_stats``).
 """
 
 from __future__ import annotations
 
-import math
 from collections import Counter
 from collections.abc import Iterable
-from dataclasses import dataclass
+from dataclasses import dataclass, field, replace
 from datetime import UTC, datetime
+from typing import Any
 
 from batchline.runs.manifests import STREAM_RUN
+from batchline.runs.status import TOP_QUARANTINED, merge_run_stats
 from schemas import DeadLetter, QuarantinedRecord, Result, RunManifest, RunStats
 
 DEFAULT_VALUE = 1.0
-TOP_QUARANTINED = 10
 EXHAUSTED = "retries_exhausted"  # a dead letter of a record that kept failing transiently, not a bad record
-_MAX_ATTEMPT_BIT = 255  # bounds the attempt bitmask against a garbage header
+MAX_ATTEMPT_BIT = 62  # attempts are a bitmask in a signed 64-bit store column; bounds it against garbage headers
+
+RESULT, DEAD, RETRY = "result", "dead", "retry"
+PENDING, SUCCEEDED, QUARANTINED = 0, 1, 2
 
 
-@dataclass(frozen=True)
-class RequestSeen:
-    """A record on ``J.requests`` (a submitted one, an upstream one, or a re-published retry)."""
+@dataclass(frozen=True, slots=True)
+class Outcome:
+    """What one record of ``J.results``, ``J.dlq`` or a retry tier says about one request id."""
 
+    kind: str  # RESULT | DEAD | RETRY
     request_id: str
     run_id: str | None
-    value: float = DEFAULT_VALUE
+    value: float | None = None  # None: unknown (a retry, or a result written before Result.value existed)
+    failure_class: str = ""
+    attempt: int = 0
+    tokens_in: int = 0
+    tokens_out: int = 0
+    latency_ms: float = 0.0
 
 
 @dataclass(frozen=True)
@@ -53,7 +67,65 @@ class RetrySeen:
     attempt: int
 
 
-LedgerEvent = RunManifest | RequestSeen | Result | DeadLetter | RetrySeen
+LedgerEvent = RunManifest | Result | DeadLetter | RetrySeen | Outcome
+
+
+@dataclass(slots=True)
+class IdState:
+    """One request id of one run: its status, the class of its latest dead letter, its retry attempts, its value."""
+
+    status: int = PENDING
+    failure_class: str | None = None
+    attempts: int = 0  # bitmask of the attempts seen on retry topics
+    value: float = DEFAULT_VALUE
+
+
+@dataclass
+class RunCounts:
+    """The counts of one run (in one slot), kept in step with its ids' states by :func:`fold`."""
+
+    seen: int = 0
+    succeeded: int = 0
+    quarantined: int = 0
+    by_class: Counter[str] = field(default_factory=Counter)
+    retried: int = 0
+    retries: int = 0
+    in_flight: int = 0
+    value_seen: float = 0.0
+    value_completed: float = 0.0
+    tokens_in: int = 0
+    tokens_out: int = 0
+    engine_ms: float = 0.0
+
+    def as_json(self) -> dict[str, Any]:
+        return {**self.__dict__, "by_class": dict(self.by_class)}
+
+    @classmethod
+    def from_json(cls, body: dict[str, Any]) -> RunCounts:
+        return cls(**{**body, "by_class": Counter(body.get("by_class", {}))})
+
+    def stats(self, run_id: str, top: list[QuarantinedRecord], now: datetime, **part: Any) -> RunStats:
+        """This run's counts as a RunStats: ``total`` the distinct ids seen, ``pending`` those without an outcome."""
+        return RunStats(
+            run_id=run_id,
+            total=self.seen,
+            succeeded=self.succeeded,
+            failed_permanent=sum(n for cls, n in self.by_class.items() if cls != EXHAUSTED),
+            dead_letters_by_class=dict(self.by_class),
+            quarantined=self.quarantined,
+            retried=self.retried,
+            retries=self.retries,
+            pending=self.seen - self.succeeded - self.quarantined,
+            in_flight=self.in_flight,
+            value_total=self.value_seen,
+            value_completed=self.value_completed,
+            tokens_in=self.tokens_in,
+            tokens_out=self.tokens_out,
+            engine_seconds=self.engine_ms / 1000.0,
+            top_quarantined=top,
+            updated_at=now,
+            **part,
+        )
 
 
 def run_of(run_id: str | None) -> str:
@@ -61,123 +133,117 @@ def run_of(run_id: str | None) -> str:
     return run_id or STREAM_RUN
 
 
-class RunTally:
-    """Everything the ledger knows about one run, keyed by request id."""
+def fold(counts: RunCounts, old: IdState | None, event: Outcome) -> IdState | None:
+    """Apply ``event`` to an id whose state is ``old`` (None: never seen); returns its new state, None if unchanged.
 
-    def __init__(self, run_id: str) -> None:
-        self.run_id = run_id
-        self.manifest: RunManifest | None = None
-        self.ids: dict[str, float | None] = {}  # every id seen -> its request's value, if the request was seen
-        self.succeeded: set[str] = set()
-        self.dead: dict[str, tuple[str, float]] = {}  # id -> (failure class, value) of its latest dead letter
-        self.retry_attempts: dict[str, int] = {}  # id -> bitmask of the attempts seen on retry topics
-        self.tokens_in = 0
-        self.tokens_out = 0
-        self.engine_ms = 0.0
+    ``counts`` moves by exactly the difference, so a redelivered event changes nothing.
+    """
+    state = IdState() if old is None else replace(old)
+    if old is None:
+        counts.seen += 1
+        counts.value_seen += state.value
+    if event.kind == RETRY:
+        bit = 1 << min(max(event.attempt, 0), MAX_ATTEMPT_BIT)
+        if state.attempts & bit:
+            return None
+        if not state.attempts:
+            counts.retried += 1
+            counts.in_flight += state.status == PENDING
+        counts.retries += 1
+        state.attempts |= bit
+        return state
+    if state.status == SUCCEEDED:
+        return None
+    if event.kind == RESULT:
+        _leave(counts, state)
+        _revalue(counts, state, event.value)
+        state.status = SUCCEEDED
+        counts.succeeded += 1
+        counts.value_completed += state.value
+        counts.tokens_in += event.tokens_in
+        counts.tokens_out += event.tokens_out
+        counts.engine_ms += event.latency_ms
+        return state
+    same = state.status == QUARANTINED and state.failure_class == event.failure_class
+    if same and (event.value is None or event.value == state.value):
+        return None
+    _leave(counts, state)
+    _revalue(counts, state, event.value)
+    state.status, state.failure_class = QUARANTINED, event.failure_class
+    counts.quarantined += 1
+    counts.by_class[event.failure_class] += 1
+    return state
 
-    # -- folding -----------------------------------------------------------------------------------
-    def add(self, event: LedgerEvent) -> None:
-        if isinstance(event, RunManifest):
-            self.manifest = event
-        elif isinstance(event, RequestSeen):
-            self.ids[event.request_id] = event.value
-        elif isinstance(event, Result):
-            self._add_result(event)
-        elif isinstance(event, DeadLetter):
-            self.ids.setdefault(event.request_id, None)
-            self.dead[event.request_id] = (event.failure_class, event.value)
-        else:
-            self.ids.setdefault(event.request_id, None)
-            bit = 1 << min(max(event.attempt, 0), _MAX_ATTEMPT_BIT)
-            self.retry_attempts[event.request_id] = self.retry_attempts.get(event.request_id, 0) | bit
 
-    def _add_result(self, result: Result) -> None:
-        self.ids.setdefault(result.request_id, None)
-        if result.request_id in self.succeeded:
-            return
-        self.succeeded.add(result.request_id)
-        self.tokens_in += result.prompt_tokens
-        self.tokens_out += result.completion_tokens
-        self.engine_ms += result.latency_ms
+def _leave(counts: RunCounts, state: IdState) -> None:
+    """Take an id out of the count of its current, non-succeeded status."""
+    if state.status == QUARANTINED and state.failure_class is not None:
+        counts.quarantined -= 1
+        counts.by_class[state.failure_class] -= 1
+        if not counts.by_class[state.failure_class]:
+            del counts.by_class[state.failure_class]
+    elif state.status == PENDING and state.attempts:
+        counts.in_flight -= 1
 
-    # -- reading -----------------------------------------------------------------------------------
-    def value_of(self, request_id: str) -> float:
-        value = self.ids.get(request_id)
-        if value is not None:
-            return value
-        dead = self.dead.get(request_id)
-        return dead[1] if dead else DEFAULT_VALUE
 
-    def counted_manifest(self) -> RunManifest | None:
-        """The manifest whose record count and value total are this run's: a complete one, not the stream's pin."""
-        m = self.manifest
-        return m if m is not None and m.complete and self.run_id != STREAM_RUN else None
+def _revalue(counts: RunCounts, state: IdState, value: float | None) -> None:
+    if value is not None and value != state.value:
+        counts.value_seen += value - state.value
+        state.value = value
 
-    def stats(self, now: datetime) -> RunStats:
-        quarantined = {rid: cls for rid, (cls, _) in self.dead.items() if rid not in self.succeeded}
-        terminal = len(self.succeeded) + len(quarantined)
-        m = self.counted_manifest()
-        total = max(m.record_count if m else 0, len(self.ids))
-        top = sorted(quarantined, key=lambda rid: (-self.value_of(rid), rid))[:TOP_QUARANTINED]
-        return RunStats(
-            run_id=self.run_id,
-            total=total,
-            succeeded=len(self.succeeded),
-            failed_permanent=sum(1 for cls in quarantined.values() if cls != EXHAUSTED),
-            dead_letters_by_class=dict(Counter(quarantined.values())),
-            quarantined=len(quarantined),
-            retried=len(self.retry_attempts),
-            retries=sum(mask.bit_count() for mask in self.retry_attempts.values()),
-            pending=max(0, total - terminal),
-            in_flight=sum(1 for rid in self.retry_attempts if rid not in self.succeeded and rid not in quarantined),
-            value_total=m.value_total if m else math.fsum(self.value_of(rid) for rid in self.ids),
-            value_completed=math.fsum(self.value_of(rid) for rid in self.succeeded),
-            tokens_in=self.tokens_in,
-            tokens_out=self.tokens_out,
-            engine_seconds=self.engine_ms / 1000.0,
-            top_quarantined=[
-                QuarantinedRecord(request_id=rid, value=self.value_of(rid), failure_class=quarantined[rid])
-                for rid in top
-            ],
-            updated_at=now,
+
+def outcome_of(event: Result | DeadLetter | RetrySeen | Outcome) -> Outcome:
+    """The :class:`Outcome` a decoded record stands for."""
+    if isinstance(event, Outcome):
+        return event
+    if isinstance(event, Result):
+        return Outcome(
+            RESULT,
+            event.request_id,
+            event.run_id,
+            event.value,
+            tokens_in=event.prompt_tokens,
+            tokens_out=event.completion_tokens,
+            latency_ms=event.latency_ms,
         )
+    if isinstance(event, DeadLetter):
+        return Outcome(DEAD, event.request_id, event.run_id, event.value, failure_class=event.failure_class)
+    return Outcome(RETRY, event.request_id, event.run_id, attempt=event.attempt)
 
 
-class LedgerState:
-    """Every run's tally, and which runs changed since their last snapshot."""
-
-    def __init__(self) -> None:
-        self.runs: dict[str, RunTally] = {}
-        self.dirty: set[str] = set()
-
-    def apply(self, event: LedgerEvent) -> str:
-        """Fold one event in; returns the run it counted under (now marked dirty)."""
-        run_id = run_of(event.run_id)
-        tally = self.runs.get(run_id)
-        if tally is None:
-            tally = self.runs[run_id] = RunTally(run_id)
-        tally.add(event)
-        self.dirty.add(run_id)
-        return run_id
-
-    def stats(self, run_id: str, now: datetime | None = None) -> RunStats:
-        return self.runs[run_id].stats(now or datetime.now(UTC))
-
-    def take_dirty(self, now: datetime | None = None) -> list[RunStats]:
-        """Snapshots of the runs that changed, in run id order; clears the dirty set."""
-        when = now or datetime.now(UTC)
-        out = [self.runs[r].stats(when) for r in sorted(self.dirty)]
-        self.dirty.clear()
-        return out
+def top_quarantined(ids: dict[str, IdState], limit: int = TOP_QUARANTINED) -> list[QuarantinedRecord]:
+    """The most valuable quarantined ids, ties by id (the store answers the same from an index)."""
+    quarantined = [(rid, s) for rid, s in ids.items() if s.status == QUARANTINED]
+    quarantined.sort(key=lambda item: (-item[1].value, item[0]))
+    return [
+        QuarantinedRecord(request_id=rid, value=s.value, failure_class=s.failure_class or "")
+        for rid, s in quarantined[:limit]
+    ]
 
 
 def compute_run_stats(events: Iterable[LedgerEvent], now: datetime | None = None) -> dict[str, RunStats]:
-    """RunStats of every run from plain records (manifests, requests, results, dead letters, retries).
+    """RunStats of every run from plain records (manifests, results, dead letters, retries), in memory.
 
     The order of events of different kinds does not matter; among one id's dead letters the last one wins.
+    The result is what ``batchline status`` shows: one partial per run, merged with the run's manifest.
     """
-    state = LedgerState()
-    for event in events:
-        state.apply(event)
     when = now or datetime.now(UTC)
-    return {run_id: tally.stats(when) for run_id, tally in state.runs.items()}
+    manifests: dict[str, RunManifest] = {}
+    counts: dict[str, RunCounts] = {}
+    ids: dict[str, dict[str, IdState]] = {}
+    for event in events:
+        if isinstance(event, RunManifest):
+            manifests[event.run_id] = event
+            continue
+        outcome = outcome_of(event)
+        run_id = run_of(outcome.run_id)
+        run_ids = ids.setdefault(run_id, {})
+        new = fold(counts.setdefault(run_id, RunCounts()), run_ids.get(outcome.request_id), outcome)
+        if new is not None:
+            run_ids[outcome.request_id] = new
+    out: dict[str, RunStats] = {}
+    for run_id in sorted(set(counts) | set(manifests)):
+        c = counts.get(run_id, RunCounts())
+        partial = c.stats(run_id, top_quarantined(ids.get(run_id, {})), when, slot=0, slots=1)
+        out[run_id] = merge_run_stats(run_id, [partial], manifests.get(run_id))
+    return out

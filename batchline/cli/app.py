@@ -203,16 +203,21 @@ def streams_cmd(
     set_: SetOpt = None,
     idle_exit: Annotated[float | None, typer.Option(help="Exit after this many idle seconds.")] = None,
     snapshot_interval: Annotated[float, typer.Option(min=0.05, help="Seconds between ledger snapshots.")] = 1.0,
+    ledger_dir: Annotated[
+        Path | None, typer.Option(help="Root of the ledger's store (env BATCHLINE_LEDGER_DIR; default: temp dir).")
+    ] = None,
     log_level: Annotated[str, typer.Option(help="Logging level.")] = "INFO",
     bootstrap: Bootstrap = DEFAULT_BOOTSTRAP,
 ) -> None:
     """Run JOB's retry scheduler and completion ledger until SIGTERM/Ctrl-C (retry tiers from the config)."""
     from streams import StreamsApp
+    from streams.ledger import LedgerSettings
 
     logging.basicConfig(level=log_level.upper(), format="%(asctime)s %(levelname)s %(name)s: %(message)s")
     cfg = job_config(job, config, sets=set_)
+    ledger = LedgerSettings(dir=ledger_dir) if ledger_dir else LedgerSettings()
     streams_app = StreamsApp(
-        cfg, kafka_settings(bootstrap), idle_exit_s=idle_exit, snapshot_interval_s=snapshot_interval
+        cfg, kafka_settings(bootstrap), idle_exit_s=idle_exit, snapshot_interval_s=snapshot_interval, ledger=ledger
     )
     signal.signal(signal.SIGTERM, lambda *_: streams_app.stop())
     signal.signal(signal.SIGINT, lambda *_: streams_app.stop())

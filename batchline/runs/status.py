@@ -1,5 +1,9 @@
 """Run status: manifests (``J.runs``) joined with the ledger's RunStats snapshots (``J.ledger``).
 
+The ledger publishes partial snapshots, one per run and slot of the job's outcome partitions (several ledger
+processes share a job); :func:`merge_run_stats` adds up the furthest partial of each slot and takes the run's
+total from its manifest. Snapshots from before partials (``slots`` 0) are used as they are when nothing newer is.
+
 Completion is not a percentage. A run is ``complete`` when every record inside its boundaries has a terminal
 outcome and none is quarantined; ``incomplete-with-quarantine`` when every record has an outcome but some
 are dead letters (listed by value, highest first); ``complete-via-replay`` when replays of its dead letters
@@ -9,8 +13,12 @@ The ``--json`` shape is :meth:`RunStatus.as_json` and is stable (documented in t
 
 from __future__ import annotations
 
+import math
 import time
+from collections import Counter
+from collections.abc import Iterable
 from dataclasses import dataclass, field
+from datetime import datetime
 from typing import Any
 
 from confluent_kafka import TopicPartition
@@ -23,6 +31,7 @@ from batchline.runs.manifests import STREAM_RUN, RunsView
 from schemas import RunManifest, RunStats, codec_for
 from schemas.codec import DecodeError
 
+TOP_QUARANTINED = 10
 STATES = (
     "submitting",
     "waiting",
@@ -81,16 +90,76 @@ class RunStatus:
         }
 
 
-def latest_stats(kafka: KafkaSettings, topics: JobTopics) -> dict[str, RunStats]:
-    stats: dict[str, RunStats] = {}
+def _furthest(a: RunStats, b: RunStats) -> RunStats:
+    """Of two snapshots of one part, the one that has consumed more (then the newer): state only grows with it."""
+    return b if (b.position, b.updated_at) >= (a.position, a.updated_at) else a
+
+
+def _consumed(slots: dict[int, RunStats]) -> tuple[int, datetime]:
+    """How far a layout's partials have read, all together (then how recent they are)."""
+    return sum(s.position for s in slots.values()), max(s.updated_at for s in slots.values())
+
+
+def merge_run_stats(run_id: str, snapshots: Iterable[RunStats], manifest: RunManifest | None) -> RunStats:
+    """One run's RunStats from the ledger's snapshots of it (at least one) and its manifest.
+
+    Per slot the furthest partial counts; among slot layouts (they change only when outcome topics grow) the one
+    that has consumed the most records. Counts add up (each id lives in one slot); the top quarantined are the
+    best of the slots' tops. ``total`` and ``value_total`` are the complete manifest's (at least the ids seen);
+    the open stream and a run without a complete manifest count the distinct ids with an outcome or a retry.
+    """
+    snaps = list(snapshots)
+    layouts: dict[int, dict[int, RunStats]] = {}
+    for s in snaps:
+        if s.slots > 0:
+            slots = layouts.setdefault(s.slots, {})
+            slots[s.slot] = _furthest(slots[s.slot], s) if s.slot in slots else s
+    if not layouts:
+        return max(snaps, key=lambda s: s.updated_at)  # written by a ledger from before partial snapshots
+    parts = list(max(layouts.values(), key=_consumed).values())
+    m = manifest if manifest is not None and manifest.complete and run_id != STREAM_RUN else None
+    seen = sum(p.total for p in parts)
+    total = max(m.record_count, seen) if m else seen
+    succeeded, quarantined = sum(p.succeeded for p in parts), sum(p.quarantined for p in parts)
+    by_class: Counter[str] = Counter()
+    for p in parts:
+        by_class.update(p.dead_letters_by_class)
+    top = sorted((q for p in parts for q in p.top_quarantined), key=lambda q: (-q.value, q.request_id))
+    return RunStats(
+        run_id=run_id,
+        total=total,
+        succeeded=succeeded,
+        failed_permanent=sum(p.failed_permanent for p in parts),
+        dead_letters_by_class={cls: n for cls, n in by_class.items() if n},
+        quarantined=quarantined,
+        retried=sum(p.retried for p in parts),
+        retries=sum(p.retries for p in parts),
+        pending=max(0, total - succeeded - quarantined),
+        in_flight=sum(p.in_flight for p in parts),
+        value_total=m.value_total if m else math.fsum(p.value_total for p in parts),
+        value_completed=math.fsum(p.value_completed for p in parts),
+        tokens_in=sum(p.tokens_in for p in parts),
+        tokens_out=sum(p.tokens_out for p in parts),
+        engine_seconds=math.fsum(p.engine_seconds for p in parts),
+        top_quarantined=top[:TOP_QUARANTINED],
+        updated_at=max(p.updated_at for p in parts),
+        position=sum(p.position for p in parts),
+    )
+
+
+def latest_stats(
+    kafka: KafkaSettings, topics: JobTopics, manifests: dict[str, RunManifest] | None = None
+) -> dict[str, RunStats]:
+    """Every run's merged RunStats from all snapshots on ``J.ledger`` (partials of every ledger instance)."""
+    snapshots: dict[str, list[RunStats]] = {}
     for msg in scan(kafka, topics.ledger):
         try:
             snap: RunStats = codec_for("run_stats").decode(msg.value() or b"")
         except DecodeError:
             continue
-        if snap.run_id not in stats or snap.updated_at >= stats[snap.run_id].updated_at:
-            stats[snap.run_id] = snap
-    return stats
+        snapshots.setdefault(snap.run_id, []).append(snap)
+    found = manifests or {}
+    return {run_id: merge_run_stats(run_id, snaps, found.get(run_id)) for run_id, snaps in snapshots.items()}
 
 
 def group_has_reached(kafka: KafkaSettings, topics: JobTopics, manifest: RunManifest) -> bool:
@@ -130,7 +199,7 @@ def collect(kafka: KafkaSettings, topics: JobTopics, run_id: str | None = None) 
     view.sync()
     manifests = view.all()
     view.stop()
-    stats = latest_stats(kafka, topics)
+    stats = latest_stats(kafka, topics, manifests)
     ids = sorted(set(manifests) | set(stats), key=lambda r: (r != STREAM_RUN, _created(manifests.get(r)), r))
     by_id = {r: RunStatus(r, manifests.get(r), stats.get(r)) for r in ids}
     for st in by_id.values():

@@ -18,6 +18,7 @@ from batchline.kafka.client import make_producer
 from batchline.kafka.topics import JobTopics
 from batchline.runs.identity import fingerprint_of
 from batchline.runs.manifests import STREAM_RUN
+from batchline.runs.status import latest_stats
 from batchline.runs.submit import submit_file
 from consumers.engines.deterministic import DeterministicEngine
 from consumers.route import BatchContext, Router
@@ -36,7 +37,9 @@ LATE_BOUND_MS = 5000  # generous: a held record is released within a poll of its
 
 
 def _streams(job: str, cfg: Path, kafka: KafkaSettings, log: Path, *extra: str) -> CliProcess:
-    args = ["streams", job, "--config", str(cfg), "--log-level", "INFO", "--snapshot-interval", "0.3", *extra]
+    ledger_dir = log.parent / "ledger"  # one root per test; a restarted process finds its store there
+    args = ["streams", job, "--config", str(cfg), "--log-level", "INFO", "--snapshot-interval", "0.3"]
+    args += ["--ledger-dir", str(ledger_dir), *extra]
     return CliProcess(args, kafka.bootstrap, log)
 
 
@@ -197,7 +200,9 @@ def _independent_counts(kafka: KafkaSettings, topics: JobTopics, run_id: str) ->
 
 
 def _latest_snapshots(kafka: KafkaSettings, topics: JobTopics) -> dict[str, RunStats]:
-    return {r.key.decode(): codec_for("run_stats").decode(r.value) for r in read_topic(kafka, topics.ledger) if r.key}
+    """Every run's merged stats, as ``batchline status`` shows them (partials of every slot, manifest totals)."""
+    manifests = [codec_for("run_manifest").decode(r.value) for r in read_topic(kafka, topics.runs)]
+    return latest_stats(kafka, topics, {m.run_id: m for m in manifests})
 
 
 def _ledger_view(stats: RunStats) -> dict[str, object]:
@@ -276,11 +281,12 @@ def test_ledger_counts_match_the_topics_after_the_ledger_and_a_worker_are_killed
     _assert_run_truth(snap, independent, values)
     assert (stream.total, stream.succeeded + stream.quarantined) == (30, 30)
     assert stream.value_total == 90.0 and stream.value_completed == 3.0 * stream_independent["succeeded"]
-    history = [
-        codec_for("run_stats").decode(r.value) for r in read_topic(kafka, topics.ledger) if r.key == run_id.encode()
-    ]
-    done = [s.succeeded + s.quarantined for s in history]
-    assert done == sorted(done), "a snapshot went backwards (published before the rebuild caught up)"
+    history = [codec_for("run_stats").decode(r.value) for r in read_topic(kafka, topics.ledger)]
+    by_slot: dict[tuple[int, int], list[int]] = {}
+    for s in history:
+        if s.run_id == run_id:
+            by_slot.setdefault((s.slot, s.slots), []).append(s.succeeded + s.quarantined)
+    assert by_slot and all(done == sorted(done) for done in by_slot.values()), "a snapshot went backwards"
     print(f"\nledger of run {run_id}: {_ledger_view(snap)}; {len(history)} snapshots across a SIGKILL")
 
 

@@ -36,6 +36,7 @@ def test_zigzag_matches_the_spec_table() -> None:
     ints=st.tuples(st.integers(0, 2**31 - 1), st.integers(0, 9000), st.integers(1, 2**31 - 1)),
     latency=DOUBLE,
     at_ms=st.integers(0, 2**42),
+    value=st.none() | st.floats(min_value=0, allow_nan=False, allow_infinity=False),
 )
 def test_result_bytes_equal_the_codec(
     request_id: str,
@@ -48,10 +49,11 @@ def test_result_bytes_equal_the_codec(
     ints: tuple[int, int, int],
     latency: float,
     at_ms: int,
+    value: float | None,
 ) -> None:
     encoder = ResultEncoder("generate")
     fast = encoder.encode(
-        request_id, run_id, output, label, scores, embedding, finish, *ints, encoder.tail(latency, at_ms)
+        request_id, run_id, output, label, scores, embedding, finish, *ints, encoder.tail(latency, at_ms), value
     )
     record = {
         "request_id": request_id,
@@ -67,6 +69,7 @@ def test_result_bytes_equal_the_codec(
         "attempt": ints[2],
         "latency_ms": latency,
         "produced_at": at_ms,
+        "value": value,
     }
     assert fast == codec_for("result").encode_dict(record)
     back: Result = codec_for("result").decode(fast)

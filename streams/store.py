@@ -1,0 +1,250 @@
+"""The ledger's embedded on-disk store: per-id state, per-run counts and consumed offsets, checkpointed together.
+
+SQLite (the standard library's ``sqlite3``) in WAL mode. One write transaction is open between checkpoints;
+:meth:`LedgerStore.checkpoint` writes the changed run counts and the consumed offsets into it and commits, so the
+id states, the counts and the offsets on disk always describe the same prefix of the topics. A process killed at
+any point restarts from its last commit; re-reading records after it changes nothing (folding is idempotent).
+
+Memory is bounded by SQLite's page cache (``CACHE_KIB``) plus the counts of the runs of held slots, whatever the
+number of ids. Why SQLite (measured, README "Streams"): read-modify-write of 1M ids in batches of 1,000 ran at
+155k records/s in 30 MB RSS; RocksDB (``rocksdict``) at 292k/s in 70 MB, but the ledger is bound by Kafka and
+Avro decoding well below either, SQLite needs no new native dependency, commits several tables atomically, and
+answers "top quarantined by value" from a partial index. LMDB maps the whole file: its resident pages count
+towards RSS and grow with the run.
+
+A store that cannot be read (lost, truncated, not a database, from another schema) is deleted and rebuilt from
+the topics. Each process locks its own folder ``<root>/<job>/<n>`` (the first free ``n``), so several ledger
+processes may share one root; any folder's content is valid for any process of the job.
+"""
+
+from __future__ import annotations
+
+import fcntl
+import json
+import logging
+import sqlite3
+from collections.abc import Iterator
+from pathlib import Path
+from typing import IO
+
+from schemas import QuarantinedRecord
+from streams.exceptions import LedgerStoreError
+from streams.tally import QUARANTINED, IdState, Outcome, RunCounts, fold, run_of
+
+log = logging.getLogger(__name__)
+SCHEMA_VERSION = "1"
+CACHE_KIB = 16 * 1024
+MAX_FOLDERS = 64
+CHUNK = 500  # ids per SELECT ... IN (...)
+TP = tuple[str, int]
+Checkpoint = dict[TP, tuple[int, int]]  # (topic, partition) -> (next offset, timestamp of the last record read)
+
+SCHEMA = """
+CREATE TABLE IF NOT EXISTS meta (k TEXT PRIMARY KEY, v TEXT NOT NULL);
+CREATE TABLE IF NOT EXISTS runs (rid INTEGER PRIMARY KEY, run TEXT NOT NULL UNIQUE);
+CREATE TABLE IF NOT EXISTS ids (
+    slot INTEGER NOT NULL, rid INTEGER NOT NULL, id TEXT NOT NULL,
+    status INTEGER NOT NULL, class TEXT, attempts INTEGER NOT NULL, value REAL NOT NULL,
+    PRIMARY KEY (slot, rid, id)
+) WITHOUT ROWID;
+CREATE INDEX IF NOT EXISTS quarantined ON ids (slot, rid, value DESC, id) WHERE status = 2;
+CREATE TABLE IF NOT EXISTS counts (slot INTEGER NOT NULL, rid INTEGER NOT NULL, body TEXT NOT NULL,
+    PRIMARY KEY (slot, rid));
+CREATE TABLE IF NOT EXISTS offsets (topic TEXT NOT NULL, partition INTEGER NOT NULL, slot INTEGER NOT NULL,
+    next INTEGER NOT NULL, ts INTEGER NOT NULL, PRIMARY KEY (topic, partition));
+"""
+
+
+def claim_folder(root: Path, job: str) -> tuple[Path, IO[str]]:
+    """Lock and return the first free ``<root>/<job>/<n>``; the lock lives as long as the returned file."""
+    for n in range(MAX_FOLDERS):
+        folder = root / job / str(n)
+        try:
+            folder.mkdir(parents=True, exist_ok=True)
+            lock = (folder / "lock").open("a")
+        except OSError as exc:
+            raise LedgerStoreError(f"cannot use ledger dir {folder}: {exc.strerror}") from None
+        try:
+            fcntl.flock(lock, fcntl.LOCK_EX | fcntl.LOCK_NB)
+        except BlockingIOError:
+            lock.close()
+            continue
+        return folder, lock
+    raise LedgerStoreError(f"{MAX_FOLDERS} ledger processes of {job} already hold {root / job}")
+
+
+class LedgerStore:
+    """Id states, run counts and offsets of the slots this process has held, in ``<folder>/ledger.sqlite``."""
+
+    def __init__(self, root: Path, job: str) -> None:
+        self.folder, self._lock = claim_folder(root, job)
+        self.path = self.folder / "ledger.sqlite"
+        self._counts: dict[tuple[int, int], RunCounts] = {}
+        self._dirty: set[tuple[int, int]] = set()
+        self._rids: dict[str, int] = {}
+        self._runs: dict[int, str] = {}
+        try:
+            self.db = self._connect()
+        except sqlite3.DatabaseError as exc:
+            log.warning("ledger store %s unreadable (%s): rebuilding from the topics", self.path, exc)
+            self._delete_files()
+            self.db = self._connect()
+
+    def _connect(self) -> sqlite3.Connection:
+        db = sqlite3.connect(self.path, isolation_level=None, check_same_thread=False)
+        db.execute("PRAGMA journal_mode=WAL")
+        db.execute("PRAGMA synchronous=NORMAL")  # with WAL: consistent after a crash, durable at checkpoints
+        db.execute(f"PRAGMA cache_size=-{CACHE_KIB}")
+        db.executescript(SCHEMA)
+        version = db.execute("SELECT v FROM meta WHERE k = 'schema'").fetchone()
+        if version is None:
+            db.execute("INSERT INTO meta VALUES ('schema', ?)", (SCHEMA_VERSION,))
+        elif version[0] != SCHEMA_VERSION:
+            raise sqlite3.DatabaseError(f"store schema {version[0]}, this ledger writes {SCHEMA_VERSION}")
+        self._rids = {run: rid for rid, run in db.execute("SELECT rid, run FROM runs")}
+        self._runs = {rid: run for run, rid in self._rids.items()}
+        db.execute("BEGIN")
+        return db
+
+    def _delete_files(self) -> None:
+        for suffix in ("", "-wal", "-shm"):
+            Path(f"{self.path}{suffix}").unlink(missing_ok=True)
+
+    # -- identity of what the store describes --------------------------------------------------------
+    def meta(self, key: str) -> str | None:
+        row = self.db.execute("SELECT v FROM meta WHERE k = ?", (key,)).fetchone()
+        return str(row[0]) if row else None
+
+    def reset(self, reason: str, **meta: str) -> None:
+        """Forget everything (the layout or the cluster changed): the slots are rebuilt from the topics."""
+        log.warning("ledger store %s reset: %s", self.path, reason)
+        self.db.close()
+        self._delete_files()
+        self._counts.clear()
+        self._dirty.clear()
+        self.db = self._connect()
+        for key, value in meta.items():
+            self.db.execute("INSERT OR REPLACE INTO meta VALUES (?, ?)", (key, value))
+        self.db.execute("COMMIT")
+        self.db.execute("BEGIN")
+
+    # -- slots -----------------------------------------------------------------------------------------
+    def held_slots(self) -> set[int]:
+        """Slots with a checkpoint: what this store can resume without re-reading from the beginning."""
+        return {int(row[0]) for row in self.db.execute("SELECT DISTINCT slot FROM offsets")}
+
+    def offsets(self, slot: int) -> Checkpoint:
+        rows = self.db.execute("SELECT topic, partition, next, ts FROM offsets WHERE slot = ?", (slot,))
+        return {(t, int(p)): (int(n), int(ts)) for t, p, n, ts in rows}
+
+    def drop_slot(self, slot: int) -> None:
+        """Forget a slot's state (it no longer matches the topics): it is rebuilt from the beginning."""
+        for table in ("ids", "counts", "offsets"):
+            self.db.execute(f"DELETE FROM {table} WHERE slot = ?", (slot,))
+        self.release(slot)
+
+    def release(self, slot: int) -> None:
+        """Drop a slot's counts from memory (its state stays on disk, valid for a later resume)."""
+        for key in [k for k in self._counts if k[0] == slot]:
+            del self._counts[key]
+            self._dirty.discard(key)
+
+    def runs_of(self, slot: int) -> list[str]:
+        rows = self.db.execute("SELECT rid FROM counts WHERE slot = ?", (slot,))
+        held = {rid for s, rid in self._counts if s == slot} | {int(r[0]) for r in rows}
+        return sorted(self._runs[rid] for rid in held)
+
+    # -- folding ---------------------------------------------------------------------------------------
+    def fold(self, slot: int, outcomes: list[Outcome]) -> set[str]:
+        """Fold a batch of one slot's outcomes; returns the runs whose counts changed."""
+        by_run: dict[str, list[Outcome]] = {}
+        for o in outcomes:
+            by_run.setdefault(run_of(o.run_id), []).append(o)
+        changed: set[str] = set()
+        for run, events in by_run.items():
+            rid = self._rid(run)
+            counts = self.counts(slot, run)
+            states = self._load(slot, rid, list({e.request_id for e in events}))
+            touched: dict[str, IdState] = {}
+            for event in events:
+                new = fold(counts, states.get(event.request_id), event)
+                if new is not None:
+                    states[event.request_id] = touched[event.request_id] = new
+            if touched:
+                self.db.executemany(
+                    "INSERT OR REPLACE INTO ids VALUES (?, ?, ?, ?, ?, ?, ?)",
+                    [(slot, rid, i, s.status, s.failure_class, s.attempts, s.value) for i, s in touched.items()],
+                )
+                self._dirty.add((slot, rid))
+                changed.add(run)
+        return changed
+
+    def counts(self, slot: int, run: str) -> RunCounts:
+        key = (slot, self._rid(run))
+        counts = self._counts.get(key)
+        if counts is None:
+            row = self.db.execute("SELECT body FROM counts WHERE slot = ? AND rid = ?", key).fetchone()
+            counts = self._counts[key] = RunCounts.from_json(json.loads(row[0])) if row else RunCounts()
+        return counts
+
+    def top_quarantined(self, slot: int, run: str, limit: int) -> list[QuarantinedRecord]:
+        """The slot's most valuable quarantined ids of ``run``, from the partial index ``quarantined``."""
+        rows = self.db.execute(
+            "SELECT id, value, class FROM ids WHERE slot = ? AND rid = ? AND status = ? "
+            "ORDER BY value DESC, id LIMIT ?",
+            (slot, self._rid(run), QUARANTINED, limit),
+        )
+        return [QuarantinedRecord(request_id=i, value=v, failure_class=c or "") for i, v, c in rows]
+
+    def _rid(self, run: str) -> int:
+        rid = self._rids.get(run)
+        if rid is None:
+            cur = self.db.execute("INSERT INTO runs (run) VALUES (?)", (run,))
+            rid = self._rids[run] = int(cur.lastrowid or 0)
+            self._runs[rid] = run
+        return rid
+
+    def _load(self, slot: int, rid: int, ids: list[str]) -> dict[str, IdState]:
+        out: dict[str, IdState] = {}
+        for chunk in _chunks(ids, CHUNK):
+            marks = ",".join("?" * len(chunk))
+            rows = self.db.execute(
+                f"SELECT id, status, class, attempts, value FROM ids WHERE slot = ? AND rid = ? AND id IN ({marks})",
+                (slot, rid, *chunk),
+            )
+            for i, status, cls, attempts, value in rows:
+                out[i] = IdState(status, cls, attempts, value)
+        return out
+
+    # -- checkpoints -----------------------------------------------------------------------------------
+    def checkpoint(self, consumed: Checkpoint, slot_of: dict[TP, int]) -> None:
+        """Commit the id states folded so far with the run counts and the offsets they correspond to."""
+        self.db.executemany(
+            "INSERT OR REPLACE INTO counts VALUES (?, ?, ?)",
+            [(s, rid, json.dumps(self._counts[(s, rid)].as_json())) for s, rid in self._dirty],
+        )
+        self.db.executemany(
+            "INSERT OR REPLACE INTO offsets VALUES (?, ?, ?, ?, ?)",
+            [(t, p, slot_of[(t, p)], n, ts) for (t, p), (n, ts) in consumed.items() if (t, p) in slot_of],
+        )
+        self.db.execute("COMMIT")
+        self.db.execute("BEGIN")
+        self._dirty.clear()
+
+    def close(self) -> None:
+        try:
+            if self.db.in_transaction:
+                self.db.execute("ROLLBACK")  # whatever was not checkpointed is re-read next time
+            self.db.close()
+        finally:
+            self._lock.close()
+
+
+def _chunks(items: list[str], size: int) -> Iterator[list[str]]:
+    for start in range(0, len(items), size):
+        yield items[start : start + size]
+
+
+def disk_bytes(folder: Path) -> int:
+    """Bytes the store takes on disk (database and write-ahead log)."""
+    return sum(f.stat().st_size for f in folder.glob("ledger.sqlite*") if f.is_file()) if folder.is_dir() else 0

@@ -1,0 +1,210 @@
+"""Ledger at archive scale: fold rate, peak RSS at 1M and 5M ids, restart-to-snapshot after a SIGKILL at 1M ids.
+
+Run with ``make bench``; figures go to stdout and to ``out/bench.json`` under "ledger" (merged with what other
+benchmarks wrote there). Nothing is asserted on time or memory; the counts are checked, so a fast wrong ledger
+does not pass. ``BENCH_LEDGER_IDS`` (default ``1000000,5000000``) sets the run sizes.
+
+Per id: one outcome (a result, or a dead letter for every tenth id) and, for every other id, a retry record first:
+1.5 records per id, written as the worker writes them (keyed by id, librdkafka's partitioner, the project's Avro).
+The ledger runs alone in its own process (``LEDGER_PROC``) so its peak RSS (``VmHWM``) is its own.
+"""
+
+from __future__ import annotations
+
+import io
+import json
+import os
+import signal
+import subprocess
+import sys
+import time
+from collections.abc import Callable
+from datetime import UTC, datetime
+from pathlib import Path
+from typing import Any
+
+import fastavro
+
+from batchline.config import KafkaSettings
+from batchline.kafka import headers as h
+from batchline.kafka.client import make_producer
+from batchline.kafka.topics import JobTopics
+from batchline.runs.identity import Fingerprint
+from batchline.runs.manifests import manifest_for, write_manifest
+from batchline.runs.status import latest_stats
+from schemas import codec_for
+
+OUT = Path(__file__).resolve().parents[2] / "out"
+SIZES = [int(n) for n in os.environ.get("BENCH_LEDGER_IDS", "1000000,5000000").split(",") if n]
+PARTITIONS = 4
+TAIL = 10_000  # ids written while the ledger is down, before the restart
+PROC_TIMEOUT_S = 3600.0
+FP = Fingerprint("m", None, "d", "deterministic", "1", "c", "p")
+
+LEDGER_PROC = """
+import json, sys, time
+from pathlib import Path
+from batchline.config import KafkaSettings, load_job_config
+from streams.ledger import Ledger, LedgerSettings
+spawned, job, root = float(sys.argv[1]), sys.argv[2], Path(sys.argv[3])
+ledger = Ledger(load_job_config(job, None, {"retry.tiers": ["5s"]}), KafkaSettings(), 1.0, LedgerSettings(dir=root))
+ledger.start()
+reported = False
+def hwm():
+    for line in open("/proc/self/status"):
+        if line.startswith("VmHWM"):
+            return int(line.split()[1]) / 1024
+while True:
+    ledger.step()
+    done = ledger.reading and all(p.caught_up and not p.dirty for p in ledger.reading.values())
+    if done and ledger.snapshots and not reported:
+        reported = ledger.producer.flush(30) == 0  # the snapshot is on J.ledger, not only queued
+        print(json.dumps({"since_spawn_s": time.time() - spawned, "folded": ledger.events,
+                          "snapshots": ledger.snapshots, "peak_rss_mb": hwm()}), flush=True)
+"""
+
+
+def _writer(kind: str) -> Callable[[dict[str, Any]], bytes]:
+    codec = codec_for(kind)
+    head = b"\xc3\x01" + codec.fingerprint
+
+    def encode(record: dict[str, Any]) -> bytes:
+        buf = io.BytesIO()
+        buf.write(head)
+        fastavro.schemaless_writer(buf, codec.parsed, record)
+        return buf.getvalue()
+
+    return encode
+
+
+def produce_outcomes(kafka: KafkaSettings, topics: JobTopics, run: str, lo: int, hi: int) -> int:
+    result, letter = _writer("result"), _writer("dead_letter")
+    producer = make_producer(kafka, **{"linger.ms": 50, "batch.num.messages": 10000})
+    now = datetime.now(UTC)
+    sent = 0
+
+    def send(topic: str, key: bytes, value: bytes, headers: list[tuple[str, bytes]] | None = None) -> None:
+        while True:
+            try:
+                producer.produce(topic, value, key, headers=headers)
+                return
+            except BufferError:
+                producer.poll(0.05)
+
+    for i in range(lo, hi):
+        rid = f"id-{i:09d}"
+        key, value = rid.encode(), float(i % 7) + 0.5
+        if i % 2:
+            attempt = [(h.REQUEST_ID, key), (h.RUN_ID, run.encode()), (h.ATTEMPT, b"1")]
+            send(topics.retry("5s"), key, b"{}", attempt)
+            sent += 1
+        if i % 10 == 6:
+            dl = {
+                "request_id": rid,
+                "run_id": run,
+                "failure_class": "invalid_input",
+                "error_type": "E",
+                "error_message": "m",
+                "attempts": 1,
+                "original_topic": topics.requests,
+                "original_partition": 0,
+                "original_offset": i,
+                "original_timestamp": None,
+                "payload": b"{}",
+                "first_failure_at": now,
+                "last_failure_at": now,
+                "value": value,
+                "invalid_output": None,
+            }
+            send(topics.dlq, key, letter(dl))
+        else:
+            r = {"request_id": rid, "run_id": run, "task": "generate", "output": "ok", "label": None, "scores": None}
+            r |= {"embedding": None, "finish_reason": "stop", "prompt_tokens": 3, "completion_tokens": 5}
+            r |= {"attempt": 1, "latency_ms": 2.0, "produced_at": now, "value": value}
+            send(topics.results, key, result(r))
+        sent += 1
+        if i % 10000 == 0:
+            producer.poll(0)
+    assert producer.flush(300) == 0
+    return sent
+
+
+def start_ledger(kafka: KafkaSettings, job: str, root: Path, log: Path) -> subprocess.Popen[str]:
+    env = os.environ | {"BATCHLINE_BOOTSTRAP": kafka.bootstrap, "PYTHONPATH": os.getcwd()}
+    with log.open("a") as err:
+        return subprocess.Popen(
+            [sys.executable, "-c", LEDGER_PROC, str(time.time()), job, str(root)],
+            stdout=subprocess.PIPE,
+            stderr=err,
+            text=True,
+            env=env,
+        )
+
+
+def first_report(proc: subprocess.Popen[str]) -> dict[str, Any]:
+    assert proc.stdout is not None
+    line = proc.stdout.readline()
+    assert line, f"the ledger exited with {proc.poll()} before catching up"
+    report: dict[str, Any] = json.loads(line)
+    proc.stdout.close()
+    return report
+
+
+def expected(n: int) -> tuple[int, int, int]:
+    quarantined = sum(1 for i in range(n) if i % 10 == 6)
+    return n - quarantined, quarantined, n // 2
+
+
+def measure(kafka: KafkaSettings, make_job: Callable[..., JobTopics], n: int, tmp: Path) -> dict[str, Any]:
+    job = f"bench-ledger-{n}-{os.getpid()}"
+    topics = make_job(job, partitions=PARTITIONS, tiers=("5s",))
+    run = "run-bench"
+    started = time.monotonic()
+    records = produce_outcomes(kafka, topics, run, 0, n)
+    produce_s = time.monotonic() - started
+    root = tmp / job
+    proc = start_ledger(kafka, job, root, tmp / f"{job}.log")
+    first = first_report(proc)
+    figures: dict[str, Any] = {
+        "ids": n,
+        "records": records,
+        "produce_s": round(produce_s, 1),
+        "fold_records_per_s": round(first["folded"] / first["since_spawn_s"]),
+        "start_to_first_full_snapshot_s": round(first["since_spawn_s"], 1),
+        "peak_rss_mb": round(first["peak_rss_mb"], 1),
+        "store_mb": round(sum(f.stat().st_size for f in root.rglob("ledger.sqlite*")) / 2**20, 1),
+    }
+    proc.send_signal(signal.SIGKILL)
+    proc.wait(PROC_TIMEOUT_S)
+    tail = produce_outcomes(kafka, topics, run, n, n + TAIL)  # written while the ledger is down
+    restarted = start_ledger(kafka, job, root, tmp / f"{job}.log")
+    again = first_report(restarted)
+    restarted.send_signal(signal.SIGTERM)
+    restarted.wait(PROC_TIMEOUT_S)
+    manifest = manifest_for(job, run, FP, record_count=n + TAIL, value_total=0.0)
+    write_manifest(kafka, topics, manifest)
+    stats = latest_stats(kafka, topics, {run: manifest})[run]
+    succeeded, quarantined, retried = expected(n + TAIL)
+    assert (stats.succeeded, stats.quarantined, stats.retried, stats.pending) == (succeeded, quarantined, retried, 0)
+    figures |= {
+        "restart_tail_records": tail,
+        "restart_to_first_snapshot_s": round(again["since_spawn_s"], 2),
+        "restart_folded": again["folded"],
+        "restart_peak_rss_mb": round(again["peak_rss_mb"], 1),
+    }
+    return figures
+
+
+def test_ledger_at_archive_scale(
+    kafka: KafkaSettings, make_job: Callable[..., JobTopics], tmp_path_factory: Any
+) -> None:
+    tmp = tmp_path_factory.mktemp("ledger-bench")
+    figures = {"runs": [measure(kafka, make_job, n, tmp) for n in SIZES]}
+    for run in figures["runs"]:
+        print(f"\nledger at {run['ids']:,} ids: {json.dumps(run)}")
+    OUT.mkdir(exist_ok=True)
+    path = OUT / "bench.json"
+    existing = json.loads(path.read_text()) if path.exists() else {}
+    tmp_file = path.with_suffix(".json.tmp")
+    tmp_file.write_text(json.dumps(existing | {"ledger": figures}, indent=2))
+    tmp_file.replace(path)
