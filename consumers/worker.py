@@ -27,7 +27,7 @@ from batchline.config import JobConfig, KafkaSettings
 from batchline.kafka.client import make_consumer
 from batchline.kafka.topics import JobTopics
 from batchline.runs.identity import Fingerprint, fingerprint_of
-from batchline.telemetry import WorkerMetrics, link_from_traceparent, traceparent_of
+from batchline.telemetry import Health, WorkerMetrics, link_from_traceparent, traceparent_of
 from consumers.batcher import Batcher
 from consumers.engines import Engine, create_engine
 from consumers.exceptions import SinkError
@@ -83,13 +83,16 @@ class Worker:
         worker_id: str | None = None,
         sink_fail_batches: Sequence[int] = (),
         idle_exit_s: float | None = None,
+        health: Health | None = None,
     ) -> None:
         self.config = config
+        self.health = health or Health.for_worker(config)  # ops: /healthz, /readyz (batchline.telemetry.health)
         self.kafka = kafka
         self.topics = JobTopics(config.job, config.retry.tiers)
         self.worker_id = worker_id or f"{socket.gethostname()}-{os.getpid()}-{uuid.uuid4().hex[:4]}"
         self.fingerprint: Fingerprint = fingerprint_of(config)
         self.engine = engine or create_engine(config)
+        self.health.set_engine_loaded()  # ops: readiness
         self.intake = Intake(config, self.engine.count_tokens)
         self.batcher = Batcher(config.batching)
         self.runner = IsolatingRunner(self.engine, config.batching.max_records)
@@ -102,7 +105,7 @@ class Worker:
         self.executor = ThreadPoolExecutor(1, thread_name_prefix="engine")
         self.in_flight: deque[_InFlight] = deque()
         self.stats = WorkerStats()
-        self.metrics = WorkerMetrics(config.job)
+        self.metrics = WorkerMetrics(config.job, self.topics.requests, self.group)
         self.tracer = trace.get_tracer("batchline.worker")
         self.stop_event = threading.Event()
         self.idle_exit_s = idle_exit_s
@@ -125,8 +128,17 @@ class Worker:
         )
         self.pinning.start()
         self.consumer.subscribe([self.topics.requests], on_assign=self._on_assign, on_revoke=self._on_revoke)
+        # ops: observable metrics (in-flight records, lag, transactions, rewinds, engine restarts)
+        self.metrics.watch(
+            self.stats,
+            self.engine,
+            self.kafka,
+            in_flight=lambda: len(self.batcher) + sum(len(f.items) for f in self.in_flight),
+            assigned=lambda: list(self._assigned),
+        )
         try:
             while not self.stop_event.is_set() and not self._idle_done():
+                self.health.beat(waiting=bool(self.in_flight))  # ops: liveness
                 self._poll()
                 if self._outside_window():
                     continue
@@ -142,6 +154,7 @@ class Worker:
         self.stop_event.set()
 
     def close(self) -> None:
+        self.metrics.close()  # ops: stop observing this worker
         self.executor.shutdown(wait=True)
         self.pinning.stop()
         try:
@@ -245,7 +258,8 @@ class Worker:
         self.stats.results = self.stats.by_kind.get("result", 0)
         self.stats.retries = self.stats.by_kind.get("retry", 0)
         self.stats.dead_letters = self.stats.by_kind.get("dlq", 0)
-        self.metrics.batch_done(batch.items, inferred.outcomes, produced, inferred.engine_ms)
+        self.metrics.batch_done(batch.items, inferred.outcomes, produced, inferred.engine_ms, inferred.started_ns)
+        self.health.progressed()  # ops: liveness
         if self.on_batch_committed:
             self.on_batch_committed(batch.batch_id, batch.items)
 
@@ -318,6 +332,7 @@ class Worker:
     def _on_assign(self, consumer: Consumer, partitions: list[TopicPartition]) -> None:
         self._assigned |= {(p.topic, p.partition) for p in partitions}
         self._last_record = time.monotonic()
+        self.health.set_assigned(len(self._assigned))  # ops: readiness
         log.info("assigned %s", [f"{p.topic}[{p.partition}]" for p in partitions])
 
     def _on_revoke(self, consumer: Consumer, partitions: list[TopicPartition]) -> None:
@@ -327,4 +342,5 @@ class Worker:
         revoked = {(p.topic, p.partition) for p in partitions}
         dropped = self.batcher.drop(revoked)
         self._assigned -= revoked
+        self.health.set_assigned(len(self._assigned))  # ops: readiness
         log.info("revoked %s (dropped %d buffered)", sorted(revoked), dropped)

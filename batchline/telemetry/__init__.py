@@ -1,5 +1,25 @@
-"""OpenTelemetry for batchline: spans to the messaging conventions, the worker's metrics."""
+"""OpenTelemetry for batchline: spans to the messaging conventions, metrics, and the health a cluster acts on.
 
-from batchline.telemetry.setup import WorkerMetrics, link_from_traceparent, setup_telemetry, traceparent_of
+- :func:`setup_telemetry`: the process's tracer and meter providers and their exporters (``setup``).
+- :class:`WorkerMetrics`, :func:`watch_streams`: the instruments (``metrics``; names in the README's table).
+- :class:`Health`: liveness and readiness (``health``); :func:`serve_probes`: ``/metrics``, ``/healthz`` and
+  ``/readyz`` on ``--metrics-port`` (``server``).
+- :func:`link_from_traceparent`, :func:`traceparent_of`: W3C trace context in Kafka headers (``traces``).
+"""
 
-__all__ = ["WorkerMetrics", "link_from_traceparent", "setup_telemetry", "traceparent_of"]
+from batchline.telemetry.health import Health
+from batchline.telemetry.metrics import StreamsMetrics, WorkerMetrics, watch_streams
+from batchline.telemetry.server import serve_probes
+from batchline.telemetry.setup import setup_telemetry
+from batchline.telemetry.traces import link_from_traceparent, traceparent_of
+
+__all__ = [
+    "Health",
+    "StreamsMetrics",
+    "WorkerMetrics",
+    "link_from_traceparent",
+    "serve_probes",
+    "setup_telemetry",
+    "traceparent_of",
+    "watch_streams",
+]

@@ -10,6 +10,9 @@ can compute exactly which ids must end where. Knobs (``engine_kwargs``):
 - ``invalid_output_rate``: share of ids whose output never passes validation.
 - ``oom_above``: calls with more records raise EngineOOM.
 - ``embed_dim``: embedding size (default 32). ``fault_seed``: salt of the fault functions.
+- ``hang_marker``: a call whose batch holds a record containing it blocks until the engine is closed (a hung
+  engine: the worker keeps polling but completes no batch), then raises EngineError.
+- ``load_gate``: a file path; the constructor waits until that file exists (a model that is still loading).
 """
 
 from __future__ import annotations
@@ -17,12 +20,16 @@ from __future__ import annotations
 import hashlib
 import json
 import math
+import threading
 import time
 from collections.abc import Sequence
+from pathlib import Path
 from typing import Any
 
 from consumers.engines.base import EngineInput, EngineOutput, Outcome, RecordFailure
-from consumers.exceptions import EngineOOM
+from consumers.exceptions import EngineError, EngineOOM
+
+LOAD_GATE_POLL_S = 0.05
 
 
 class PoisonRecordCrash(RuntimeError):
@@ -57,7 +64,12 @@ class DeterministicEngine:
         self.oom_above: int | None = kw.get("oom_above")
         self.embed_dim = int(kw.get("embed_dim", 32))
         self.fault_seed = kw.get("fault_seed", 0)
+        self.hang_marker: str | None = kw.get("hang_marker")
         self.calls = 0
+        self._closed = threading.Event()
+        gate = kw.get("load_gate")
+        while gate and not Path(gate).exists():
+            time.sleep(LOAD_GATE_POLL_S)
 
     # -- the fault functions, public so tests can predict every outcome --------------------------
     def fails_transiently(self, request_id: str, attempt: int) -> bool:
@@ -80,10 +92,13 @@ class DeterministicEngine:
         time.sleep(self.batch_latency_s + self.latency_s * len(inputs))
         if any(self.is_poison(i.prompt) for i in inputs):
             raise PoisonRecordCrash("engine crashed on a poison record")
+        if self.hang_marker and any(self.hang_marker in i.prompt for i in inputs):
+            self._closed.wait()
+            raise EngineError("engine closed during a hung call")
         return [self._one(i) for i in inputs]
 
     def close(self) -> None:
-        return None
+        self._closed.set()
 
     # -- outputs ---------------------------------------------------------------------------------
     def _one(self, inp: EngineInput) -> Outcome:
