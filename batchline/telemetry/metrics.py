@@ -36,6 +36,7 @@ TXN_OUTCOME = "batchline.transaction.outcome"  # committed | aborted
 TOKEN_TYPE = "gen_ai.token.type"  # input (prompt) | output (completion), as in the GenAI conventions
 PARTITION = "messaging.destination.partition.id"
 DURATION_BUCKETS_S = (0.01, 0.05, 0.1, 0.25, 0.5, 1.0, 2.5, 5.0, 10.0, 30.0, 60.0, 120.0, 300.0, 600.0)
+FLUSH_TIMEOUT_MS = 5000  # the last push when a worker or streams app closes; a collector that is down costs this
 SIZE_BUCKETS = (1.0, 2.0, 4.0, 8.0, 16.0, 32.0, 64.0, 128.0, 256.0, 512.0, 1024.0, 2048.0)
 
 Attrs = Mapping[str, str]
@@ -96,6 +97,12 @@ class _Watches:
         self._added.append((feed, feed.add(source)))
 
     def close(self) -> None:
+        """Push what the sources read one last time (their values would be missing from the push at exit), then
+        remove them."""
+        if self._added:
+            flush = getattr(metrics.get_meter_provider(), "force_flush", None)
+            if flush is not None:
+                flush(FLUSH_TIMEOUT_MS)
         for feed, token in self._added:
             feed.remove(token)
         self._added.clear()
