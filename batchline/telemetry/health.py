@@ -19,7 +19,7 @@ from __future__ import annotations
 import threading
 import time
 from collections.abc import Callable, Sequence
-from dataclasses import dataclass
+from typing import NamedTuple
 
 from batchline.config import JobConfig
 
@@ -32,8 +32,7 @@ LEDGER_CAUGHT_UP = "ledger caught up"
 WORKER_LOOP = "worker"
 
 
-@dataclass(frozen=True)
-class Verdict:
+class Verdict(NamedTuple):
     """A probe's answer and, when it fails, why (served as the response body)."""
 
     ok: bool
