@@ -51,6 +51,7 @@ class WorkerStats:
     retries: int = 0
     dead_letters: int = 0
     passed_over: int = 0
+    transactions: int = 0  # as on main (the lead's loop commits several micro-batches per transaction)
     sink_failures: int = 0
     rewinds: int = 0
     by_kind: dict[str, int] = field(default_factory=dict)
@@ -253,6 +254,7 @@ class Worker:
                 offsets = self._offsets(batch.items)
                 self.sink.commit(batch.batch_id, produced, offsets, self.consumer.consumer_group_metadata())
         self.stats.batches += 1
+        self.stats.transactions += 1
         for p in produced:
             self.stats.by_kind[p.kind] = self.stats.by_kind.get(p.kind, 0) + 1
         self.stats.results = self.stats.by_kind.get("result", 0)

@@ -32,7 +32,7 @@ class WorkerCounters(Protocol):
     """What the worker's stats already count (``consumers.worker.WorkerStats``)."""
 
     @property
-    def batches(self) -> int: ...  # committed transactions: one per batch
+    def transactions(self) -> int: ...  # committed transactions (one may hold several micro-batches)
     @property
     def sink_failures(self) -> int: ...  # aborted transactions
     @property
@@ -145,7 +145,7 @@ class WorkerMetrics:
         w.add(
             transactions(),
             lambda: [
-                Observation(counters.batches, worker | {TXN_OUTCOME: "committed"}),
+                Observation(counters.transactions, worker | {TXN_OUTCOME: "committed"}),
                 Observation(counters.sink_failures, worker | {TXN_OUTCOME: "aborted"}),
             ],
         )

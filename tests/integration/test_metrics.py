@@ -75,9 +75,10 @@ def test_metrics_count_records_by_outcome_and_the_streams_work(
         }
         deliveries = RECORDS + len(retried)  # each delivery is in exactly one committed batch (no aborts here)
         assert total(w, "batchline_batch_size_sum") == deliveries
-        batches = total(w, "batchline_transactions_total", batchline_transaction_outcome="committed")
-        assert batches == total(w, "batchline_batch_size_count") == total(w, "messaging_process_duration_seconds_count")
-        assert batches >= deliveries / 8
+        batches = total(w, "batchline_batch_size_count")
+        assert batches == total(w, "messaging_process_duration_seconds_count") >= deliveries / 8
+        # One transaction commits one or more finished micro-batches.
+        assert 1 <= total(w, "batchline_transactions_total", batchline_transaction_outcome="committed") <= batches
         assert total(w, "batchline_transactions_total", batchline_transaction_outcome="aborted") == 0
         assert total(w, "batchline_rewinds_total") == total(w, "batchline_engine_restarts_total") == 0
         assert values(w, "batchline_records_in_flight") == [0.0]

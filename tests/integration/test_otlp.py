@@ -247,10 +247,9 @@ def test_spans_and_metrics_arrive_over_otlp_with_links_to_the_records(
     )
     assert sum(records.values()) == sum(attempts.values())
     transactions = receiver.counter(service, "batchline.transactions")  # observable: pushed as the worker closed
-    committed = {("batchline.job", job_name), ("batchline.component", "worker")}
-    assert transactions == {
-        frozenset(committed | {("batchline.transaction.outcome", "committed")}): float(len(batches)),
-        frozenset(committed | {("batchline.transaction.outcome", "aborted")}): 0.0,
-    }
+    worker_attrs = {("batchline.job", job_name), ("batchline.component", "worker")}
+    assert transactions[frozenset(worker_attrs | {("batchline.transaction.outcome", "aborted")})] == 0
+    committed = transactions[frozenset(worker_attrs | {("batchline.transaction.outcome", "committed")})]
+    assert 1 <= committed <= len(batches), "a transaction commits one or more micro-batches"
     republished = receiver.counter(f"batchline-streams-{job_name}", "batchline.retries.republished")
     assert republished == {frozenset({("batchline.job", job_name)}): float(expected["retry"]["transient"])}
