@@ -83,7 +83,7 @@ class EngineConfig(_Frozen):
         default_factory=dict,
         description="Passed through to the engine: vLLM `LLM(...)` kwargs (plus `infer_timeout_s`: a call that "
         "runs longer restarts the engine), or the deterministic engine's knobs: latency_ms, transient_rate, "
-        "poison_marker, invalid_output_rate, oom_above, embed_dim.",
+        "poison_marker, invalid_output_rate, oom_above, embed_dim, hang_marker, load_gate.",
     )
 
 
@@ -191,8 +191,24 @@ class ScheduleConfig(_Frozen):
 
 
 class TelemetryConfig(_Frozen):
-    exporter: Literal["none", "console", "otlp"] = Field("none", description="Span and metric exporter.")
+    exporter: Literal["none", "console", "otlp"] = Field(
+        "none", description="Span exporter; `otlp` also pushes the metrics (every 60 s, `OTEL_METRIC_EXPORT_INTERVAL`)."
+    )
     otlp_endpoint: str = Field("http://127.0.0.1:4318", description="OTLP/HTTP collector endpoint.")
+    progress_bound_s: float | None = Field(
+        None,
+        gt=0,
+        description="`/healthz` fails when the loop has not gone round, or work has waited on the engine without a "
+        "batch completing, for this long. It must cover the longest batch (bisection re-runs included): too short "
+        "restarts healthy workers mid-batch, too long holds a hung GPU. Unset: 900 s, or 4 x the engine's "
+        "`infer_timeout_s` if longer.",
+    )
+    startup_bound_s: float = Field(
+        1800.0,
+        gt=0,
+        description="`/healthz` fails when start-up (loading the model) takes longer than this; size it for the "
+        "largest model on the slowest node.",
+    )
 
 
 class JobConfig(_Frozen):

@@ -15,7 +15,7 @@ import itertools
 import time
 from collections import deque
 from collections.abc import Callable
-from dataclasses import dataclass, field
+from dataclasses import dataclass
 
 from confluent_kafka import Consumer, TopicPartition
 from opentelemetry import trace
@@ -26,18 +26,10 @@ from consumers.exceptions import SinkError
 from consumers.infer import Flight
 from consumers.route import BatchContext, Produced, Router
 from consumers.sink import Commit, SinkThread
-from consumers.work import WorkItem
+from consumers.work import WorkerStats, WorkItem
 
 COMMIT_GROUP_RECORDS = 8192  # finished micro-batches committed in one transaction, at most this many records
 TP = tuple[str, int]
-
-
-@dataclass
-class CommitStats:
-    batches: int = 0
-    transactions: int = 0
-    sink_failures: int = 0
-    by_kind: dict[str, int] = field(default_factory=dict)
 
 
 @dataclass(eq=False)
@@ -57,6 +49,8 @@ class Committer:
         metrics: WorkerMetrics,
         requests_topic: str,
         group: str,
+        stats: WorkerStats,
+        on_progress: Callable[[], None] = lambda: None,
     ) -> None:
         self.router = router
         self.sink = sink
@@ -64,7 +58,8 @@ class Committer:
         self.metrics = metrics
         self.requests_topic = requests_topic
         self.group = group
-        self.stats = CommitStats()
+        self.stats = stats
+        self.on_progress = on_progress
         self.tracer = trace.get_tracer("batchline.worker")
         self.on_batch_committed: Callable[[str, list[WorkItem]], None] | None = None
         self._pending: deque[_Pending] = deque()
@@ -174,13 +169,18 @@ class Committer:
             span.end(commit.ended_ns)
 
     def _count(self, pending: _Pending) -> None:
-        self.stats.transactions += 1
-        self.stats.batches += len(pending.flights)
-        by_kind = self.stats.by_kind
+        stats = self.stats
+        stats.transactions += 1
+        stats.batches += len(pending.flights)
+        by_kind = stats.by_kind
         for flight, produced in zip(pending.flights, pending.produced, strict=True):
             for p in produced:
                 by_kind[p.kind] = by_kind.get(p.kind, 0) + 1
-            self.metrics.batch_done(flight.items, flight.outcomes, produced, flight.engine_ms)
+            self.metrics.batch_done(flight.items, flight.outcomes, produced, flight.engine_ms, flight.started_ns)
+        stats.results = by_kind.get("result", 0)
+        stats.retries = by_kind.get("retry", 0)
+        stats.dead_letters = by_kind.get("dlq", 0)
+        self.on_progress()
         if self.on_batch_committed:
             for flight in pending.flights:
                 self.on_batch_committed(flight.batch_id, flight.items)

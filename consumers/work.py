@@ -2,7 +2,7 @@
 
 from __future__ import annotations
 
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 from datetime import datetime
 from typing import Literal, NamedTuple
 
@@ -74,3 +74,18 @@ class WorkItem:
     @property
     def value(self) -> float:
         return self.request.value if self.request else 1.0
+
+
+@dataclass
+class WorkerStats:
+    """What a worker did; updated as transactions commit (``transactions`` may each hold several micro-batches)."""
+
+    batches: int = 0
+    results: int = 0
+    retries: int = 0
+    dead_letters: int = 0
+    passed_over: int = 0
+    transactions: int = 0
+    sink_failures: int = 0
+    rewinds: int = 0
+    by_kind: dict[str, int] = field(default_factory=dict)

@@ -24,7 +24,6 @@ import time
 import uuid
 from collections import deque
 from collections.abc import Sequence
-from dataclasses import dataclass, field
 
 from confluent_kafka import Consumer, KafkaError, TopicPartition
 
@@ -32,7 +31,7 @@ from batchline.config import JobConfig, KafkaSettings
 from batchline.kafka.client import make_consumer
 from batchline.kafka.topics import JobTopics
 from batchline.runs.identity import Fingerprint, fingerprint_of
-from batchline.telemetry import WorkerMetrics
+from batchline.telemetry import Health, WorkerMetrics
 from consumers.batcher import Batcher
 from consumers.committer import Committer
 from consumers.engines import Engine, create_engine
@@ -45,7 +44,7 @@ from consumers.rewind import Rewinder, first_offsets
 from consumers.route import Router
 from consumers.schedule import Schedule
 from consumers.sink import SinkThread, TransactionalSink
-from consumers.work import WorkItem
+from consumers.work import WorkerStats, WorkItem
 
 log = logging.getLogger(__name__)
 POLL_BATCH = 1000
@@ -61,19 +60,6 @@ TP = tuple[str, int]
 GC_YOUNG = 50_000
 
 
-@dataclass
-class WorkerStats:
-    batches: int = 0
-    results: int = 0
-    retries: int = 0
-    dead_letters: int = 0
-    passed_over: int = 0
-    transactions: int = 0
-    sink_failures: int = 0
-    rewinds: int = 0
-    by_kind: dict[str, int] = field(default_factory=dict)
-
-
 class Worker:
     def __init__(
         self,
@@ -83,13 +69,16 @@ class Worker:
         worker_id: str | None = None,
         sink_fail_batches: Sequence[int] = (),
         idle_exit_s: float | None = None,
+        health: Health | None = None,
     ) -> None:
         self.config = config
+        self.health = health or Health.for_worker(config)  # /healthz, /readyz (batchline.telemetry.health)
         self.kafka = kafka
         self.topics = JobTopics(config.job, config.retry.tiers)
         self.worker_id = worker_id or f"{socket.gethostname()}-{os.getpid()}-{uuid.uuid4().hex[:4]}"
         self.fingerprint: Fingerprint = fingerprint_of(config)
         self.engine = engine or create_engine(config)
+        self.health.set_engine_loaded()  # readiness
         self.intake = Intake(config, self.engine.count_tokens)
         self.batcher = Batcher(config.batching)
         self.wake = threading.Event()
@@ -110,16 +99,22 @@ class Worker:
         self.pauses = PauseBook(self.consumer)
         self.rewinder = Rewinder(self.consumer)
         self.in_flight: deque[Flight] = deque()
-        self.metrics = WorkerMetrics(config.job)
+        self.metrics = WorkerMetrics(config.job, self.topics.requests, self.group)
+        self.stats = WorkerStats()
         self.committer = Committer(
-            self.router, self.sink_thread, self.consumer, self.metrics, self.topics.requests, self.group
+            self.router,
+            self.sink_thread,
+            self.consumer,
+            self.metrics,
+            self.topics.requests,
+            self.group,
+            self.stats,
+            self.health.progressed,
         )
         self.schedule = Schedule(config.schedule)
         self.lanes = Lanes(kafka, config.schedule)
         self.stop_event = threading.Event()
         self.idle_exit_s = idle_exit_s
-        self._passed_over = 0
-        self._rewinds = 0
         self._seq = 0
         self._last_record = time.monotonic()
 
@@ -142,8 +137,17 @@ class Worker:
         self.consumer.subscribe(
             [self.topics.requests], on_assign=self._on_assign, on_revoke=self._on_revoke, on_lost=self._on_lost
         )
+        # observable metrics: in-flight records, lag, transactions, rewinds, engine restarts
+        self.metrics.watch(
+            self.stats,
+            self.engine,
+            self.kafka,
+            in_flight=lambda: len(self.batcher) + sum(len(f.items) for f in self.in_flight),
+            assigned=lambda: list(self.pauses.assigned),
+        )
         try:
             while not self.stop_event.is_set() and not self._idle_done():
+                self.health.beat(waiting=bool(self.in_flight))  # liveness: records wait on the engine or the sink
                 self._poll()
                 self._check_engine()
                 self._follow_schedule()
@@ -160,6 +164,7 @@ class Worker:
         self.wake.set()
 
     def close(self) -> None:
+        self.metrics.close()  # stop observing this worker
         self.feeder.close()
         self.sink_thread.close()
         self.lanes.stop()
@@ -200,7 +205,7 @@ class Worker:
             item = self.intake.admit(msg)
             item.passed_over = self.pinning.pass_over(item)
             if item.passed_over:
-                self._passed_over += 1
+                self.stats.passed_over += 1
             self.batcher.add(item)
         if msgs:
             self._last_record = time.monotonic()
@@ -284,28 +289,12 @@ class Worker:
         self.committer.queue(self.in_flight)
         return True
 
-    @property
-    def stats(self) -> WorkerStats:
-        c = self.committer.stats
-        by_kind = c.by_kind
-        return WorkerStats(
-            batches=c.batches,
-            results=by_kind.get("result", 0),
-            retries=by_kind.get("retry", 0),
-            dead_letters=by_kind.get("dlq", 0),
-            passed_over=self._passed_over,
-            transactions=c.transactions,
-            sink_failures=c.sink_failures,
-            rewinds=self._rewinds,
-            by_kind=dict(by_kind),
-        )
-
     # -- rewinds ---------------------------------------------------------------------------------
     def _rewind(self, partitions: set[TP] | None = None) -> None:
         """Drop everything uncommitted (in flight and buffered) and re-read it. ``partitions`` limits the seeks
         (the others were lost or revoked); by default every assigned partition. Transactions already queued are
         let finish first: what they committed is not re-read."""
-        self._rewinds += 1
+        self.stats.rewinds += 1
         if self.committer.settle(self.in_flight) is not None:
             self.committer.settle(self.in_flight)  # the failed one's followers were dropped unstarted
         held = first_offsets([i for f in self.in_flight for i in f.items] + list(self.batcher.items()))
@@ -343,6 +332,7 @@ class Worker:
         consumer.incremental_assign(partitions)
         self.pauses.assigned_now(partitions)
         self._last_record = time.monotonic()
+        self.health.set_assigned(len(self.pauses.assigned))  # readiness
         log.info("assigned %s", [f"{p.topic}[{p.partition}]" for p in partitions])
 
     def _on_revoke(self, consumer: Consumer, partitions: list[TopicPartition]) -> None:
@@ -361,6 +351,7 @@ class Worker:
             self._rewind(self.pauses.assigned - revoked)
         dropped = self.batcher.drop(revoked)
         self.pauses.gone(partitions)
+        self.health.set_assigned(len(self.pauses.assigned))  # readiness
         log.info("revoked %s (dropped %d buffered)", sorted(revoked), dropped)
 
     def _on_lost(self, consumer: Consumer, partitions: list[TopicPartition]) -> None:
@@ -370,3 +361,4 @@ class Worker:
         log.warning("lost %s: dropping uncommitted work", sorted(lost))
         self._rewind(self.pauses.assigned - lost)
         self.pauses.gone(partitions)
+        self.health.set_assigned(len(self.pauses.assigned))

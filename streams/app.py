@@ -17,6 +17,7 @@ from confluent_kafka import KafkaException
 from batchline.config import JobConfig, KafkaSettings
 from batchline.kafka.client import make_admin
 from batchline.kafka.topics import JobTopics
+from batchline.telemetry import Health, watch_streams
 from streams.exceptions import MissingTopicsError, StreamsError
 from streams.ledger import Ledger, LedgerSettings
 from streams.retry_scheduler import RetryScheduler
@@ -56,9 +57,11 @@ class StreamsApp:
         idle_exit_s: float | None = None,
         snapshot_interval_s: float = 1.0,
         ledger: LedgerSettings | None = None,
+        health: Health | None = None,
     ) -> None:
         self.config = config
         self.ledger_settings = ledger
+        self.health = health or Health.for_streams(config)  # /healthz, /readyz (batchline.telemetry.health)
         self.kafka = kafka
         self.idle_exit_s = idle_exit_s
         self.snapshot_interval_s = snapshot_interval_s
@@ -72,6 +75,7 @@ class StreamsApp:
         check_topics(self.kafka, JobTopics(self.config.job, self.config.retry.tiers))
         scheduler = RetryScheduler(self.config, self.kafka)
         ledger = Ledger(self.config, self.kafka, self.snapshot_interval_s, self.ledger_settings)
+        watch = watch_streams(self.config.job, self.health, scheduler, ledger)  # metrics and readiness
         threads = [
             self._thread("retry-scheduler", scheduler.start, scheduler.step, scheduler.close),
             self._thread("ledger", ledger.start, ledger.step, ledger.close),
@@ -83,8 +87,10 @@ class StreamsApp:
                 if self._idle_done(scheduler, ledger):
                     log.info("streams of %s idle for %.0fs: stopping", self.config.job, self.idle_exit_s)
                     break
+                watch.sample()  # ops: the ledger's snapshot age
                 self.stop_event.wait(WATCH_INTERVAL_S)
         finally:
+            watch.close()  # ops
             self.stop_event.set()
             for t in threads:
                 t.join(JOIN_TIMEOUT_S)
@@ -112,6 +118,7 @@ class StreamsApp:
                 start()
                 while not self.stop_event.is_set():
                     step()
+                    self.health.beat(name)  # ops: liveness
             except BaseException as exc:
                 log.exception("%s failed", name)
                 self.errors.append(exc)

@@ -169,6 +169,11 @@ class Ledger:
             [self.topics.results], on_assign=self._on_assign, on_revoke=self._on_revoke, on_lost=self._on_revoke
         )
 
+    @property
+    def caught_up(self) -> bool:
+        """Every slot this process reads has caught up with its partitions (its snapshots are current)."""
+        return self.confirmed and all(p.caught_up for p in self.reading.values())
+
     def idle_for(self) -> float:
         """Seconds since the last record or snapshot; 0 until the group answered, a slot catches up or owes one."""
         busy = any(not p.caught_up or p.dirty for p in self.reading.values())

@@ -38,6 +38,16 @@ app = typer.Typer(
 )
 topics_app = typer.Typer(no_args_is_help=True, help="Create and inspect a job's topics.")
 app.add_typer(topics_app, name="topics")
+MetricsPort = Annotated[
+    int | None,
+    typer.Option(
+        "--metrics-port",
+        envvar="BATCHLINE_METRICS_PORT",
+        min=1,
+        max=65535,
+        help="Serve Prometheus /metrics, /healthz and /readyz on this port (all interfaces).",
+    ),
+]
 
 
 @app.command()
@@ -175,17 +185,20 @@ def worker(
         str, typer.Option(help="Fault injection: abort these transaction numbers, e.g. 3,7.", hidden=True)
     ] = "",
     log_level: Annotated[str, typer.Option(help="Logging level.")] = "INFO",
+    metrics_port: MetricsPort = None,
     bootstrap: Bootstrap = DEFAULT_BOOTSTRAP,
 ) -> None:
     """Run a GPU consumer-group worker for JOB until SIGTERM/Ctrl-C (then drains and commits)."""
-    from batchline.telemetry import setup_telemetry
+    from batchline.telemetry import Health, serve_probes, setup_telemetry
     from consumers.worker import Worker
 
     logging.basicConfig(level=log_level.upper(), format="%(asctime)s %(levelname)s %(name)s: %(message)s")
     cfg = job_config(job, config, engine, model, engine_arg, set_)
-    setup_telemetry(cfg.telemetry, f"batchline-worker-{job}")
+    setup_telemetry(cfg.telemetry, f"batchline-worker-{job}", prometheus=metrics_port is not None)
+    health = Health.for_worker(cfg)
+    serve_probes(metrics_port, health)  # before the engine loads: live, not ready
     fails = [int(x) for x in fail_transactions.split(",") if x.strip()]
-    w = Worker(cfg, kafka_settings(bootstrap), sink_fail_batches=fails, idle_exit_s=idle_exit)
+    w = Worker(cfg, kafka_settings(bootstrap), sink_fail_batches=fails, idle_exit_s=idle_exit, health=health)
     signal.signal(signal.SIGTERM, lambda *_: w.stop())
     signal.signal(signal.SIGINT, lambda *_: w.stop())
     stats = w.run()
@@ -207,17 +220,27 @@ def streams_cmd(
         Path | None, typer.Option(help="Root of the ledger's store (env BATCHLINE_LEDGER_DIR; default: temp dir).")
     ] = None,
     log_level: Annotated[str, typer.Option(help="Logging level.")] = "INFO",
+    metrics_port: MetricsPort = None,
     bootstrap: Bootstrap = DEFAULT_BOOTSTRAP,
 ) -> None:
     """Run JOB's retry scheduler and completion ledger until SIGTERM/Ctrl-C (retry tiers from the config)."""
+    from batchline.telemetry import Health, serve_probes, setup_telemetry
     from streams import StreamsApp
     from streams.ledger import LedgerSettings
 
     logging.basicConfig(level=log_level.upper(), format="%(asctime)s %(levelname)s %(name)s: %(message)s")
     cfg = job_config(job, config, sets=set_)
     ledger = LedgerSettings(dir=ledger_dir) if ledger_dir else LedgerSettings()
+    setup_telemetry(cfg.telemetry, f"batchline-streams-{job}", prometheus=metrics_port is not None)
+    health = Health.for_streams(cfg)
+    serve_probes(metrics_port, health)
     streams_app = StreamsApp(
-        cfg, kafka_settings(bootstrap), idle_exit_s=idle_exit, snapshot_interval_s=snapshot_interval, ledger=ledger
+        cfg,
+        kafka_settings(bootstrap),
+        idle_exit_s=idle_exit,
+        snapshot_interval_s=snapshot_interval,
+        ledger=ledger,
+        health=health,
     )
     signal.signal(signal.SIGTERM, lambda *_: streams_app.stop())
     signal.signal(signal.SIGINT, lambda *_: streams_app.stop())

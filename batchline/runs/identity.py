@@ -36,6 +36,8 @@ _NON_SEMANTIC_KWARGS = frozenset(
         "invalid_output_rate",
         "oom_above",
         "fault_seed",
+        "hang_marker",
+        "load_gate",
         "enforce_eager",
         "gpu_memory_utilization",
         "tensor_parallel_size",

@@ -10,6 +10,9 @@ can compute exactly which ids must end where. Knobs (``engine_kwargs``):
 - ``invalid_output_rate``: share of ids whose output never passes validation.
 - ``oom_above``: calls with more records raise EngineOOM.
 - ``embed_dim``: embedding size (default 32). ``fault_seed``: salt of the fault functions.
+- ``hang_marker``: a call whose batch holds a record containing it blocks until the engine is closed (a hung
+  engine: the worker keeps polling but completes no batch), then raises EngineError.
+- ``load_gate``: a file path; the constructor waits until that file exists (a model that is still loading).
 
 It batches like a GPU engine: a running batch of at most ``max_running`` records (default 256) advances one
 step at a time, a step costs ``batch_latency_ms + latency_ms * running``, and a record finishes after one step -
@@ -27,13 +30,17 @@ import hashlib
 import itertools
 import json
 import math
+import threading
 import time
 import zlib
 from collections.abc import Iterable, Sequence
+from pathlib import Path
 from typing import Any
 
 from consumers.engines.base import EngineInput, EngineOutput, Outcome, RecordFailure
-from consumers.exceptions import EngineOOM
+from consumers.exceptions import EngineError, EngineOOM
+
+LOAD_GATE_POLL_S = 0.05
 
 
 class _Running:
@@ -84,6 +91,11 @@ class DeterministicEngine:
         self.calls = 0
         self.steps = 0
         self._running: dict[int, _Running] = {}
+        self.hang_marker: str | None = kw.get("hang_marker")
+        self._closed = threading.Event()
+        gate = kw.get("load_gate")
+        while gate and not Path(gate).exists():
+            time.sleep(LOAD_GATE_POLL_S)
 
     # -- the fault functions, public so tests can predict every outcome --------------------------
     def fails_transiently(self, request_id: str, attempt: int) -> bool:
@@ -110,7 +122,7 @@ class DeterministicEngine:
         return [outcomes[i] for i in range(len(inputs))]
 
     def close(self) -> None:
-        return None
+        self._closed.set()
 
     # -- continuous batching (StreamingEngine) ---------------------------------------------------
     def add(self, key: int, inp: EngineInput) -> RecordFailure | None:
@@ -145,6 +157,9 @@ class DeterministicEngine:
             time.sleep(pause)
         if self.poison_marker and any(self.is_poison(running[k].inp.prompt) for k in batch):
             raise PoisonRecordCrash("engine crashed on a poison record")
+        if self.hang_marker and any(self.hang_marker in running[k].inp.prompt for k in batch):
+            self._closed.wait()
+            raise EngineError("engine closed during a hung call")
         done: dict[int, Outcome] = {}
         for key in batch:
             rec = running[key]

@@ -91,6 +91,7 @@ class VLLMEngine:
         self._llm: Any = None
         self._watchdog: _Watchdog | None = None
         self._label_vectors: list[list[float]] = []
+        self.restarts = 0  # read by the batchline.engine.restarts metric
         self._start()
 
     # -- lifecycle -------------------------------------------------------------------------------
@@ -138,6 +139,7 @@ class VLLMEngine:
     def _ensure_running(self) -> None:
         if self._llm is None or (self._watchdog is not None and not self._watchdog.alive()):
             log.warning("vLLM engine is not running; restarting it")
+            self.restarts += 1
             self.close()
             try:
                 self._start()

@@ -8,7 +8,8 @@
   against its pydantic models, which are generated from the specification's JSON schema. The schema file
   itself is not vendored.
 - Consistency with the code: topics equal what ``batchline.kafka.topics`` creates, every command line parses with the
-  real CLI, every ``BATCHLINE_*`` variable is a ``KafkaSettings`` field, every job TOML loads.
+  real CLI, every ``BATCHLINE_*`` variable is a ``KafkaSettings`` field, every job TOML loads, every probe and
+  healthcheck asks the paths ``batchline.telemetry.server`` serves on the port given to ``--metrics-port``.
 """
 
 from __future__ import annotations
@@ -33,6 +34,7 @@ from compose_spec.models import ComposeSpecification
 from batchline.cli.app import app
 from batchline.config import JobConfig, KafkaSettings, load_job_config
 from batchline.kafka.topics import JobTopics, _specs
+from batchline.telemetry.server import HEALTH_PATH, METRICS_PATH, READY_PATH
 
 ROOT = Path(__file__).resolve().parents[2]
 DEPLOY = ROOT / "deploy"
@@ -45,6 +47,11 @@ CRD_GROUPS = {"kafka.strimzi.io", "keda.sh"}
 PENDING_COMMANDS = {"streams"}
 # A worker's drain on SIGTERM: in-flight records at no less than this rate, then one transaction.
 DRAIN_FLOOR_RECORDS_PER_S = 20
+# Probes: which path each Kubernetes probe asks, how long a process may take to open its port (importing torch
+# and vLLM, CUDA init on a cold node), and how many failed liveness probes it takes to restart a pod.
+PROBE_PATHS = {"startupProbe": HEALTH_PATH, "livenessProbe": HEALTH_PATH, "readinessProbe": READY_PATH}
+PORT_OPEN_FLOOR_S = {"worker": 300, "streams": 60}
+LIVENESS_FAILURES_FLOOR = 2
 
 # ---------------------------------------------------------------------------------------------- loading
 
@@ -492,6 +499,38 @@ def test_scaled_object_scales_the_worker_on_the_lag_of_its_group() -> None:
     assert scaled["minReplicaCount"] <= scaled["maxReplicaCount"] <= partitions, "a worker beyond a partition idles"
 
 
+# ------------------------------------------------------------------------------------------------- probes
+
+
+def _metrics_port(argv: list[str]) -> int:
+    assert "--metrics-port" in argv, f"`{' '.join(argv)}` serves no metrics or probes"
+    return int(argv[argv.index("--metrics-port") + 1])
+
+
+@pytest.mark.parametrize("command", ["worker", "streams"])
+def test_probes_ask_the_health_paths_on_the_metrics_port(command: str) -> None:
+    dep, container = _deployment_of(command)
+    port = _metrics_port(container["args"])
+    named = {p["name"]: p["containerPort"] for p in container["ports"]}
+    assert port in named.values()
+    for probe, path in PROBE_PATHS.items():
+        http = container[probe]["httpGet"]
+        assert http["path"] == path, probe
+        assert named.get(http["port"], http["port"]) == port, probe
+    annotations = dep["spec"]["template"]["metadata"]["annotations"]
+    assert annotations["prometheus.io/port"] == str(port) and annotations["prometheus.io/path"] == METRICS_PATH
+
+
+@pytest.mark.parametrize("command", ["worker", "streams"])
+def test_probes_leave_time_to_start_and_never_restart_on_one_slow_answer(command: str) -> None:
+    _, container = _deployment_of(command)
+    startup = container["startupProbe"]
+    assert startup["periodSeconds"] * startup["failureThreshold"] >= PORT_OPEN_FLOOR_S[command]
+    liveness = container["livenessProbe"]
+    assert liveness["failureThreshold"] >= LIVENESS_FAILURES_FLOOR
+    assert liveness["timeoutSeconds"] < liveness["periodSeconds"]
+
+
 # ------------------------------------------------------------------------------------------ docker compose
 
 
@@ -549,6 +588,25 @@ def test_compose_worker_reserves_a_gpu_and_drains_on_stop(tmp_path: Path) -> Non
     )
     assert worker.get("stop_signal", "SIGTERM") == "SIGTERM"
     assert compose_duration(worker["stop_grace_period"]) >= drain_s
+
+
+@pytest.mark.parametrize("name", ["worker", "streams"])
+def test_compose_healthcheck_asks_health_and_readiness_on_the_metrics_port(name: str) -> None:
+    service = _compose()["services"][name]
+    port = _metrics_port(service["command"])
+    check = service["healthcheck"]
+    assert check["test"][:3] == ["CMD", "python", "-c"]
+    script = check["test"][3]
+    assert f"http://127.0.0.1:{port}" in script and HEALTH_PATH in script and READY_PATH in script
+    compile(script, "healthcheck", "exec")  # the image's python must be able to run it
+    assert any(p.split(":")[-1] == str(port) for p in service["ports"]), "publish the metrics port"
+
+
+def test_compose_worker_health_waits_out_model_loading() -> None:
+    worker = _compose()["services"]["worker"]
+    cfg = load_job_config(JOB, _compose_config_file(worker))
+    # Unready while the model loads: compose must not call that unhealthy before the worker itself would.
+    assert compose_duration(worker["healthcheck"]["start_period"]) >= cfg.telemetry.startup_bound_s
 
 
 def _compose_config_file(service: dict[str, Any]) -> Path:

@@ -1,0 +1,134 @@
+"""Health a cluster can act on: ``/healthz`` and ``/readyz`` of real worker processes on the real broker.
+
+The deterministic engine's ``load_gate`` holds the engine in "loading" until the test creates a file, and its
+``hang_marker`` makes the call holding a marked record block: the worker keeps polling (and its partitions) but
+completes no batch. Everything is asserted against records: what was committed, what is left, what the next
+worker does with it.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Callable
+from pathlib import Path
+
+from confluent_kafka import TopicPartition
+
+from batchline.config import KafkaSettings, load_job_config
+from batchline.kafka.client import make_producer, make_reader
+from batchline.kafka.topics import JobTopics
+from batchline.runs.identity import fingerprint_of
+from tests.support.jobs import job_toml
+from tests.support.kafka import produce_raw, results, wait_for
+from tests.support.probes import free_port, get, scrape, total
+from tests.support.procs import CliProcess
+
+LISTEN_TIMEOUT_S = 60.0  # the CLI process starts and opens its probe port
+READY_TIMEOUT_S = 60.0  # engine loaded and the group joined (the embedded broker's first join takes ~3 s)
+UNHEALTHY_TIMEOUT_S = 60.0  # progress bound (3 s) plus a probe
+RUN_TIMEOUT_S = 120.0
+PROGRESS_BOUND_S = 3
+HANG = "HANG-HERE"
+
+
+def _worker(job: str, cfg: Path, kafka: KafkaSettings, port: int, log: Path, *extra: str) -> CliProcess:
+    args = ["worker", job, "--config", str(cfg), "--metrics-port", str(port), *extra]
+    return CliProcess(args, kafka.bootstrap, log)
+
+
+def _publish_one_by_one(kafka: KafkaSettings, topic: str, records: list[tuple[str, str]]) -> None:
+    """One produce request per record, so every record is its own batch and the embedded broker's high watermark
+    (the last batch's base offset + 1) is exact."""
+    producer = make_producer(kafka, **{"linger.ms": 0})
+    for rid, prompt in records:
+        producer.produce(topic, f'{{"id": "{rid}", "prompt": "{prompt}"}}'.encode(), rid.encode())
+        assert producer.flush(30) == 0
+
+
+def _wait_status(port: int, path: str, status: int, timeout: float, what: str) -> str:
+    """The body of ``path`` once it answers ``status``."""
+    answer: tuple[int, str] = wait_for(lambda: (r := get(port, path))[0] == status and r, timeout, what)
+    return answer[1]
+
+
+def _committed(kafka: KafkaSettings, group: str, topic: str) -> int:
+    reader = make_reader(kafka, **{"group.id": group, "isolation.level": "read_uncommitted"})
+    try:
+        (tp,) = reader.committed([TopicPartition(topic, 0)], timeout=30)
+        return max(0, int(tp.offset))  # nothing committed yet: a negative logical offset
+    finally:
+        reader.close()
+
+
+def test_a_loading_worker_is_live_but_not_ready(
+    kafka: KafkaSettings, job_name: str, make_job: Callable[..., JobTopics], tmp_path: Path, logs_dir: Path
+) -> None:
+    topics = make_job(job_name, partitions=2)
+    gate = tmp_path / "model-loaded"
+    cfg = job_toml(tmp_path / "job.toml", kwargs=f'load_gate = "{gate}"', max_records=10)
+    ids = [f"load-{i}" for i in range(6)]
+    produce_raw(
+        kafka, topics.requests, [(rid.encode(), f'{{"id": "{rid}", "prompt": "p {rid}"}}'.encode()) for rid in ids]
+    )
+    port = free_port()
+    with _worker(job_name, cfg, kafka, port, logs_dir / "worker.log") as worker:
+        _wait_status(port, "/healthz", 200, LISTEN_TIMEOUT_S, "the probe port of a loading worker")
+        status, body = get(port, "/readyz")
+        assert status == 503, body
+        assert "engine loaded" in body and "partitions assigned" in body, body
+        assert worker.alive() and results(kafka, topics) == {}, "a loading worker processes nothing"
+
+        gate.touch()  # the model has loaded
+        _wait_status(port, "/readyz", 200, READY_TIMEOUT_S, "the worker to become ready")
+        done = wait_for(lambda: (r := results(kafka, topics)) and set(r) == set(ids) and r, RUN_TIMEOUT_S, "results")
+        assert all(len(copies) == 1 for copies in done.values())
+        assert get(port, "/healthz")[0] == 200, worker.log()
+
+
+def test_a_model_that_never_loads_turns_the_worker_unhealthy(
+    kafka: KafkaSettings, job_name: str, make_job: Callable[..., JobTopics], tmp_path: Path, logs_dir: Path
+) -> None:
+    make_job(job_name, partitions=1)
+    cfg = job_toml(tmp_path / "job.toml", kwargs=f'load_gate = "{tmp_path / "never"}"')
+    port = free_port()
+    with _worker(job_name, cfg, kafka, port, logs_dir / "worker.log", "--set", "telemetry.startup_bound_s=1"):
+        body = _wait_status(port, "/healthz", 503, UNHEALTHY_TIMEOUT_S, "an unhealthy start-up")
+        assert "still starting" in body, body
+        assert get(port, "/readyz")[0] == 503
+
+
+def test_a_worker_whose_engine_hangs_turns_unhealthy_and_the_next_one_loses_nothing(
+    kafka: KafkaSettings, job_name: str, make_job: Callable[..., JobTopics], tmp_path: Path, logs_dir: Path
+) -> None:
+    topics = make_job(job_name, partitions=1)
+    extra = f"[telemetry]\nprogress_bound_s = {PROGRESS_BOUND_S}\n"
+    hanging = job_toml(tmp_path / "hang.toml", kwargs=f'hang_marker = "{HANG}"', max_records=5, extra=extra)
+    group = topics.worker_group(fingerprint_of(load_job_config(job_name, hanging)).value)
+    records = [(f"h-{i:02d}", f"{HANG} {i}" if i == 12 else f"prompt {i}") for i in range(20)]
+    ids = [rid for rid, _ in records]
+    port = free_port()
+    with _worker(job_name, hanging, kafka, port, logs_dir / "hanging.log") as worker:
+        _wait_status(port, "/readyz", 200, READY_TIMEOUT_S, "the worker to become ready")
+        assert get(port, "/healthz")[0] == 200, "an idle worker is healthy"
+
+        _publish_one_by_one(kafka, topics.requests, records)
+        body = _wait_status(port, "/healthz", 503, UNHEALTHY_TIMEOUT_S, "the hung worker to fail /healthz")
+        assert "without a batch completing" in body, body
+        assert get(port, "/readyz")[0] == 200, "hung, not unready: it still holds its partition"
+
+        # Every batch before the hung one committed; the hung batch and what follows did not.
+        committed = _committed(kafka, group, topics.requests)
+        # With max_records 5 the hung batch starts after record 7; an engine with one running batch (continuous
+        # feeding) can hang the records before it too, so only the upper bound is certain.
+        assert committed <= 12, committed
+        assert set(results(kafka, topics)) == set(ids[:committed])
+        samples = scrape(port)
+        assert total(samples, "batchline_consumer_lag", messaging_destination_partition_id="0") == 20 - committed
+        assert total(samples, "batchline_records_in_flight") == 20 - committed
+        assert total(samples, "batchline_records_total", batchline_outcome="result") == committed
+        worker.kill()  # what the kubelet does after the liveness probe fails (SIGTERM would wait on the engine)
+
+    plain = job_toml(tmp_path / "plain.toml", max_records=5, extra=extra)
+    assert topics.worker_group(fingerprint_of(load_job_config(job_name, plain)).value) == group
+    with _worker(job_name, plain, kafka, free_port(), logs_dir / "next.log"):
+        done = wait_for(lambda: (r := results(kafka, topics)) and set(r) == set(ids) and r, RUN_TIMEOUT_S, "all ids")
+    assert {rid: len(copies) for rid, copies in done.items()} == dict.fromkeys(ids, 1)
