@@ -10,7 +10,9 @@ as it was. A partition that is assigned while no reason holds is always fetching
 librdkafka does not wake a broker's fetcher thread on resume: with every partition paused, the thread sleeps on
 (measured here: 0.6-0.7 s before the first record after a resume), which leaves the engine idle after every flow-
 control pause. So a resume is followed by one watermark query per leader broker of the resumed partitions, which
-wakes its thread at once (first record in under 10 ms).
+wakes its thread at once (first record in under 10 ms). Those queries are made by :meth:`PauseBook.wake_fetchers`,
+which the worker calls after ``consume()`` returns: a Kafka call nested inside a rebalance callback breaks the
+client's call state (confluent-kafka aborts the process on the next callback of that ``consume()``).
 """
 
 from __future__ import annotations
@@ -32,6 +34,7 @@ class PauseBook:
         self.consumer = consumer
         self.reasons: set[Reason] = set()
         self.assigned: set[TP] = set()
+        self._to_wake: list[TopicPartition] = []
 
     @property
     def holding(self) -> bool:
@@ -73,12 +76,22 @@ class PauseBook:
                 self.consumer.pause(parts)
             else:
                 self.consumer.resume(parts)
-                self._wake_fetchers(parts)
+                self._to_wake += parts
         except KafkaException as exc:  # a partition revoked under us: the next assignment re-applies the book
             log.warning("%s of %d partitions failed: %s", "pause" if pause else "resume", len(parts), exc)
 
-    def _wake_fetchers(self, parts: list[TopicPartition]) -> None:
-        """One request to each leader of ``parts``: its broker thread then fetches at once (see the docstring)."""
+    def wake_fetchers(self) -> None:
+        """One request to each leader of the partitions resumed since the last call: its broker thread then
+        fetches at once (see the module docstring). Never from inside a rebalance callback."""
+        parts, self._to_wake = [p for p in self._to_wake if (p.topic, p.partition) in self.assigned], []
+        if not parts:
+            return
+        try:
+            self._wake(parts)
+        except KafkaException as exc:  # the fetcher only wakes later
+            log.debug("waking fetchers failed: %s", exc)
+
+    def _wake(self, parts: list[TopicPartition]) -> None:
         by_leader: dict[int, TopicPartition] = {}
         for topic in {p.topic for p in parts}:
             meta = self.consumer.list_topics(topic, timeout=WAKE_TIMEOUT_S).topics.get(topic)

@@ -117,6 +117,7 @@ class Worker:
         self.idle_exit_s = idle_exit_s
         self._seq = 0
         self._last_record = time.monotonic()
+        self._pending_seeks: tuple[set[TP], dict[TP, int]] | None = None
 
     # -- lifecycle -------------------------------------------------------------------------------
     def run(self) -> WorkerStats:
@@ -209,6 +210,17 @@ class Worker:
             self.batcher.add(item)
         if msgs:
             self._last_record = time.monotonic()
+        self._after_callbacks()
+
+    def _after_callbacks(self) -> None:
+        """What rebalance callbacks left to do: Kafka calls nested inside a callback would break the client's call
+        state, so seeks back and fetcher wake-ups run here, after ``consume()`` returned."""
+        if self._pending_seeks is not None:
+            targets, held = self._pending_seeks
+            self._pending_seeks = None
+            self.batcher.drop(targets)  # read again from the seek target, so not twice
+            self.rewinder.seek_back(targets & self.pauses.assigned, held)
+        self.pauses.wake_fetchers()
 
     def _work_ready(self) -> bool:
         if self.committer.ready(self.in_flight):
@@ -278,22 +290,23 @@ class Worker:
         self.feeder.submit(flight)
 
     # -- sink ------------------------------------------------------------------------------------
-    def _complete(self) -> bool:
+    def _complete(self, in_callback: bool = False) -> bool:
         """Take committed micro-batches off the line, queue the next finished ones. False after a failed commit
         (everything uncommitted was rewound)."""
         error = self.committer.harvest(self.in_flight)
         if error is not None:
             log.warning("rewinding after a failed transaction (fatal=%s)", error.fatal)
-            self._rewind()
+            self._rewind(in_callback=in_callback)
             return False
         self.committer.queue(self.in_flight)
         return True
 
     # -- rewinds ---------------------------------------------------------------------------------
-    def _rewind(self, partitions: set[TP] | None = None) -> None:
+    def _rewind(self, partitions: set[TP] | None = None, in_callback: bool = False) -> None:
         """Drop everything uncommitted (in flight and buffered) and re-read it. ``partitions`` limits the seeks
         (the others were lost or revoked); by default every assigned partition. Transactions already queued are
-        let finish first: what they committed is not re-read."""
+        let finish first: what they committed is not re-read. From a rebalance callback the seeks wait until
+        ``consume()`` has returned (:meth:`_after_callbacks`)."""
         self.stats.rewinds += 1
         if self.committer.settle(self.in_flight) is not None:
             self.committer.settle(self.in_flight)  # the failed one's followers were dropped unstarted
@@ -302,7 +315,10 @@ class Worker:
         self.in_flight.clear()
         self.batcher.drop(self.pauses.assigned | set(held))
         targets = (self.pauses.assigned if partitions is None else partitions) & set(held)
-        self.rewinder.seek_back(targets, held)
+        if in_callback:
+            self._pending_seeks = (targets, held)
+        else:
+            self.rewinder.seek_back(targets, held)
         log.warning("rewound %d partitions to their committed offsets", len(targets))
 
     def _give_back_buffered(self) -> None:
@@ -341,14 +357,14 @@ class Worker:
         revoked = {(p.topic, p.partition) for p in partitions}
         deadline = time.monotonic() + REVOKE_GRACE_S
         while self.in_flight and time.monotonic() < deadline:
-            if not self._complete():
+            if not self._complete(in_callback=True):
                 break  # a failed commit rewound everything
             if self.in_flight:
                 self._check_engine()
                 self.wake.wait(min(WAIT_PAUSED_S, max(0.0, deadline - time.monotonic())))
                 self.wake.clear()
         if self.in_flight:  # out of time: give everything uncommitted back
-            self._rewind(self.pauses.assigned - revoked)
+            self._rewind(self.pauses.assigned - revoked, in_callback=True)
         dropped = self.batcher.drop(revoked)
         self.pauses.gone(partitions)
         self.health.set_assigned(len(self.pauses.assigned))  # readiness
@@ -359,6 +375,6 @@ class Worker:
         and re-read the partitions still ours."""
         lost = {(p.topic, p.partition) for p in partitions}
         log.warning("lost %s: dropping uncommitted work", sorted(lost))
-        self._rewind(self.pauses.assigned - lost)
+        self._rewind(self.pauses.assigned - lost, in_callback=True)
         self.pauses.gone(partitions)
         self.health.set_assigned(len(self.pauses.assigned))
