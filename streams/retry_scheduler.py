@@ -137,7 +137,8 @@ class Republisher:
         self.requests_topic = requests_topic
         # A re-publish transaction lasts milliseconds. A short timeout bounds how long a crashed instance's open
         # transaction (its id is per process) can hold back read_committed workers on J.requests.
-        self.txn = TransactionalProducer(kafka, transactional_id, **{"transaction.timeout.ms": TXN_TIMEOUT_MS})
+        overrides: dict[str, Any] = {"transaction.timeout.ms": TXN_TIMEOUT_MS}
+        self.txn = TransactionalProducer(kafka, transactional_id, **overrides)
 
     def publish(self, batch: list[Held], offsets: list[TopicPartition], group_metadata: Any) -> None:
         """Re-publish ``batch`` and commit ``offsets`` atomically, or raise RepublishError with nothing committed."""
