@@ -243,8 +243,8 @@ class TransactionalProducer:
             self._flush()
             failed = [e for e in delivery.values() if e is not None]
             if failed or stopped is not None:
-                self._abort_or_recreate(failed[0] if failed else stopped)
                 rejected = _per_record(delivery, outgoing)
+                self._abort_or_recreate(failed[0] if failed else stopped, resync=bool(rejected))
                 if rejected and fit is not None:
                     return rejected
                 first = failed[0] if failed else stopped
@@ -355,8 +355,9 @@ class TransactionalProducer:
         except KafkaException as exc:
             self._abort_or_recreate(exc.args[0])
             raise TransactionFailed(f"probe transaction failed: {exc.args[0].str()}", False) from exc
-        self._abort_or_recreate(None)
-        return rejected | _per_record(delivery, outgoing)
+        by_broker = _per_record(delivery, outgoing)
+        self._abort_or_recreate(None, resync=bool(by_broker))
+        return rejected | by_broker
 
     # -- error handling ----------------------------------------------------------------------------
     def _call(self, fn: Callable[[], T]) -> T:
@@ -369,8 +370,13 @@ class TransactionalProducer:
                 time.sleep(0.1 * 2**attempt)
         raise AssertionError("unreachable")
 
-    def _abort_or_recreate(self, err: KafkaError | None) -> None:
-        if (err is not None and err.fatal()) or not self._abort():
+    def _abort_or_recreate(self, err: KafkaError | None, resync: bool = False) -> None:
+        """Abort; recreate the producer if that fails or ``err`` is fatal. ``resync`` (the broker rejected a
+        record batch): recreate after the abort too. The rejected batch was never written but librdkafka counted
+        its sequence numbers; Apache Kafka lets it recover by bumping the epoch (KIP-360), the embedded broker
+        does not (the next transaction fails OUT_OF_ORDER_SEQUENCE_NUMBER and its abort times out). A fresh
+        producer starts the next transaction with a new epoch and fresh sequences."""
+        if (err is not None and err.fatal()) or not self._abort() or resync:
             self._recreate()
 
     def _abort(self) -> bool:

@@ -1,21 +1,25 @@
 """The shared transactional producer on the real broker: a message too large on its own is replaced in the same
 transaction, its neighbours and the offsets commit, and nothing is replayed.
 
-The embedded broker accepts record batches of any size (it ignores ``max.message.bytes``; checked when this was
-written), so the size limits here are librdkafka's ``message.max.bytes`` and the topic limits the producer knows.
+The embedded broker accepts record batches of any size (it stores ``max.message.bytes`` but does not enforce it;
+checked when this was written). So the first tests use librdkafka's ``message.max.bytes`` and the topic limits
+the producer knows; the broker-side tests put a proxy in front of tansu that makes Apache Kafka's check
+(``size_limit_proxy``).
 """
 
 from __future__ import annotations
 
 import hashlib
+import os
 import uuid
-from collections.abc import Callable
+from collections.abc import Callable, Iterator
 
 import pytest
 from confluent_kafka import TopicPartition
+from confluent_kafka.admin import NewTopic
 
 from batchline.config import KafkaSettings
-from batchline.kafka.client import make_consumer
+from batchline.kafka.client import make_admin, make_consumer
 from batchline.kafka.topics import (
     KAFKA_DEFAULT_MAX_MESSAGE_BYTES,
     JobTopics,
@@ -32,6 +36,7 @@ from batchline.kafka.transactions import (
     TransactionFailed,
     wire_size,
 )
+from tests.integration.size_limit_proxy import SizeLimitProxy, size_limited_broker
 from tests.support.kafka import read_topic
 
 OFFSET = 42
@@ -209,3 +214,86 @@ def test_topics_get_a_message_size_that_fits_a_dead_letter_of_the_largest_reques
     assert again[topics.dlq] == f"exists, max.message.bytes raised to {topic_message_bytes(3 << 20)}"
     create_job_topics(kafka, topics, 2, max_request_bytes=1 << 20)
     assert effective_max_message_bytes(kafka, [topics.dlq])[topics.dlq] == topic_message_bytes(3 << 20)
+
+
+# -- rejected by the broker ------------------------------------------------------------------------
+BROKER_LIMIT = 20_000
+
+
+@pytest.fixture(scope="module")
+def limited(tmp_path_factory: pytest.TempPathFactory) -> Iterator[tuple[KafkaSettings, SizeLimitProxy]]:
+    """A broker that rejects record batches over :data:`BROKER_LIMIT` on ``limited.out``, as Apache Kafka does for
+    a topic's ``max.message.bytes`` (tansu itself does not check it: see ``size_limit_proxy``)."""
+    log = tmp_path_factory.mktemp("limited") / "broker.log"
+    with size_limited_broker({"limited.out": BROKER_LIMIT}, str(log)) as (bootstrap, proxy):
+        kafka = KafkaSettings(bootstrap=bootstrap)
+        admin = make_admin(kafka)
+        for fut in admin.create_topics(
+            [NewTopic(t, 1, 1) for t in ("limited.out", "limited.dlq", "limited.in")]
+        ).values():
+            fut.result(15)
+        yield kafka, proxy
+
+
+def _broker_commit(kafka: KafkaSettings, messages: list[Outgoing], calls: list[tuple[int, RecordError]]) -> tuple:
+    topics = JobTopics("limited")
+    group = f"g-{uuid.uuid4().hex[:6]}"
+    consumer = make_consumer(kafka, group)
+    txn = TransactionalProducer(kafka, f"t-{uuid.uuid4().hex[:6]}")  # knows no topic limit: the broker tells
+    fit = _fit_to_dlq(topics, calls)
+    try:
+        report = txn.commit(
+            messages, [TopicPartition("limited.in", 0, OFFSET)], consumer.consumer_group_metadata(), fit=fit
+        )
+    finally:
+        consumer.close()
+        txn.close()
+    return group, report, txn
+
+
+def _keys(kafka: KafkaSettings, topic: str, since: int) -> list[bytes | None]:
+    return sorted(r.key for r in read_topic(kafka, topic) if r.offset >= since)
+
+
+def test_a_message_the_broker_rejects_is_replaced_and_the_transaction_retried_once(
+    limited: tuple[KafkaSettings, SizeLimitProxy],
+) -> None:
+    kafka, proxy = limited
+    start_out, start_dlq = len(read_topic(kafka, "limited.out")), len(read_topic(kafka, "limited.dlq"))
+    rejected_before = proxy.rejected
+    calls: list[tuple[int, RecordError]] = []
+    big = ("limited.out", os.urandom(2 * BROKER_LIMIT), b"big", [])  # incompressible: lz4 keeps its size
+    group, report, txn = _broker_commit(kafka, [big], calls)
+
+    assert proxy.rejected > rejected_before, "the broker must have rejected the batch"
+    assert [(i, e.name) for i, e in calls] == [(0, "MSG_SIZE_TOO_LARGE")]
+    assert {i: r.found_by for i, r in report.replaced.items()} == {0: "delivery"}
+    # Aborted, then a fresh producer (new epoch, fresh sequences) for the retry: see _abort_or_recreate.
+    assert report.transactions == 2 and report.probes == 0 and txn.aborts == 1 and txn.recreated == 1
+    assert _keys(kafka, "limited.dlq", start_dlq) == [b"big"]
+    assert _committed(kafka, group, "limited.in") == OFFSET
+    # The embedded broker never stored the rejected batch (the proxy answered for it).
+    assert _keys(kafka, "limited.out", start_out) == []
+
+
+def test_a_batch_the_broker_rejects_as_a_whole_is_bisected_to_the_one_record(
+    limited: tuple[KafkaSettings, SizeLimitProxy],
+) -> None:
+    """librdkafka fails every message of a rejected record batch, so the culprit is found by probe transactions
+    (aborted); then the real transaction commits the neighbours with the culprit replaced."""
+    kafka, _ = limited
+    start_out, start_dlq = len(read_topic(kafka, "limited.out")), len(read_topic(kafka, "limited.dlq"))
+    messages = [("limited.out", b"s" * 500, f"n-{i}".encode(), []) for i in range(10)]
+    messages.insert(6, ("limited.out", os.urandom(2 * BROKER_LIMIT), b"big", []))
+    calls: list[tuple[int, RecordError]] = []
+    group, report, _ = _broker_commit(kafka, messages, calls)
+
+    assert [i for i, _ in calls] == [6]
+    assert {i: r.found_by for i, r in report.replaced.items()} == {6: "probe"}
+    assert report.probes >= 2 and report.transactions == 2
+    assert _keys(kafka, "limited.dlq", start_dlq) == [b"big"]
+    # Probes are aborted; the embedded broker shows aborted records to read_committed readers, so the
+    # neighbours may appear more than once there - every one of them at least once, the culprit never.
+    out = _keys(kafka, "limited.out", start_out)
+    assert set(out) == {f"n-{i}".encode() for i in range(10)}
+    assert _committed(kafka, group, "limited.in") == OFFSET
