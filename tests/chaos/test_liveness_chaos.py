@@ -92,10 +92,15 @@ class Cluster:
     def thaw(self, now: float) -> None:
         for at, proc in list(self.frozen):
             if now >= at:
+                self._thaw_now(proc)
+
+    def _thaw_now(self, proc: CliProcess) -> None:
+        for at, frozen in list(self.frozen):
+            if frozen is proc:
+                self.frozen.remove((at, frozen))
                 if proc.alive():
                     assert proc.proc is not None
                     os.kill(proc.proc.pid, signal.SIGCONT)
-                self.frozen.remove((at, proc))
 
     def act(self, rng: random.Random, now: float) -> None:
         """One random event; each role keeps at least one live member."""
@@ -105,27 +110,36 @@ class Cluster:
         if action == "join" and len(pool) < 3:
             self.worker(fp)
         elif action == "leave" and len(pool) > 1:
-            pool.pop(rng.randrange(len(pool))).stop()
+            leaving = pool.pop(rng.randrange(len(pool)))
+            self._thaw_now(leaving)  # a frozen process gets its SIGTERM only once thawed
+            leaving.stop()
         elif action == "kill":
-            pool.pop(rng.randrange(len(pool))).kill()
+            pool.pop(rng.randrange(len(pool))).kill()  # SIGKILL reaches a frozen process too
             self.worker(fp)
         elif action in ("freeze", "freeze-streams"):
-            targets = pool if action == "freeze" else self.schedulers
-            victim = rng.choice(targets)
-            if victim.alive() and all(p is not victim for _, p in self.frozen):
-                assert victim.proc is not None
-                os.kill(victim.proc.pid, signal.SIGSTOP)
-                self.frozen.append((now + FREEZE_S, victim))
+            victim = rng.choice(pool if action == "freeze" else self.schedulers)
+            if not victim.alive() or any(p is victim for _, p in self.frozen):
+                return
+            assert victim.proc is not None
+            os.kill(victim.proc.pid, signal.SIGSTOP)
+            self.frozen.append((now + FREEZE_S, victim))
         elif action == "scheduler-join" and len(self.schedulers) < 2:
             self.scheduler()
         elif action == "scheduler-leave" and len(self.schedulers) > 1:
             leaving = self.schedulers.pop()
-            if any(p is leaving for _, p in self.frozen):
-                self.thaw(float("inf"))
+            self._thaw_now(leaving)
             leaving.stop()
         else:
             return
         self.events[action] += 1
+        self.note(f"{action} {'streams' if 'scheduler' in action or action == 'freeze-streams' else fp}")
+
+    def note(self, what: str) -> None:
+        """The storm's own log (logs/storm.log), beside each process's: which process was hit when."""
+        alive = [p.log_path.name for pool in self.workers.values() for p in pool if p.alive()]
+        frozen = [p.log_path.name for _, p in self.frozen]
+        with (self.logs / "storm.log").open("a") as fh:
+            fh.write(f"{time.strftime('%H:%M:%S')} {what}; workers {alive}; frozen {frozen}\n")
 
     def stop(self) -> None:
         self.thaw(float("inf"))
