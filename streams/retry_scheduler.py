@@ -44,9 +44,18 @@ from batchline.config import JobConfig, KafkaSettings
 from batchline.kafka.client import make_consumer
 from batchline.kafka.topics import JobTopics, effective_max_message_bytes
 from streams.exceptions import RepublishError
-from streams.republish import OVERSIZE, RETRIED_AT, Held, Republisher, held_of, now_ms
+from streams.republish import OVERSIZE, RETRIED_AT, Held, Republisher, held_of, now_ms, republished_headers
 
-__all__ = ["OVERSIZE", "RETRIED_AT", "Held", "PartitionQueue", "Republisher", "RetryScheduler", "held_of"]
+__all__ = [
+    "OVERSIZE",
+    "RETRIED_AT",
+    "Held",
+    "PartitionQueue",
+    "Republisher",
+    "RetryScheduler",
+    "held_of",
+    "republished_headers",
+]
 
 log = logging.getLogger(__name__)
 MAX_WAIT_S = 1.0  # longest single wait in consume(): bounds how late a stop or a newly due head is noticed
