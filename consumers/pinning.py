@@ -3,23 +3,58 @@
 Each fingerprint has its own consumer group, so every group sees every record and passes over (commits
 without producing) those of runs pinned elsewhere: workers of different fingerprints share a topic without
 blocking or taking each other's records, and no record is processed under two fingerprints. Records without a
-run id, undecodable ones, and ones naming a run with no manifest belong to the open stream; if nobody has
-pinned it, the first worker to meet it pins it to itself (recorded in ``J.runs``).
+run id, undecodable ones, and ones naming a run with no manifest belong to the open stream.
+
+The open stream's pin is decided once (:mod:`batchline.runs.manifests`): an explicit pin wins; without one, a
+worker meeting the stream writes a claim to ``J.runs`` and the earliest claim wins. Until a claim has been read
+back the owner is :class:`Undecided`: the worker must neither process such a record nor commit past it (hold it,
+or seek back to it) - :meth:`Pinning.owner_of` says which, without blocking; :meth:`Pinning.pass_over` blocks
+until the owner is known (bounded by :data:`DECIDE_TIMEOUT_S`) and raises :class:`PinUndecided` past it.
 """
 
 from __future__ import annotations
 
 import logging
 import time
+import uuid
+from dataclasses import dataclass
 
 from batchline.config import KafkaSettings
 from batchline.kafka.topics import JobTopics
 from batchline.runs.identity import Fingerprint
-from batchline.runs.manifests import STREAM_RUN, RunsView, pin_stream
+from batchline.runs.manifests import STREAM_RUN, RunsView, claim_stream
+from consumers.exceptions import WorkerError
 from consumers.work import WorkItem
 
 log = logging.getLogger(__name__)
 UNKNOWN_RECHECK_S = 5.0  # how often a run id without a manifest makes the worker re-read J.runs
+DECIDE_TIMEOUT_S = 30.0  # pass_over's longest wait for the open stream's owner (a claim written and read back)
+CLAIM_RETRY_S = 1.0  # after a claim that could not be written
+READBACK_POLL_S = 0.02
+
+
+@dataclass(frozen=True)
+class Decided:
+    """The record's run is pinned to ``fingerprint``; ``mine``: this worker's."""
+
+    run_id: str
+    fingerprint: str
+    mine: bool
+
+
+@dataclass(frozen=True)
+class Undecided:
+    """The open stream has no pin yet and no claim has been read back: do not process, do not commit past."""
+
+    run_id: str
+    reason: str
+
+
+Ownership = Decided | Undecided
+
+
+class PinUndecided(WorkerError):
+    """The open stream's owner could not be decided in time (claim not written or not read back from J.runs)."""
 
 
 class Pinning:
@@ -29,6 +64,9 @@ class Pinning:
         self.fp = fingerprint
         self.view = RunsView(kafka, topics)
         self.passed: dict[str, int] = {}
+        self.claim_id = uuid.uuid4().hex[:12]
+        self.claim_offset: int | None = None  # where this worker's claim of the stream was written
+        self._claim_failed_at = -CLAIM_RETRY_S
         self._checked: dict[str, float] = {}  # run ids without a manifest, and when the view was last synced
 
     def start(self) -> None:
@@ -50,22 +88,53 @@ class Pinning:
             self._checked[run_id] = time.monotonic()
         return run_id if self.view.get(run_id) is not None else STREAM_RUN
 
-    def pass_over(self, item: WorkItem) -> str | None:
-        """None when this worker owns the record, else why it passes it over."""
+    def owner_of(self, item: WorkItem) -> Ownership:
+        """Who may process ``item``, without blocking. For the unpinned open stream this writes this worker's
+        claim (once) and answers :class:`Undecided` until the earliest claim has been read back."""
         run_id = self.run_of(item)
         manifest = self.view.get(run_id)
-        if manifest is None:  # the open stream, unpinned: pin it to ourselves
-            pin_stream(self.kafka, self.topics, self.fp, f"auto-pinned by the first worker ({self.fp.value})")
-            self.view.sync()
-            manifest = self.view.get(run_id)
-        if manifest is None or manifest.fingerprint == self.fp.value:
+        if manifest is not None:
+            return Decided(run_id, manifest.fingerprint, manifest.fingerprint == self.fp.value)
+        self._claim()
+        return Undecided(run_id, "the open stream's pin is not decided yet (claim written, not read back)")
+
+    def wait_decided(self, timeout: float = DECIDE_TIMEOUT_S) -> bool:
+        """Block until the open stream has an owner (claiming it if needed); False after ``timeout``."""
+        deadline = time.monotonic() + timeout
+        while self.view.get(STREAM_RUN) is None:
+            self._claim()
+            if time.monotonic() >= deadline:
+                return False
+            time.sleep(READBACK_POLL_S)
+        return True
+
+    def pass_over(self, item: WorkItem) -> str | None:
+        """None when this worker owns the record, else why it passes it over. Blocks while the open stream's owner
+        is undecided (at most :data:`DECIDE_TIMEOUT_S`, then :class:`PinUndecided`): never processes it early."""
+        owner = self.owner_of(item)
+        if isinstance(owner, Undecided):
+            if not self.wait_decided():
+                raise PinUndecided(f"{item.source}: {owner.reason} after {DECIDE_TIMEOUT_S:.0f}s")
+            owner = self.owner_of(item)
+            assert isinstance(owner, Decided)
+        if owner.mine:
             return None
-        self.passed[run_id] = self.passed.get(run_id, 0) + 1
-        if self.passed[run_id] in (1, 1000):
+        self.passed[owner.run_id] = self.passed.get(owner.run_id, 0) + 1
+        if self.passed[owner.run_id] in (1, 1000):
             log.info(
                 "passing over records of run %s: pinned to %s, this worker is %s",
-                run_id,
-                manifest.fingerprint,
+                owner.run_id,
+                owner.fingerprint,
                 self.fp.value,
             )
-        return f"run {run_id} is pinned to {manifest.fingerprint}"
+        return f"run {owner.run_id} is pinned to {owner.fingerprint}"
+
+    def _claim(self) -> None:
+        """Write this worker's claim of the open stream, once (again after a failed write, not more often)."""
+        if self.claim_offset is not None or time.monotonic() - self._claim_failed_at < CLAIM_RETRY_S:
+            return
+        try:
+            self.claim_offset = claim_stream(self.kafka, self.topics, self.fp, self.claim_id)
+        except RuntimeError as exc:
+            self._claim_failed_at = time.monotonic()
+            log.warning("could not claim the open stream of %s: %s", self.topics.job, exc)

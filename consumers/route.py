@@ -9,7 +9,7 @@ dict, never through a model.
 from __future__ import annotations
 
 import time
-from collections.abc import Sequence
+from collections.abc import Callable, Sequence
 from dataclasses import dataclass
 from datetime import UTC, datetime
 
@@ -32,6 +32,8 @@ class Produced:
     value: bytes
     headers: h.Headers
     kind: str  # result | retry | dlq
+    item: WorkItem | None = None  # what it was made from, so the sink can replace it (see Router.replacement)
+    failure: Failure | None = None
 
 
 @dataclass(frozen=True)
@@ -145,7 +147,7 @@ class Router:
         headers: h.Headers = [(h.LINEAGE, lineage), (h.RUN_ID, (run_id or "").encode()), *self._fixed_headers]
         if ctx.traceparent:
             headers.append((h.TRACEPARENT, ctx.traceparent.encode()))
-        return Produced(self.topics.results, item.request_id.encode(), encoded, headers, "result")
+        return Produced(self.topics.results, item.request_id.encode(), encoded, headers, "result", item)
 
     # -- failures --------------------------------------------------------------------------------
     def _failure(self, item: WorkItem, failure: Failure, ctx: BatchContext) -> Produced:
@@ -181,9 +183,12 @@ class Router:
         ]
         if item.trace_parent:
             headers.append((h.TRACEPARENT, item.trace_parent.encode()))
-        return Produced(self.topics.retry(tier), item.request_id.encode(), item.payload, headers, "retry")
+        return Produced(
+            self.topics.retry(tier), item.request_id.encode(), item.payload, headers, "retry", item, failure
+        )
 
-    def _dead_letter(self, item: WorkItem, failure: Failure) -> Produced:
+    def _dead_letter(self, item: WorkItem, failure: Failure, small: bool = False) -> Produced:
+        """A dead letter; ``small``: without the payload (its size and digest instead), for a letter too large."""
         now = datetime.now(UTC)
         topic, partition, offset = self._source(item)
         letter = DeadLetter(
@@ -203,10 +208,31 @@ class Router:
             value=item.value,
             invalid_output=failure.invalid_output,
         )
+        if small:
+            letter = letter.without_payload()
         headers: h.Headers = [
             (h.RUN_ID, (item.run_id or "").encode()),
             (h.REQUEST_ID, item.request_id.encode()),
         ]
-        return Produced(
-            self.topics.dlq, item.request_id.encode(), codec_for("dead_letter").encode(letter), headers, "dlq"
-        )
+        encoded = codec_for("dead_letter").encode(letter)
+        return Produced(self.topics.dlq, item.request_id.encode(), encoded, headers, "dlq", item, failure)
+
+    # -- what the sink produces instead of a message the broker cannot take ----------------------------
+    def replacement(self, message: Produced, reason: str, fits: Callable[[Produced], bool]) -> Produced:
+        """A dead letter that fits, for a ``message`` rejected on its own (too large): a result becomes an
+        ``output_too_large`` letter, a retry an ``oversize`` one, a dead letter loses its payload (its size and
+        SHA-256 kept); any letter that still does not fit loses its payload."""
+        item = message.item
+        if item is None:
+            raise ValueError(f"no record behind the message to {message.topic}: cannot replace it")
+        if message.kind == "result":
+            failure = Failure(
+                "output_too_large", "OutputTooLarge", f"the result does not fit {message.topic}: {reason}"
+            )
+        elif message.kind == "retry":
+            failure = Failure("oversize", "OversizeRecord", f"the record cannot be retried ({reason})")
+        else:
+            failure = message.failure or Failure("oversize", "OversizeRecord", reason)
+            return self._dead_letter(item, failure, small=True)
+        letter = self._dead_letter(item, failure)
+        return letter if fits(letter) else self._dead_letter(item, failure, small=True)

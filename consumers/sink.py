@@ -12,14 +12,14 @@ import logging
 import threading
 import time
 from collections import deque
-from collections.abc import Callable, Sequence
+from collections.abc import Callable, Mapping, Sequence
 from dataclasses import dataclass
 from typing import Any
 
 from confluent_kafka import KafkaError, KafkaException, TopicPartition
 
 from batchline.config import KafkaSettings
-from batchline.kafka.transactions import TransactionalProducer, TransactionFailed
+from batchline.kafka.transactions import Fit, Outgoing, RecordError, TransactionalProducer, TransactionFailed
 from consumers.exceptions import SinkError
 from consumers.route import Produced
 
@@ -30,23 +30,71 @@ class InjectedSinkFault(KafkaException):  # type: ignore[misc]
     """A producer error injected by ``--fail-transactions`` to prove that no offset moves on failure."""
 
 
+Replace = Callable[[Produced, str, Callable[[Produced], bool]], Produced]
+
+
+def _outgoing(m: Produced) -> Outgoing:
+    return (m.topic, m.value, m.key, m.headers)
+
+
 class TransactionalSink:
-    def __init__(self, kafka: KafkaSettings, transactional_id: str, fail_batches: Sequence[int] = ()) -> None:
-        self.txn = TransactionalProducer(kafka, transactional_id)
+    """Produces a transaction's messages and commits its offsets. A message the broker cannot take on its own
+    (too large) is replaced, in the same transaction, by what ``replace`` makes of it (a dead letter that fits,
+    :meth:`consumers.route.Router.replacement`), never failing the batch over and over."""
+
+    def __init__(
+        self,
+        kafka: KafkaSettings,
+        transactional_id: str,
+        fail_batches: Sequence[int] = (),
+        topic_limits: Mapping[str, int] | None = None,
+        replace: Replace | None = None,
+    ) -> None:
+        overrides: dict[str, Any] = {}
+        if topic_limits:  # librdkafka's own limit (default 1,000,000) must not be below the topics'
+            overrides["message.max.bytes"] = max(topic_limits.values())
+        self.txn = TransactionalProducer(kafka, transactional_id, topic_limits=topic_limits, **overrides)
         self.fail_batches = frozenset(fail_batches)
+        self.replace = replace
         self.transactions = 0
+        self.replaced = 0
 
     def commit(
-        self, batch_id: str, messages: Sequence[Produced], offsets: Sequence[TopicPartition], group_metadata: Any
+        self, batch_id: str, messages: list[Produced], offsets: Sequence[TopicPartition], group_metadata: Any
     ) -> None:
-        """Produce ``messages`` and commit ``offsets`` atomically, or raise SinkError with nothing committed."""
+        """Produce ``messages`` and commit ``offsets`` atomically, or raise SinkError with nothing committed (unless
+        ``ambiguous``). A replaced message is updated in place, so the caller counts what was really produced."""
         self.transactions += 1
-        outgoing = [(m.topic, m.value, m.key, m.headers) for m in messages]
+        outgoing = [_outgoing(m) for m in messages]
+        fit = None if self.replace is None else self._fit(messages)
         try:
-            self.txn.commit(outgoing, list(offsets), group_metadata, self._maybe_fail)
+            report = self.txn.commit(outgoing, list(offsets), group_metadata, self._maybe_fail, fit)
         except TransactionFailed as exc:
             log.error("batch %s: transaction failed (%s); fatal=%s", batch_id, exc, exc.fatal)
             raise SinkError(str(exc), batch_id, abortable=not exc.fatal, fatal=exc.fatal) from exc
+        for index, replaced in report.replaced.items():
+            self.replaced += 1
+            log.warning(
+                "batch %s: %s of %s replaced by a dead letter (%s)",
+                batch_id,
+                messages[index].kind,
+                messages[index].key.decode("utf-8", "replace"),
+                replaced.error.reason,
+            )
+
+    def _fit(self, messages: list[Produced]) -> Fit:
+        assert self.replace is not None
+        replace = self.replace
+        fits = lambda m: self.txn.oversize(_outgoing(m)) is None  # noqa: E731
+
+        def fit(index: int, message: Outgoing, error: RecordError) -> Outgoing:
+            new = replace(messages[index], error.reason, fits)
+            old = messages[index]
+            old.topic, old.key, old.value, old.headers, old.kind = new.topic, new.key, new.value, new.headers, new.kind
+            old.failure = new.failure
+            return _outgoing(old)
+
+        return fit
 
     def _maybe_fail(self) -> None:
         if self.transactions in self.fail_batches:

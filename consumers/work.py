@@ -16,6 +16,8 @@ FailureClass = Literal[
     "fingerprint_mismatch",
     "poison",
     "retries_exhausted",
+    "output_too_large",  # a result too large for J.results: dead-lettered with the request instead
+    "oversize",  # a record too large to travel again (a retry tier, J.requests): dead-lettered
 ]
 
 

@@ -28,8 +28,15 @@ from collections.abc import Sequence
 from confluent_kafka import Consumer, KafkaError, TopicPartition
 
 from batchline.config import JobConfig, KafkaSettings
+from batchline.exceptions import ConfigError
 from batchline.kafka.client import make_consumer
-from batchline.kafka.topics import JobTopics
+from batchline.kafka.topics import (
+    MESSAGE_HEADROOM,
+    JobTopics,
+    effective_max_message_bytes,
+    sized_topics,
+    topic_message_bytes,
+)
 from batchline.runs.identity import Fingerprint, fingerprint_of
 from batchline.telemetry import Health, WorkerMetrics
 from consumers.batcher import Batcher
@@ -60,6 +67,21 @@ TP = tuple[str, int]
 GC_YOUNG = 50_000
 
 
+def message_limits(kafka: KafkaSettings, topics: JobTopics, max_request_bytes: int) -> dict[str, int]:
+    """The ``max.message.bytes`` of the topics a record travels to; refuses, with one line, a ``max_request_bytes``
+    whose dead letter (or retry) could not fit one of them. Larger outputs are dead-lettered at the sink."""
+    limits = effective_max_message_bytes(kafka, sized_topics(topics))
+    need = topic_message_bytes(max_request_bytes)
+    for topic, limit in sorted(limits.items(), key=lambda kv: kv[1]):
+        if need > limit:
+            raise ConfigError(
+                f"max_request_bytes={max_request_bytes} cannot fit a dead letter in {topic} (max.message.bytes="
+                f"{limit}, {MESSAGE_HEADROOM} bytes are needed beside the payload): set max_request_bytes <= "
+                f"{limit - MESSAGE_HEADROOM}, or raise the topic's max.message.bytes (`batchline topics create` does)"
+            )
+    return limits
+
+
 class Worker:
     def __init__(
         self,
@@ -86,7 +108,10 @@ class Worker:
         self.router = Router(config, self.fingerprint, self.topics, self.worker_id)
         self.group = self.topics.worker_group(self.fingerprint.value)
         self.pinning = Pinning(kafka, self.topics, self.fingerprint)
-        self.sink = TransactionalSink(kafka, f"{self.group}.{self.worker_id}", sink_fail_batches)
+        limits = message_limits(kafka, self.topics, config.max_request_bytes)
+        self.sink = TransactionalSink(
+            kafka, f"{self.group}.{self.worker_id}", sink_fail_batches, limits, self.router.replacement
+        )
         self.sink_thread = SinkThread(self.sink, self.wake.set)
         # librdkafka's prefetch counts against memory too: bounded in bytes and records. Its default back-off when
         # that queue is full (fetch.queue.backoff.ms, 1 s) would leave the engine idle after every pause.

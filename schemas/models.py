@@ -5,11 +5,13 @@ Field names match the ``.avsc`` files one to one; a unit test keeps them in step
 
 from __future__ import annotations
 
+import hashlib
 from datetime import datetime
 from typing import Annotated
 
 from pydantic import BaseModel, ConfigDict, Field, StringConstraints, model_validator
 
+OMITTED_KEEP_CHARS = 1000  # what a dead letter too large for its topic keeps of its error message and output
 RequestId = Annotated[str, StringConstraints(min_length=1, max_length=512)]
 
 
@@ -96,6 +98,28 @@ class DeadLetter(_Record):
     last_failure_at: datetime
     value: float = 1.0
     invalid_output: str | None = None
+    payload_size: int | None = None
+    payload_sha256: str | None = None
+
+    @property
+    def payload_omitted(self) -> bool:
+        """The original payload was too large to carry: ``payload`` is empty, its size and digest stand for it."""
+        return self.payload_sha256 is not None
+
+    def without_payload(self, keep_chars: int = OMITTED_KEEP_CHARS) -> DeadLetter:
+        """This letter made small: the payload replaced by its size and SHA-256 (flagged by ``payload_sha256``),
+        the error message and any invalid output cut to ``keep_chars``. For a letter that does not fit its topic."""
+        if self.payload_omitted:
+            return self
+        return self.model_copy(
+            update={
+                "payload": b"",
+                "payload_size": len(self.payload),
+                "payload_sha256": hashlib.sha256(self.payload).hexdigest(),
+                "error_message": self.error_message[:keep_chars],
+                "invalid_output": None if self.invalid_output is None else self.invalid_output[:keep_chars],
+            }
+        )
 
 
 class Lineage(_Record):

@@ -11,6 +11,16 @@ deduplicated). A record is never re-published before its ``batchline-due-at``. T
 key (the request id) and every header the worker wrote (attempt count, first failure, original topic/partition/
 offset, last error, run id, traceparent), plus ``batchline-retried-at``.
 
+Liveness. A partition that is assigned and holds nothing not yet due is always fetching: librdkafka keeps an
+application pause across a revoke (or a loss) and a later re-assign, so every assigned partition is resumed
+explicitly on assignment and the pauses are re-applied from the held records on every step (and re-checked
+against the assignment every few seconds). A lost partition (``on_lost``: session timed out, e.g. a GC or VM
+pause) is dropped like a revoked one, and nothing is committed for it. A due retry too large for ``J.requests``
+becomes an ``oversize`` dead letter in the same transaction (payload replaced by its size and digest), so it
+never holds its partition. After a commit whose outcome is unknown (the broker may have committed, the client
+gave up, the producer was recreated) the held records of the batch are checked against the group's committed
+offsets before anything is re-published: records below the committed offset were re-published and are dropped.
+
 Why confluent-kafka and not faust: probed against the embedded tansu broker, a faust 0.15 app re-delivered the
 same records twice within one process after a restart (seek to committed offsets racing the fetcher), and its
 table recovery trusts high watermarks, which tansu reports as the last batch's base offset + 1. The worker's
@@ -27,69 +37,36 @@ import uuid
 from collections import deque
 from collections.abc import Iterable
 from dataclasses import dataclass, field
-from typing import Any
 
-from confluent_kafka import Consumer, KafkaError, Message, TopicPartition
+from confluent_kafka import Consumer, KafkaError, KafkaException, TopicPartition
 
 from batchline.config import JobConfig, KafkaSettings
-from batchline.kafka import headers as h
 from batchline.kafka.client import make_consumer
-from batchline.kafka.topics import JobTopics
-from batchline.kafka.transactions import TransactionalProducer, TransactionFailed
+from batchline.kafka.topics import JobTopics, effective_max_message_bytes
 from streams.exceptions import RepublishError
+from streams.republish import OVERSIZE, RETRIED_AT, Held, Republisher, held_of, now_ms, republished_headers
+
+__all__ = [
+    "OVERSIZE",
+    "RETRIED_AT",
+    "Held",
+    "PartitionQueue",
+    "Republisher",
+    "RetryScheduler",
+    "held_of",
+    "republished_headers",
+]
 
 log = logging.getLogger(__name__)
-RETRIED_AT = "batchline-retried-at"  # epoch ms when the scheduler re-published the record
 MAX_WAIT_S = 1.0  # longest single wait in consume(): bounds how late a stop or a newly due head is noticed
 MIN_WAIT_S = 0.005
 MAX_TXN_RECORDS = 2000
 FAILURE_BACKOFF_S = 1.0
-TXN_TIMEOUT_MS = 10000
 POLL_BATCH = 500
+RECONCILE_S = 5.0  # how often the pauses are re-checked against the consumer's own assignment
+COMMITTED_TIMEOUT_S = 10.0
 
 TP = tuple[str, int]
-
-
-def now_ms() -> int:
-    return int(time.time() * 1000)
-
-
-@dataclass(frozen=True)
-class Held:
-    """One consumed retry record, held until ``due_at_ms``."""
-
-    topic: str
-    partition: int
-    offset: int
-    key: bytes | None
-    value: bytes | None
-    headers: list[tuple[str, bytes]]
-    due_at_ms: int
-
-    @property
-    def request_id(self) -> bytes | None:
-        """The key to re-publish under: the request id header, else the record's own key."""
-        for name, raw in self.headers:
-            if name == h.REQUEST_ID and raw:
-                return raw
-        return self.key
-
-    def __str__(self) -> str:
-        return f"{self.topic}[{self.partition}]@{self.offset}"
-
-
-def held_of(msg: Message) -> Held:
-    """A consumed message as a held record. A missing or unreadable due time means due now (nothing is lost)."""
-    raw: list[tuple[str, bytes]] = [(k, v or b"") for k, v in (msg.headers() or [])]
-    due = h.integer(h.as_dict(raw), h.DUE_AT, 0)
-    if due <= 0:
-        log.warning("%s[%d]@%d has no %s header: due now", msg.topic(), msg.partition(), msg.offset(), h.DUE_AT)
-    return Held(msg.topic(), msg.partition(), msg.offset(), msg.key(), msg.value(), raw, max(due, 0))
-
-
-def republished_headers(held: Held, at_ms: int) -> list[tuple[str, bytes]]:
-    """The worker's headers carried over as they are (attempt = attempts already made), plus the re-publish time."""
-    return [(k, v) for k, v in held.headers if k != RETRIED_AT] + [(RETRIED_AT, str(at_ms).encode())]
 
 
 @dataclass
@@ -130,28 +107,6 @@ def scheduler_group(job: str) -> str:
     return f"{job}.retry-scheduler"
 
 
-class Republisher:
-    """Due records to ``J.requests`` and their offsets, in one transaction."""
-
-    def __init__(self, kafka: KafkaSettings, requests_topic: str, transactional_id: str) -> None:
-        self.requests_topic = requests_topic
-        # A re-publish transaction lasts milliseconds. A short timeout bounds how long a crashed instance's open
-        # transaction (its id is per process) can hold back read_committed workers on J.requests.
-        self.txn = TransactionalProducer(kafka, transactional_id, **{"transaction.timeout.ms": TXN_TIMEOUT_MS})
-
-    def publish(self, batch: list[Held], offsets: list[TopicPartition], group_metadata: Any) -> None:
-        """Re-publish ``batch`` and commit ``offsets`` atomically, or raise RepublishError with nothing committed."""
-        at = now_ms()
-        outgoing = [(self.requests_topic, held.value, held.request_id, republished_headers(held, at)) for held in batch]
-        try:
-            self.txn.commit(outgoing, offsets, group_metadata)
-        except TransactionFailed as exc:
-            raise RepublishError(str(exc), len(batch), exc.fatal) from exc
-
-    def close(self) -> None:
-        self.txn.close()
-
-
 @dataclass
 class SchedulerStats:
     held: int = 0
@@ -159,6 +114,7 @@ class SchedulerStats:
     transactions: int = 0
     failures: int = 0
     duplicates_ignored: int = 0
+    already_committed: int = 0  # held records dropped after an ambiguous commit: the broker had committed them
 
 
 class RetryScheduler:
@@ -170,18 +126,21 @@ class RetryScheduler:
         self.instance_id = instance_id or f"{socket.gethostname()}-{os.getpid()}-{uuid.uuid4().hex[:6]}"
         # A small prefetch: paused partitions are not fetched, but a due tier should not flood memory.
         self.consumer: Consumer = make_consumer(kafka, self.group, **{"queued.max.messages.kbytes": 16384})
-        self.republisher = Republisher(kafka, self.topics.requests, f"{self.group}.{self.instance_id}")
+        limits = effective_max_message_bytes(kafka, [self.topics.requests, self.topics.dlq])
+        self.republisher = Republisher(kafka, self.topics, f"{self.group}.{self.instance_id}", limits)
         self.queues: dict[TP, PartitionQueue] = {}
-        self.paused: set[TP] = set()
+        self.paused: set[TP] = set()  # what this member asked librdkafka to pause: partitions with a held head
         self.assigned: set[TP] = set()
+        self.unsettled: set[TP] = set()  # partitions of a commit whose outcome is unknown: no re-publish until read
         self.stats = SchedulerStats()
         self.last_activity = time.monotonic()
         self._backoff_until = 0.0
+        self._reconciled = 0.0
 
     def start(self) -> None:
         log.info("retry scheduler %s: tiers %s -> %s", self.instance_id, self.topics.retries, self.topics.requests)
         self.consumer.subscribe(
-            self.topics.retries, on_assign=self._on_assign, on_revoke=self._on_revoke, on_lost=self._on_revoke
+            self.topics.retries, on_assign=self._on_assign, on_revoke=self._on_revoke, on_lost=self._on_lost
         )
 
     def held(self) -> int:
@@ -202,8 +161,9 @@ class RetryScheduler:
                 if msg.error().code() != KafkaError._PARTITION_EOF:
                     log.warning("retry consumer: %s", msg.error().str())
                 continue
-            self._hold(held_of(msg))
-        if time.monotonic() >= self._backoff_until:
+            if (msg.topic(), msg.partition()) in self.assigned:  # not a straggler of a partition given away
+                self._hold(held_of(msg))
+        if time.monotonic() >= self._backoff_until and self._settle():
             self._release_due()
         self._flow_control()
 
@@ -240,7 +200,9 @@ class RetryScheduler:
         except RepublishError as exc:
             self.stats.failures += 1
             self._backoff_until = time.monotonic() + FAILURE_BACKOFF_S
-            log.error("%s; held for another try in %.0fs", exc, FAILURE_BACKOFF_S)
+            if exc.ambiguous or exc.fatal:  # the broker may have committed: learn it before re-publishing
+                self.unsettled |= set(taken)
+            log.error("%s; held for another try in %.0fs (outcome unknown: %s)", exc, FAILURE_BACKOFF_S, exc.ambiguous)
             return
         self._backoff_until = 0.0
         for tp, n in taken.items():
@@ -250,32 +212,101 @@ class RetryScheduler:
         self.last_activity = time.monotonic()
         log.debug("re-published %d retries (first %s, due %d, now %d)", len(batch), batch[0], batch[0].due_at_ms, at)
 
+    def _settle(self) -> bool:
+        """After a commit whose outcome is unknown: drop the held records the group's committed offsets say were
+        re-published. False while the committed offsets cannot be read (nothing is released meanwhile)."""
+        unsettled = sorted(tp for tp in self.unsettled if tp in self.assigned)
+        self.unsettled = set(unsettled)
+        if not unsettled:
+            return True
+        try:
+            committed = self.consumer.committed([TopicPartition(t, p) for t, p in unsettled], COMMITTED_TIMEOUT_S)
+        except KafkaException as exc:
+            log.warning("cannot read committed offsets after an ambiguous commit (%s): retrying", exc.args[0].str())
+            self._backoff_until = time.monotonic() + FAILURE_BACKOFF_S
+            return False
+        for tp in committed:
+            if tp.error is not None:
+                log.warning("committed offset of %s[%d]: %s: retrying", tp.topic, tp.partition, tp.error.str())
+                self._backoff_until = time.monotonic() + FAILURE_BACKOFF_S
+                continue
+            key = (tp.topic, tp.partition)
+            queue = self.queues.get(key)
+            done = 0
+            while queue is not None and len(queue) and queue.records[0].offset < tp.offset:
+                queue.drop(1)
+                done += 1
+            self.stats.already_committed += done
+            self.unsettled.discard(key)
+            if done:
+                log.warning("%s[%d]: %d held retries were committed by the ambiguous commit: dropped", *key, done)
+        return not self.unsettled
+
     def _flow_control(self) -> None:
-        """Pause the partitions whose head is held (not yet due), resume the ones that drained."""
-        hold = {tp for tp, q in self.queues.items() if len(q)}
+        """Pause the assigned partitions whose head is held (not yet due), resume every other assigned partition.
+        Every few seconds the pauses are re-applied against the consumer's own assignment."""
+        hold = {tp for tp, q in self.queues.items() if len(q) and tp in self.assigned}
+        if time.monotonic() - self._reconciled >= RECONCILE_S:
+            self._reconcile(hold)
+            return
         to_pause = hold - self.paused
         to_resume = self.paused - hold
         if to_pause:
-            self.consumer.pause([TopicPartition(t, p) for t, p in to_pause])
-            self.paused |= to_pause
+            self._pause(to_pause)
         if to_resume:
-            self.consumer.resume([TopicPartition(t, p) for t, p in to_resume])
-            self.paused -= to_resume
+            self._resume(to_resume)
+
+    def _reconcile(self, hold: set[TP]) -> None:
+        self._reconciled = time.monotonic()
+        assigned = {(tp.topic, tp.partition) for tp in self.consumer.assignment()}
+        if assigned != self.assigned:
+            log.warning(
+                "assignment %s differs from the rebalance callbacks' %s", sorted(assigned), sorted(self.assigned)
+            )
+        if hold & assigned:
+            self._pause(hold & assigned)
+        if assigned - hold:
+            self._resume(assigned - hold)
+
+    def _pause(self, tps: set[TP]) -> None:
+        self.consumer.pause([TopicPartition(t, p) for t, p in tps])
+        self.paused |= tps
+        log.info("paused %s: head not yet due", _names(TopicPartition(t, p) for t, p in sorted(tps)))
+
+    def _resume(self, tps: set[TP]) -> None:
+        self.consumer.resume([TopicPartition(t, p) for t, p in tps])
+        self.paused -= tps
 
     # -- rebalances --------------------------------------------------------------------------------
     def _on_assign(self, consumer: Consumer, partitions: list[TopicPartition]) -> None:
-        self.assigned.update((tp.topic, tp.partition) for tp in partitions)
+        consumer.incremental_assign(partitions)
+        # librdkafka keeps an application pause across a revoke and a re-assign: a partition this member paused
+        # before it lost it would come back paused with nothing to resume it. It holds nothing yet: fetch it.
+        consumer.resume(partitions)
+        keys = {(tp.topic, tp.partition) for tp in partitions}
+        self.assigned |= keys
+        self.paused -= keys
         self.last_activity = time.monotonic()
         log.info("retry scheduler assigned %s", _names(partitions))
 
     def _on_revoke(self, consumer: Consumer, partitions: list[TopicPartition]) -> None:
         # Held records of a revoked partition were not committed: its next owner reads them again.
+        self._forget(partitions)
+        log.info("retry scheduler revoked %s", _names(partitions))
+
+    def _on_lost(self, consumer: Consumer, partitions: list[TopicPartition]) -> None:
+        # Lost (the session timed out, e.g. a GC or VM pause): another member may own them already. Nothing is
+        # committed for them; their held records are dropped, the new owner re-publishes them.
+        self._forget(partitions)
+        log.warning("retry scheduler lost %s (session timed out)", _names(partitions))
+
+    def _forget(self, partitions: list[TopicPartition]) -> None:
         for tp in partitions:
             key = (tp.topic, tp.partition)
             self.queues.pop(key, None)
             self.paused.discard(key)
             self.assigned.discard(key)
-        log.info("retry scheduler revoked %s", _names(partitions))
+            self.unsettled.discard(key)
 
     def close(self) -> None:
         try:
@@ -283,12 +314,15 @@ class RetryScheduler:
         finally:
             self.republisher.close()
         log.info(
-            "retry scheduler %s stopped: %d held, %d re-published in %d transactions, %d failed attempts",
+            "retry scheduler %s stopped: %d held, %d re-published in %d transactions, %d failed attempts, "
+            "%d dead-lettered as %s",
             self.instance_id,
             self.stats.held,
             self.stats.republished,
             self.stats.transactions,
             self.stats.failures,
+            self.republisher.oversize,
+            OVERSIZE,
         )
 
 

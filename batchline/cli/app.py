@@ -81,7 +81,7 @@ def topics_create(
     cfg = job_config(job, config)
     topics = JobTopics(job, cfg.retry.tiers)
     kafka = kafka_settings(bootstrap)
-    for name, state in create_job_topics(kafka, topics, partitions).items():
+    for name, state in create_job_topics(kafka, topics, partitions, cfg.max_request_bytes).items():
         out.print(f"{name}: {state}")
     if pin:
         _pin_if_unpinned(kafka, topics, cfg)

@@ -4,16 +4,34 @@ Messages and consumer offsets go in one transaction (KIP-447 ``send_offsets_to_t
 errors retry the call; ``txn_requires_abort`` aborts (nothing was committed, the caller rewinds); anything
 fatal, or an abort that fails, recreates the producer - its ``init_transactions`` fences the old epoch.
 Used by the worker's sink and the retry scheduler alike.
+
+A produce error that belongs to one message (too large for librdkafka's ``message.max.bytes`` or a topic's
+``max.message.bytes``, an invalid record) never fails the whole batch for good. The caller passes ``fit``, which
+turns such a message into a replacement (a dead letter that fits, a payload replaced by its digest), and the
+replacement goes in the same transaction:
+
+- before producing, every message is checked against the producer's ``message.max.bytes`` and the known topic
+  limits (the size librdkafka computes, :func:`wire_size`): most oversize messages never reach the broker;
+- a synchronous ``produce()`` rejection is replaced on the spot, in the open transaction;
+- a delivery-report rejection (each message has its own ``on_delivery``, so the index is known) aborts the
+  transaction, which is then retried once more with the replacement;
+- several messages rejected together (librdkafka fails a whole record batch when the broker rejects it) are
+  told apart by probe transactions over halves of them, each aborted, so the real commit stays atomic. On the
+  embedded broker an aborted transaction stays visible to ``read_committed`` readers, so a probe's messages may
+  be read there; they are the same records the real commit then writes (results are keyed by request id).
+
+:meth:`TransactionalProducer.commit` returns a :class:`CommitReport` naming what was replaced and why.
 """
 
 from __future__ import annotations
 
 import logging
 import time
-from collections.abc import Callable, Iterable
-from typing import Any, TypeVar
+from collections.abc import Callable, Iterable, Mapping
+from dataclasses import dataclass, field
+from typing import Any, Literal, TypeVar
 
-from confluent_kafka import KafkaError, KafkaException, Producer, TopicPartition
+from confluent_kafka import KafkaError, KafkaException, Message, Producer, TopicPartition
 
 from batchline.config import KafkaSettings
 from batchline.exceptions import BatchlineError
@@ -23,23 +41,113 @@ log = logging.getLogger(__name__)
 T = TypeVar("T")
 CALL_TIMEOUT_S = 30.0
 CALL_RETRIES = 5
+MAX_ROUNDS = 4  # real transactions of one commit: the first, and re-tries each with more replacements
+LIBRDKAFKA_MESSAGE_MAX_BYTES = 1_000_000  # librdkafka's default message.max.bytes
+RECORD_V2_MAX_OVERHEAD = 36  # librdkafka's RD_KAFKAP_MESSAGE_V2_MAX_OVERHEAD: length, attributes, deltas, lengths
+RECORD_BATCH_OVERHEAD = 61  # a v2 record batch's header: what a one-record batch adds on the broker
 
 Outgoing = tuple[str, bytes | None, bytes | None, list[tuple[str, bytes]]]  # topic, value, key, headers
 
+# Errors that belong to the message, not to the transaction or the connection.
+PER_RECORD_ERRORS = frozenset(
+    {
+        KafkaError.MSG_SIZE_TOO_LARGE,  # librdkafka's message.max.bytes (sync) or the broker's (delivery)
+        KafkaError.RECORD_LIST_TOO_LARGE,
+        KafkaError.INVALID_RECORD,
+        KafkaError.INVALID_MSG,  # CORRUPT_MESSAGE
+        KafkaError.INVALID_MSG_SIZE,
+        KafkaError.INVALID_TIMESTAMP,
+    }
+)
+FoundBy = Literal["precheck", "produce", "delivery", "probe"]
+
 
 class TransactionFailed(BatchlineError):
-    """Nothing of the transaction was committed. ``fatal``: the producer was recreated."""
+    """Nothing of the transaction was committed - unless ``ambiguous``: the commit was sent and its outcome is
+    unknown (the broker may have committed; the caller must read the committed offsets to know).
+    ``fatal``: the producer was recreated."""
 
-    def __init__(self, message: str, fatal: bool) -> None:
+    def __init__(self, message: str, fatal: bool, ambiguous: bool = False) -> None:
         super().__init__(message)
         self.fatal = fatal
+        self.ambiguous = ambiguous
+
+
+@dataclass(frozen=True)
+class RecordError:
+    """Why one message could not be produced: a Kafka error code, its name and a line for the operator."""
+
+    code: int
+    name: str
+    reason: str
+    size: int
+    limit: int | None = None
+
+    @classmethod
+    def of(cls, err: KafkaError, size: int) -> RecordError:
+        return cls(err.code(), err.name(), err.str(), size)
+
+
+@dataclass(frozen=True)
+class Replacement:
+    index: int
+    error: RecordError
+    found_by: FoundBy  # precheck: never produced; produce: rejected by produce(); delivery/probe: by the broker
+
+
+@dataclass
+class CommitReport:
+    """What :meth:`TransactionalProducer.commit` did: the indices it replaced (and why), real transactions, probes."""
+
+    replaced: dict[int, Replacement] = field(default_factory=dict)
+    transactions: int = 0
+    probes: int = 0
+
+
+Fit = Callable[[int, Outgoing, RecordError], Outgoing]
+
+
+class ReplacementTooLarge(TransactionFailed):
+    """``fit`` returned a replacement that does not fit either: a bug of the caller's ``fit``."""
+
+
+def _varint_size(n: int) -> int:
+    zigzag = (n << 1) ^ (n >> 63)
+    size = 1
+    while zigzag >= 0x80:
+        zigzag >>= 7
+        size += 1
+    return size
+
+
+def wire_size(message: Outgoing) -> int:
+    """The size librdkafka checks against ``message.max.bytes`` (``rd_kafka_msg_max_wire_size``): the record's
+    key, value and serialized headers plus the v2 record's maximum overhead."""
+    _, value, key, headers = message
+    size = RECORD_V2_MAX_OVERHEAD + len(key or b"") + len(value or b"")
+    for name, raw in headers:
+        name_len, value_len = len(name.encode()), len(raw or b"")
+        size += _varint_size(name_len) + name_len + _varint_size(value_len) + value_len
+    return size
 
 
 class TransactionalProducer:
-    def __init__(self, kafka: KafkaSettings, transactional_id: str, **overrides: Any) -> None:
+    def __init__(
+        self,
+        kafka: KafkaSettings,
+        transactional_id: str,
+        *,
+        topic_limits: Mapping[str, int] | None = None,
+        **overrides: Any,
+    ) -> None:
+        """``topic_limits``: each output topic's ``max.message.bytes`` where known
+        (:func:`batchline.kafka.topics.effective_max_message_bytes`); ``overrides``: librdkafka settings."""
         self.kafka = kafka
         self.transactional_id = transactional_id
         self.overrides = overrides
+        self.topic_limits = dict(topic_limits or {})
+        conf = kafka.librdkafka() | overrides
+        self.max_message_bytes = int(conf.get("message.max.bytes", LIBRDKAFKA_MESSAGE_MAX_BYTES))
         self.aborts = 0
         self.recreated = 0
         self.producer = self._new_producer()
@@ -49,37 +157,209 @@ class TransactionalProducer:
         producer.init_transactions(CALL_TIMEOUT_S)
         return producer
 
+    # -- the commit --------------------------------------------------------------------------------
     def commit(
         self,
         messages: Iterable[Outgoing],
         offsets: list[TopicPartition],
         group_metadata: Any,
         before_commit: Callable[[], None] | None = None,
-    ) -> None:
-        """Produce ``messages`` and commit ``offsets`` atomically, or raise TransactionFailed."""
+        fit: Fit | None = None,
+    ) -> CommitReport:
+        """Produce ``messages`` and commit ``offsets`` atomically, or raise TransactionFailed.
+
+        With ``fit``, a message rejected on its own is replaced by ``fit(index, message, error)`` in the same
+        transaction (see the module docstring); without it, such a rejection fails the transaction as any error.
+        ``before_commit`` runs inside each real transaction, after the messages are produced.
+        """
+        outgoing = list(messages)
+        report = CommitReport()
+        if fit is not None:
+            for i, message in enumerate(outgoing):
+                error = self.oversize(message)
+                if error is not None:
+                    outgoing[i] = self._fit(fit, i, message, error, "precheck", report)
+        for _ in range(MAX_ROUNDS):
+            report.transactions += 1
+            rejected = self._transact(outgoing, offsets, group_metadata, before_commit, fit, report)
+            if not rejected:
+                return report
+            assert fit is not None  # without fit a rejection raises inside _transact
+            how: FoundBy = "delivery"
+            if len(rejected) > 1:  # rejected together: one bad record, or a record batch too large as a whole
+                rejected, how = self._culprits(outgoing, sorted(rejected), report), "probe"
+            for i, error in rejected.items():
+                outgoing[i] = self._fit(fit, i, outgoing[i], error, how, report)
+        raise TransactionFailed(f"messages still rejected after {MAX_ROUNDS} transactions with replacements", False)
+
+    def oversize(self, message: Outgoing) -> RecordError | None:
+        """The error librdkafka or the broker would give ``message`` for its size, or None if it fits."""
+        size = wire_size(message)
+        if size > self.max_message_bytes:
+            reason = f"{size} bytes > the producer's message.max.bytes {self.max_message_bytes}"
+            return RecordError(
+                KafkaError.MSG_SIZE_TOO_LARGE, "MSG_SIZE_TOO_LARGE", reason, size, self.max_message_bytes
+            )
+        limit = self.topic_limits.get(message[0])
+        if limit is not None and size + RECORD_BATCH_OVERHEAD > limit:
+            reason = f"{size} bytes (+{RECORD_BATCH_OVERHEAD} batch) > max.message.bytes {limit} of {message[0]}"
+            return RecordError(KafkaError.MSG_SIZE_TOO_LARGE, "MSG_SIZE_TOO_LARGE", reason, size, limit)
+        return None
+
+    def _fit(
+        self, fit: Fit, index: int, message: Outgoing, error: RecordError, how: FoundBy, report: CommitReport
+    ) -> Outgoing:
+        replacement = fit(index, message, error)
+        still = self.oversize(replacement)
+        if still is not None:
+            raise ReplacementTooLarge(f"the replacement of message {index} does not fit either: {still.reason}", False)
+        first = report.replaced.get(index)
+        report.replaced[index] = first or Replacement(index, error, how)
+        log.warning("message %d to %s replaced (%s, found by %s)", index, message[0], error.reason, how)
+        return replacement
+
+    def _transact(
+        self,
+        outgoing: list[Outgoing],
+        offsets: list[TopicPartition],
+        group_metadata: Any,
+        before_commit: Callable[[], None] | None,
+        fit: Fit | None,
+        report: CommitReport,
+    ) -> dict[int, RecordError]:
+        """One real transaction. Returns {} once committed, or the messages the broker rejected on their own
+        (the transaction was aborted). Raises TransactionFailed for everything else."""
+        delivery: dict[int, KafkaError | None] = {}
+        committing = False
         try:
             self._call(self.producer.begin_transaction)
-            for topic, value, key, headers in messages:
-                self._produce(topic, value, key, headers)
-            if before_commit is not None:
+            stopped: KafkaError | None = None
+            for i in range(len(outgoing)):
+                stopped = self._produce_tracked(outgoing, i, delivery, fit, report)
+                if stopped is not None:
+                    break  # the transaction already failed (a delivery was rejected): no point producing more
+            if stopped is None and before_commit is not None:
                 before_commit()
+            self._flush()
+            failed = [e for e in delivery.values() if e is not None]
+            if failed or stopped is not None:
+                rejected = _per_record(delivery, outgoing)
+                self._abort_or_recreate(failed[0] if failed else stopped, resync=bool(rejected))
+                if rejected and fit is not None:
+                    return rejected
+                first = failed[0] if failed else stopped
+                assert first is not None
+                raise TransactionFailed(f"{len(failed)} messages not delivered: {first.str()}", False)
             self._call(lambda: self.producer.send_offsets_to_transaction(offsets, group_metadata, CALL_TIMEOUT_S))
-            self._call(lambda: self.producer.commit_transaction(CALL_TIMEOUT_S))
+            committing = True
+            self._call(self._commit_transaction)
+            return {}
         except KafkaException as exc:
             err: KafkaError = exc.args[0]
-            fatal = err.fatal() or not err.txn_requires_abort() or not self._abort()
-            if fatal:
+            # A message rejected by produce() alone leaves the transaction abortable (no fit was given).
+            abortable = err.txn_requires_abort() or err.code() in PER_RECORD_ERRORS
+            aborted = abortable and not err.fatal() and self._abort()
+            if not aborted:
                 self._recreate()
-            raise TransactionFailed(err.str(), fatal) from exc
+            raise TransactionFailed(err.str(), not aborted, ambiguous=committing and not aborted) from exc
 
-    def _produce(self, topic: str, value: bytes | None, key: bytes | None, headers: list[tuple[str, bytes]]) -> None:
+    def _commit_transaction(self) -> None:
+        self.producer.commit_transaction(CALL_TIMEOUT_S)
+
+    def _produce_tracked(
+        self,
+        outgoing: list[Outgoing],
+        i: int,
+        delivery: dict[int, KafkaError | None],
+        fit: Fit | None,
+        report: CommitReport,
+    ) -> KafkaError | None:
+        """Produce message ``i`` with its own delivery callback; replace it if ``produce()`` rejects it alone.
+        Returns the error when the transaction is already failing (a delivery failed, librdkafka refuses more)."""
+
+        def on_delivery(err: KafkaError | None, _msg: Message) -> None:
+            delivery[i] = err
+
+        try:
+            self._produce(outgoing[i], on_delivery)
+        except KafkaException as exc:
+            err: KafkaError = exc.args[0]
+            if err.code() not in PER_RECORD_ERRORS or fit is None:
+                if any(e is not None for e in delivery.values()) or err.txn_requires_abort():
+                    return err
+                raise
+            outgoing[i] = self._fit(fit, i, outgoing[i], RecordError.of(err, wire_size(outgoing[i])), "produce", report)
+            self._produce(outgoing[i], on_delivery)
+        return None
+
+    def _produce(self, message: Outgoing, on_delivery: Callable[[KafkaError | None, Message], None] | None) -> None:
+        topic, value, key, headers = message
         while True:
             try:
-                self.producer.produce(topic, value, key, headers=headers)
+                self.producer.produce(topic, value, key, headers=headers, on_delivery=on_delivery)
                 return
             except BufferError:
                 self.producer.poll(0.05)  # the local queue is full: let deliveries drain
 
+    def _flush(self) -> None:
+        """Wait for every delivery report (they are served here, so each message's outcome is known)."""
+        left = self.producer.flush(CALL_TIMEOUT_S)
+        if left:
+            raise KafkaException(KafkaError(KafkaError._TIMED_OUT, f"{left} messages not delivered in time"))
+
+    # -- probes ------------------------------------------------------------------------------------
+    def _culprits(
+        self, outgoing: list[Outgoing], candidates: list[int], report: CommitReport
+    ) -> dict[int, RecordError]:
+        """Which of ``candidates`` the broker rejects on their own: bisected with probe transactions, all aborted.
+        Raises TransactionFailed if none does (the messages fit alone but not in one record batch)."""
+        found: dict[int, RecordError] = {}
+        groups = [candidates[: len(candidates) // 2], candidates[len(candidates) // 2 :]]
+        while groups:
+            group = groups.pop()
+            if not group:
+                continue
+            rejected = self._probe(outgoing, group)
+            report.probes += 1
+            if len(rejected) == 1 or len(group) == 1:
+                found.update(rejected)  # a lone rejection is that message's own
+            elif rejected:
+                groups += [group[: len(group) // 2], group[len(group) // 2 :]]
+        if not found:
+            raise TransactionFailed(
+                f"{len(candidates)} messages rejected together but each fits alone: a record batch exceeds a "
+                f"topic's max.message.bytes (lower the producer's message.max.bytes to the topics' limit)",
+                False,
+            )
+        log.warning("probes found %d rejected messages among %d", len(found), len(candidates))
+        return found
+
+    def _probe(self, outgoing: list[Outgoing], group: list[int]) -> dict[int, RecordError]:
+        """Produce ``group`` in a transaction that is always aborted; the messages the broker rejects."""
+        delivery: dict[int, KafkaError | None] = {}
+        rejected: dict[int, RecordError] = {}
+        try:
+            self._call(self.producer.begin_transaction)
+            for i in group:
+
+                def on_delivery(err: KafkaError | None, _msg: Message, i: int = i) -> None:
+                    delivery[i] = err
+
+                try:
+                    self._produce(outgoing[i], on_delivery)
+                except KafkaException as exc:
+                    if exc.args[0].code() not in PER_RECORD_ERRORS:
+                        raise
+                    rejected[i] = RecordError.of(exc.args[0], wire_size(outgoing[i]))
+            self._flush()
+        except KafkaException as exc:
+            self._abort_or_recreate(exc.args[0])
+            raise TransactionFailed(f"probe transaction failed: {exc.args[0].str()}", False) from exc
+        by_broker = _per_record(delivery, outgoing)
+        self._abort_or_recreate(None, resync=bool(by_broker))
+        return rejected | by_broker
+
+    # -- error handling ----------------------------------------------------------------------------
     def _call(self, fn: Callable[[], T]) -> T:
         for attempt in range(CALL_RETRIES):
             try:
@@ -89,6 +369,15 @@ class TransactionalProducer:
                     raise
                 time.sleep(0.1 * 2**attempt)
         raise AssertionError("unreachable")
+
+    def _abort_or_recreate(self, err: KafkaError | None, resync: bool = False) -> None:
+        """Abort; recreate the producer if that fails or ``err`` is fatal. ``resync`` (the broker rejected a
+        record batch): recreate after the abort too. The rejected batch was never written but librdkafka counted
+        its sequence numbers; Apache Kafka lets it recover by bumping the epoch (KIP-360), the embedded broker
+        does not (the next transaction fails OUT_OF_ORDER_SEQUENCE_NUMBER and its abort times out). A fresh
+        producer starts the next transaction with a new epoch and fresh sequences."""
+        if (err is not None and err.fatal()) or not self._abort() or resync:
+            self._recreate()
 
     def _abort(self) -> bool:
         self.aborts += 1
@@ -109,3 +398,11 @@ class TransactionalProducer:
 
     def close(self) -> None:
         self.producer.flush(CALL_TIMEOUT_S)
+
+
+def _per_record(delivery: Mapping[int, KafkaError | None], outgoing: list[Outgoing]) -> dict[int, RecordError]:
+    return {
+        i: RecordError.of(err, wire_size(outgoing[i]))
+        for i, err in delivery.items()
+        if err is not None and err.code() in PER_RECORD_ERRORS
+    }

@@ -3,6 +3,15 @@
 The open stream (records without a run id, or naming a run with no manifest) is the pseudo-run
 :data:`STREAM_RUN`, pinned like any run. A background thread keeps the view current; :meth:`RunsView.sync`
 waits until it has read everything written so far.
+
+The stream's pin has one winner, decided once, even when workers of several fingerprints meet it at once:
+
+- an explicit pin (``topics create --pin``, ``batchline pin``: :func:`pin_stream`) is a manifest keyed
+  ``_stream``; the latest one wins over everything (an explicit re-pin is a recorded operator action);
+- without one, a worker *claims* the stream (:func:`claim_stream`): a manifest of ``_stream`` under its own key
+  ``_stream.claim.<id>``, so compaction never drops a claim. ``J.runs`` has one partition, so the claims are
+  totally ordered and the earliest one wins. The view reads from offset 0 in order, so the first claim it reads
+  is the earliest there is: a claim read back decides the stream for good.
 """
 
 from __future__ import annotations
@@ -12,7 +21,7 @@ import threading
 import time
 from datetime import UTC, datetime
 
-from confluent_kafka import TopicPartition
+from confluent_kafka import KafkaError, Message, TopicPartition
 
 from batchline.config import KafkaSettings
 from batchline.kafka.client import make_producer, make_reader
@@ -23,6 +32,7 @@ from schemas.codec import DecodeError
 
 log = logging.getLogger(__name__)
 STREAM_RUN = "_stream"
+CLAIM_PREFIX = f"{STREAM_RUN}.claim."  # key prefix of the stream's claims in J.runs
 SYNC_TIMEOUT_S = 10.0
 
 
@@ -31,6 +41,7 @@ class RunsView:
         self.kafka = kafka
         self.topics = topics
         self._runs: dict[str, RunManifest] = {}
+        self._claims: list[tuple[int, str, RunManifest]] = []  # (offset, claim key, manifest), in offset order
         self._lock = threading.Lock()
         self._position = 0
         self._stop = threading.Event()
@@ -41,12 +52,29 @@ class RunsView:
         self._meta = make_reader(kafka)
 
     def get(self, run_id: str) -> RunManifest | None:
+        """A run's latest manifest; for the open stream, its pin: the latest explicit one, else the earliest claim."""
         with self._lock:
-            return self._runs.get(run_id)
+            manifest = self._runs.get(run_id)
+            if manifest is None and run_id == STREAM_RUN and self._claims:
+                manifest = self._claims[0][2]
+            return manifest
 
     def all(self) -> dict[str, RunManifest]:
         with self._lock:
-            return dict(self._runs)
+            runs = dict(self._runs)
+            if STREAM_RUN not in runs and self._claims:
+                runs[STREAM_RUN] = self._claims[0][2]
+            return runs
+
+    def stream_claims(self) -> list[tuple[int, str, str]]:
+        """The stream's claims read so far, in order: (offset, claim key, fingerprint)."""
+        with self._lock:
+            return [(offset, key, m.fingerprint) for offset, key, m in self._claims]
+
+    @property
+    def position(self) -> int:
+        """The offset of J.runs the view will read next: everything before it has been read."""
+        return self._position
 
     def start(self) -> None:
         self._thread = threading.Thread(target=self._loop, name="runs-view", daemon=True)
@@ -71,14 +99,23 @@ class RunsView:
         for msg in self._consumer.consume(100, timeout):
             if msg.error():
                 continue
-            try:
-                manifest: RunManifest = codec_for("run_manifest").decode(msg.value() or b"")
-            except DecodeError as exc:
-                log.warning("skipping unreadable manifest at %s@%d: %s", msg.topic(), msg.offset(), exc)
-            else:
-                with self._lock:
-                    self._runs[manifest.run_id] = manifest
+            self._read(msg)
             self._position = msg.offset() + 1
+
+    def _read(self, msg: Message) -> None:
+        try:
+            manifest: RunManifest = codec_for("run_manifest").decode(msg.value() or b"")
+        except DecodeError as exc:
+            log.warning("skipping unreadable manifest at %s@%d: %s", msg.topic(), msg.offset(), exc)
+            return
+        key = (msg.key() or b"").decode("utf-8", "replace")
+        with self._lock:
+            if key.startswith(CLAIM_PREFIX) and manifest.run_id == STREAM_RUN:
+                if all(offset != msg.offset() for offset, _, _ in self._claims):
+                    self._claims.append((msg.offset(), key, manifest))
+                    self._claims.sort(key=lambda c: c[0])
+            else:
+                self._runs[manifest.run_id] = manifest
 
     def sync(self, timeout: float = SYNC_TIMEOUT_S) -> bool:
         """Wait until the view holds every manifest written before this call."""
@@ -94,11 +131,19 @@ class RunsView:
         return True
 
 
-def write_manifest(kafka: KafkaSettings, topics: JobTopics, manifest: RunManifest) -> None:
+def write_manifest(kafka: KafkaSettings, topics: JobTopics, manifest: RunManifest, key: str | None = None) -> int:
+    """Write ``manifest`` to J.runs under ``key`` (default: its run id); returns the offset it was written at."""
     producer = make_producer(kafka)
-    producer.produce(topics.runs, codec_for("run_manifest").encode(manifest), manifest.run_id.encode())
-    if producer.flush(30) != 0:
+    delivered: list[tuple[KafkaError | None, int]] = []
+    producer.produce(
+        topics.runs,
+        codec_for("run_manifest").encode(manifest),
+        (key or manifest.run_id).encode(),
+        on_delivery=lambda err, msg: delivered.append((err, msg.offset())),
+    )
+    if producer.flush(30) != 0 or not delivered or delivered[0][0] is not None:
         raise RuntimeError(f"manifest of run {manifest.run_id} was not delivered")
+    return delivered[0][1]
 
 
 def manifest_for(job: str, run_id: str, fp: Fingerprint, **fields: object) -> RunManifest:
@@ -120,8 +165,17 @@ def manifest_for(job: str, run_id: str, fp: Fingerprint, **fields: object) -> Ru
     return RunManifest.model_validate(base | fields)
 
 
+def claim_stream(kafka: KafkaSettings, topics: JobTopics, fp: Fingerprint, claim_id: str) -> int:
+    """Claim the unpinned open stream for ``fp`` (a worker meeting it first); returns the claim's offset in J.runs.
+    The earliest claim wins (:class:`RunsView` ``get(STREAM_RUN)``); an explicit pin overrides every claim."""
+    manifest = manifest_for(topics.job, STREAM_RUN, fp, source=f"claimed by worker {claim_id} ({fp.value})")
+    offset = write_manifest(kafka, topics, manifest, key=f"{CLAIM_PREFIX}{claim_id}")
+    log.info("claimed the open stream of %s for %s at %s@%d", topics.job, fp.value, topics.runs, offset)
+    return offset
+
+
 def pin_stream(kafka: KafkaSettings, topics: JobTopics, fp: Fingerprint, reason: str) -> RunManifest:
-    """Pin (or re-pin) the open stream to ``fp``: an explicit, recorded operator action."""
+    """Pin (or re-pin) the open stream to ``fp``: an explicit, recorded operator action; it wins over claims."""
     manifest = manifest_for(topics.job, STREAM_RUN, fp, source=reason)
     write_manifest(kafka, topics, manifest)
     log.info("open stream of %s pinned to %s (%s)", topics.job, fp.value, reason)

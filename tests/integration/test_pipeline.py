@@ -120,11 +120,11 @@ def test_sink_failure_commits_nothing_and_the_batch_is_processed_again(
 
     real_rewind = worker._rewind
 
-    def observing_rewind(partitions: set[tuple[str, int]] | None = None) -> None:
+    def observing_rewind(partitions: set[tuple[str, int]] | None = None, in_callback: bool = False) -> None:
         at_rewind.append(committed())
         head = worker.in_flight[0]
         failed.append((int(head.batch_id.rsplit("-", 1)[1]), [i.request_id for i in head.items]))
-        real_rewind(partitions)
+        real_rewind(partitions, in_callback)
 
     worker.committer.on_batch_committed = on_commit
     worker._rewind = observing_rewind  # type: ignore[method-assign]

@@ -1,0 +1,143 @@
+"""Re-publishing due retries: the record as it goes back to ``J.requests``, and the transaction that carries it.
+
+A due retry is re-published with its bytes, its key (the request id) and the worker's headers, plus
+``batchline-retried-at``, in one transaction with the consumed offsets. A retry too large for ``J.requests`` (or a
+record batch the producer may build) becomes an ``oversize`` dead letter in the same transaction: its payload is
+replaced by its size and SHA-256 (:meth:`schemas.DeadLetter.without_payload`), so it never holds its partition.
+"""
+
+from __future__ import annotations
+
+import logging
+import time
+from collections.abc import Mapping
+from dataclasses import dataclass
+from datetime import UTC, datetime
+from typing import Any
+
+from confluent_kafka import Message, TopicPartition
+
+from batchline.config import KafkaSettings
+from batchline.kafka import headers as h
+from batchline.kafka.topics import JobTopics
+from batchline.kafka.transactions import Outgoing, RecordError, TransactionalProducer, TransactionFailed
+from schemas import DeadLetter, codec_for
+from schemas.codec import DecodeError, decode_request
+from streams.exceptions import RepublishError
+
+log = logging.getLogger(__name__)
+RETRIED_AT = "batchline-retried-at"  # epoch ms when the scheduler re-published the record
+TXN_TIMEOUT_MS = 10000
+OVERSIZE = "oversize"  # failure class of a retry too large to re-publish (its dead letter omits the payload)
+
+
+def now_ms() -> int:
+    return int(time.time() * 1000)
+
+
+@dataclass(frozen=True)
+class Held:
+    """One consumed retry record, held until ``due_at_ms``."""
+
+    topic: str
+    partition: int
+    offset: int
+    key: bytes | None
+    value: bytes | None
+    headers: list[tuple[str, bytes]]
+    due_at_ms: int
+
+    @property
+    def request_id(self) -> bytes | None:
+        """The key to re-publish under: the request id header, else the record's own key."""
+        for name, raw in self.headers:
+            if name == h.REQUEST_ID and raw:
+                return raw
+        return self.key
+
+    def __str__(self) -> str:
+        return f"{self.topic}[{self.partition}]@{self.offset}"
+
+
+def held_of(msg: Message) -> Held:
+    """A consumed message as a held record. A missing or unreadable due time means due now (nothing is lost)."""
+    raw: list[tuple[str, bytes]] = [(k, v or b"") for k, v in (msg.headers() or [])]
+    due = h.integer(h.as_dict(raw), h.DUE_AT, 0)
+    if due <= 0:
+        log.warning("%s[%d]@%d has no %s header: due now", msg.topic(), msg.partition(), msg.offset(), h.DUE_AT)
+    return Held(msg.topic(), msg.partition(), msg.offset(), msg.key(), msg.value(), raw, max(due, 0))
+
+
+def republished_headers(held: Held, at_ms: int) -> list[tuple[str, bytes]]:
+    """The worker's headers carried over as they are (attempt = attempts already made), plus the re-publish time."""
+    return [(k, v) for k, v in held.headers if k != RETRIED_AT] + [(RETRIED_AT, str(at_ms).encode())]
+
+
+class Republisher:
+    """Due records to ``J.requests`` and their offsets, in one transaction; one too large becomes a dead letter."""
+
+    def __init__(
+        self, kafka: KafkaSettings, topics: JobTopics, transactional_id: str, limits: Mapping[str, int] | None = None
+    ) -> None:
+        self.topics = topics
+        self.requests_topic = topics.requests
+        # A re-publish transaction lasts milliseconds. A short timeout bounds how long a crashed instance's open
+        # transaction (its id is per process) can hold back read_committed workers on J.requests.
+        overrides: dict[str, Any] = {"transaction.timeout.ms": TXN_TIMEOUT_MS}
+        if limits:
+            # Never build a record batch larger than J.requests or J.dlq accepts; a record over it is dead-lettered.
+            overrides["message.max.bytes"] = min(limits.values())
+        self.txn = TransactionalProducer(kafka, transactional_id, topic_limits=limits, **overrides)
+        self.oversize = 0
+
+    def publish(self, batch: list[Held], offsets: list[TopicPartition], group_metadata: Any) -> None:
+        """Re-publish ``batch`` and commit ``offsets`` atomically, or raise RepublishError with nothing committed
+        (``ambiguous``: the commit may have happened)."""
+        at = now_ms()
+        outgoing = [(self.requests_topic, held.value, held.request_id, republished_headers(held, at)) for held in batch]
+
+        def fit(index: int, message: Outgoing, error: RecordError) -> Outgoing:
+            return self.dead_letter(batch[index], error)
+
+        try:
+            report = self.txn.commit(outgoing, offsets, group_metadata, fit=fit)
+        except TransactionFailed as exc:
+            raise RepublishError(str(exc), len(batch), exc.fatal, exc.ambiguous) from exc
+        for i, replaced in report.replaced.items():
+            self.oversize += 1
+            log.error(
+                "%s (id %r) dead-lettered as %s: %s", batch[i], batch[i].request_id, OVERSIZE, replaced.error.reason
+            )
+
+    def dead_letter(self, held: Held, error: RecordError) -> Outgoing:
+        """The ``oversize`` dead letter of a retry that cannot be re-published: its payload replaced by its size and
+        SHA-256 (``DeadLetter.payload_sha256``), its coordinates and attempts from the worker's headers."""
+        hdrs = h.as_dict(held.headers)
+        payload = held.value or b""
+        try:
+            value = decode_request(payload, max_bytes=max(len(payload), 1)).value
+        except DecodeError:
+            value = 1.0
+        now = datetime.now(UTC)
+        first = h.integer(hdrs, h.FIRST_FAILURE_AT, 0)
+        request_id = (held.request_id or b"").decode("utf-8", "replace")
+        letter = DeadLetter(
+            request_id=request_id,
+            run_id=h.text(hdrs, h.RUN_ID) or None,
+            failure_class=OVERSIZE,
+            error_type=error.name,
+            error_message=f"retry not re-published to {self.requests_topic}: {error.reason}",
+            attempts=h.integer(hdrs, h.ATTEMPT, 1),
+            original_topic=h.text(hdrs, h.ORIGINAL_TOPIC) or held.topic,
+            original_partition=h.integer(hdrs, h.ORIGINAL_PARTITION, held.partition),
+            original_offset=h.integer(hdrs, h.ORIGINAL_OFFSET, held.offset),
+            payload=payload,
+            first_failure_at=datetime.fromtimestamp(first / 1000, UTC) if first > 0 else now,
+            last_failure_at=now,
+            value=value,
+        ).without_payload()
+        headers = [(h.RUN_ID, (letter.run_id or "").encode()), (h.REQUEST_ID, request_id.encode())]
+        return (self.topics.dlq, codec_for("dead_letter").encode(letter), held.request_id, headers)
+
+    def close(self) -> None:
+        self.txn.close()
