@@ -1,0 +1,89 @@
+"""Rewind targets: the committed offset when the broker can tell it, else the first record held; never the start.
+
+The consumer here is a stand-in whose ``committed`` answers are scripted (a per-partition error, a timeout), the
+cases the real broker cannot be made to produce on demand; the seeks it records are what is asserted.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+from typing import Any
+
+from confluent_kafka import KafkaError, KafkaException, TopicPartition
+
+from consumers.rewind import COMMITTED_TRIES, Rewinder, first_offsets
+from tests.unit.helpers import item
+
+T = "unit.requests"
+
+
+class ScriptedConsumer:
+    def __init__(self, answers: list[Any]) -> None:
+        self.answers = answers  # one per committed() call: a list of TopicPartition, or an exception to raise
+        self.calls = 0
+        self.seeks: list[tuple[int, int]] = []
+
+    def committed(self, partitions: list[TopicPartition], timeout: float) -> list[Answer]:
+        answer = self.answers[min(self.calls, len(self.answers) - 1)]
+        self.calls += 1
+        if isinstance(answer, Exception):
+            raise answer
+        return [tp for tp in answer if any(tp.partition == p.partition for p in partitions)]
+
+    def seek(self, tp: TopicPartition) -> None:
+        self.seeks.append((tp.partition, tp.offset))
+
+
+@dataclass(frozen=True)
+class Answer:
+    """What ``Consumer.committed`` returns per partition (TopicPartition's ``error`` cannot be set by hand)."""
+
+    topic: str
+    partition: int
+    offset: int
+    error: KafkaError | None = None
+
+
+def _tp(partition: int, offset: int, error: KafkaError | None = None) -> Answer:
+    return Answer(T, partition, offset, error)
+
+
+def test_first_offsets_are_per_partition_minima() -> None:
+    items = [item("a", offset=7, partition=0), item("b", offset=5, partition=0), item("c", offset=9, partition=1)]
+    assert first_offsets(items) == {(T, 0): 5, (T, 1): 9}
+
+
+def test_committed_offsets_win_over_the_first_held_record() -> None:
+    consumer = ScriptedConsumer([[_tp(0, 120), _tp(1, 40)]])
+    Rewinder(consumer).seek_back({(T, 0), (T, 1)}, {(T, 0): 100, (T, 1): 40})  # type: ignore[arg-type]
+    # partition 0: an ambiguous commit went through (committed 120 > held 100): not processed again
+    assert sorted(consumer.seeks) == [(0, 120), (1, 40)]
+
+
+def test_no_commit_yet_seeks_to_the_first_held_record_never_the_beginning() -> None:
+    consumer = ScriptedConsumer([[_tp(0, -1001)]])  # OFFSET_INVALID: the group has no commit there
+    Rewinder(consumer).seek_back({(T, 0)}, {(T, 0): 250})  # type: ignore[arg-type]
+    assert consumer.seeks == [(0, 250)]
+
+
+def test_a_partition_error_is_retried_then_falls_back_to_the_first_held_record() -> None:
+    error = KafkaError(KafkaError.COORDINATOR_LOAD_IN_PROGRESS)
+    consumer = ScriptedConsumer([[_tp(0, -1001, error), _tp(1, 77)], [_tp(0, 300)]])
+    Rewinder(consumer).seek_back({(T, 0), (T, 1)}, {(T, 0): 250, (T, 1): 60})  # type: ignore[arg-type]
+    assert sorted(consumer.seeks) == [(0, 300), (1, 77)]
+    assert consumer.calls == 2  # the second call asked only for the partition that failed
+
+    always = ScriptedConsumer([[_tp(0, -1001, error)]])
+    Rewinder(always).seek_back({(T, 0)}, {(T, 0): 250})  # type: ignore[arg-type]
+    assert always.seeks == [(0, 250)] and always.calls == COMMITTED_TRIES
+
+
+def test_a_timeout_is_retried_and_never_crashes_the_worker() -> None:
+    timeout = KafkaException(KafkaError(KafkaError._TIMED_OUT))
+    consumer = ScriptedConsumer([timeout, timeout, [_tp(0, 310)]])
+    Rewinder(consumer).seek_back({(T, 0)}, {(T, 0): 250})  # type: ignore[arg-type]
+    assert consumer.seeks == [(0, 310)]
+
+    down = ScriptedConsumer([timeout])
+    Rewinder(down).seek_back({(T, 0)}, {(T, 0): 250})  # type: ignore[arg-type]
+    assert down.seeks == [(0, 250)]
