@@ -29,6 +29,7 @@ from consumers.work import WorkItem
 log = logging.getLogger(__name__)
 UNKNOWN_RECHECK_S = 5.0  # how often a run id without a manifest makes the worker re-read J.runs
 DECIDE_TIMEOUT_S = 30.0  # pass_over's longest wait for the open stream's owner (a claim written and read back)
+DECISIONS_KEPT = 4096  # per-run answers remembered (a worker sees few runs at once)
 CLAIM_RETRY_S = 1.0  # after a claim that could not be written
 READBACK_POLL_S = 0.02
 
@@ -68,6 +69,7 @@ class Pinning:
         self.claim_offset: int | None = None  # where this worker's claim of the stream was written
         self._claim_failed_at = -CLAIM_RETRY_S
         self._checked: dict[str, float] = {}  # run ids without a manifest, and when the view was last synced
+        self._decided: dict[str | None, tuple[int, str | None, str]] = {}  # run id -> (view position, answer, run)
 
     def start(self) -> None:
         self.view.start()
@@ -110,7 +112,28 @@ class Pinning:
 
     def pass_over(self, item: WorkItem) -> str | None:
         """None when this worker owns the record, else why it passes it over. Blocks while the open stream's owner
-        is undecided (at most :data:`DECIDE_TIMEOUT_S`, then :class:`PinUndecided`): never processes it early."""
+        is undecided (at most :data:`DECIDE_TIMEOUT_S`, then :class:`PinUndecided`): never processes it early.
+
+        Decisions are remembered per run id while ``J.runs`` has nothing new (the view's position): the worker
+        asks for every record, and a re-pin or a new manifest is a new record on ``J.runs``."""
+        run_id = item.run_id
+        cached = self._decided.get(run_id)
+        if cached is not None and cached[0] == self.view.position:
+            reason = cached[1]
+            if reason is not None:
+                self._count_passed(cached[2], reason)
+            return reason
+        position = self.view.position
+        reason = self._decide(item)
+        if len(self._decided) > DECISIONS_KEPT:
+            self._decided.clear()
+        self._decided[run_id] = (position, reason, self.run_of(item))
+        return reason
+
+    def _count_passed(self, run_id: str, reason: str) -> None:
+        self.passed[run_id] = self.passed.get(run_id, 0) + 1
+
+    def _decide(self, item: WorkItem) -> str | None:
         owner = self.owner_of(item)
         if isinstance(owner, Undecided):
             if not self.wait_decided():
