@@ -214,6 +214,7 @@ class Worker:
     def _poll(self) -> None:
         """Take what librdkafka has fetched; with nothing to do, wait for records or a finished inference."""
         self.wake.clear()
+        self.pauses.wake_fetchers()  # partitions resumed since the last poll fetch at once
         msgs = self.consumer.consume(POLL_BATCH, 0)
         if not msgs and not self._work_ready():
             if self.in_flight or (self.pauses.assigned and not self.pauses.fetching()):
