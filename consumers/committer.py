@@ -28,7 +28,7 @@ from consumers.route import BatchContext, Produced, Router
 from consumers.sink import Commit, SinkThread
 from consumers.work import WorkerStats, WorkItem
 
-COMMIT_GROUP_RECORDS = 8192  # finished micro-batches committed in one transaction, at most this many records
+COMMIT_GROUP_RECORDS = 2048  # finished micro-batches committed in one transaction, at most this many records
 TP = tuple[str, int]
 
 
