@@ -14,13 +14,15 @@ from batchline.cli.common import (
     EngineOpt,
     ModelOpt,
     SetOpt,
+    check_model,
+    connect,
     console,
     fail,
     job_config,
-    kafka_settings,
     out,
 )
 from batchline.config import DEFAULT_BOOTSTRAP, JobConfig
+from batchline.exceptions import NotFoundError
 
 
 def status(
@@ -41,12 +43,13 @@ def status(
     from batchline.kafka.topics import JobTopics
     from batchline.runs.status import collect
 
-    kafka, topics = kafka_settings(bootstrap), JobTopics(job)
+    topics = JobTopics(job)
+    kafka = connect(bootstrap, topics, [topics.runs, topics.ledger])
 
     def snapshot() -> list[dict[str, Any]]:
         runs = [r.as_json() for r in collect(kafka, topics, run)]
         if run is not None and not runs:
-            raise fail(f"no run {run!r} in {topics.runs}")
+            raise NotFoundError(f"no run {run!r} in {topics.runs} at {kafka.bootstrap}")
         return runs
 
     if json_out:
@@ -76,7 +79,9 @@ def dlq_list(
     from batchline.kafka.topics import JobTopics
     from batchline.runs.replay import quarantined, summarise
 
-    summary = summarise(quarantined(kafka_settings(bootstrap), JobTopics(job), run, failure_class)).as_json()
+    topics = JobTopics(job)
+    kafka = connect(bootstrap, topics, [topics.dlq, topics.results])
+    summary = summarise(quarantined(kafka, topics, run, failure_class)).as_json()
     if json_out:
         print(json.dumps(summary, indent=2))
     else:
@@ -126,7 +131,10 @@ def _replay(
     from batchline.runs import replay as rp
     from batchline.runs.identity import fingerprint_of
 
-    kafka, topics, fp = kafka_settings(bootstrap), JobTopics(job, cfg.retry.tiers), fingerprint_of(cfg)
+    check_model(cfg)
+    topics, fp = JobTopics(job, cfg.retry.tiers), fingerprint_of(cfg)
+    need = [topics.requests, topics.runs] + ([topics.dlq, topics.results] if source == "dlq" else [])
+    kafka = connect(bootstrap, topics, need)
     if source == "dlq":
         report = rp.replay_dlq(kafka, topics, fp, run, failure_class)
     elif source == "archive":

@@ -9,6 +9,7 @@ from confluent_kafka import Consumer, Producer
 from confluent_kafka.admin import AdminClient
 
 from batchline.config import KafkaSettings
+from batchline.kafka.liveness import client_error_cb
 
 log = logging.getLogger(__name__)
 
@@ -16,6 +17,8 @@ log = logging.getLogger(__name__)
 def _quiet(conf: dict[str, Any]) -> dict[str, Any]:
     # librdkafka prints connection chatter to stderr; route it through logging instead.
     conf.setdefault("logger", logging.getLogger("librdkafka"))
+    # Broker-down errors reach the liveness detectors of this address (batchline/kafka/liveness.py).
+    conf.setdefault("error_cb", client_error_cb(conf["bootstrap.servers"]))
     return conf
 
 

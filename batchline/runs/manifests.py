@@ -15,6 +15,7 @@ from datetime import UTC, datetime
 from confluent_kafka import TopicPartition
 
 from batchline.config import KafkaSettings
+from batchline.exceptions import BrokerUnreachable
 from batchline.kafka.client import make_producer, make_reader
 from batchline.kafka.topics import JobTopics
 from batchline.runs.identity import Fingerprint
@@ -98,7 +99,7 @@ def write_manifest(kafka: KafkaSettings, topics: JobTopics, manifest: RunManifes
     producer = make_producer(kafka)
     producer.produce(topics.runs, codec_for("run_manifest").encode(manifest), manifest.run_id.encode())
     if producer.flush(30) != 0:
-        raise RuntimeError(f"manifest of run {manifest.run_id} was not delivered")
+        raise BrokerUnreachable(kafka.bootstrap, f"the manifest of run {manifest.run_id} was not delivered in 30s")
 
 
 def manifest_for(job: str, run_id: str, fp: Fingerprint, **fields: object) -> RunManifest:

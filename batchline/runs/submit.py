@@ -20,7 +20,7 @@ from confluent_kafka import KafkaError, Message
 from pydantic import ValidationError
 
 from batchline.config import KafkaSettings
-from batchline.exceptions import InputFileError
+from batchline.exceptions import BrokerUnreachable, InputFileError, KafkaOperationError
 from batchline.kafka import headers as h
 from batchline.kafka.client import make_producer
 from batchline.kafka.topics import JobTopics
@@ -176,8 +176,13 @@ def publish_run(
         report.value_total += value
         if progress:
             progress(1)
-    if producer.flush(FLUSH_TIMEOUT_S) != 0 or errors:
-        raise InputFileError(f"{len(errors) or 'some'} records of run {report.run_id} were not delivered: {errors[:1]}")
+    undelivered = producer.flush(FLUSH_TIMEOUT_S)
+    if errors:
+        what = f"publishing run {report.run_id}"
+        raise KafkaOperationError(kafka.bootstrap, what, f"{len(errors)} records not delivered, e.g. {errors[0]}")
+    if undelivered:
+        reason = f"records of run {report.run_id} not delivered within {FLUSH_TIMEOUT_S:.0f}s"
+        raise BrokerUnreachable(kafka.bootstrap, reason)
     report.manifest = opening.model_copy(
         update={
             "boundaries": [
