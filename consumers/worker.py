@@ -24,7 +24,9 @@ from opentelemetry import trace
 from opentelemetry.trace import SpanKind
 
 from batchline.config import JobConfig, KafkaSettings
+from batchline.exceptions import BatchlineError
 from batchline.kafka.client import make_consumer
+from batchline.kafka.liveness import BrokerLiveness
 from batchline.kafka.topics import JobTopics
 from batchline.runs.identity import Fingerprint, fingerprint_of
 from batchline.telemetry import WorkerMetrics, link_from_traceparent, traceparent_of
@@ -99,6 +101,7 @@ class Worker:
         self.pinning = Pinning(kafka, self.topics, self.fingerprint)
         self.sink = TransactionalSink(kafka, f"{self.group}.{self.worker_id}", sink_fail_batches)
         self.consumer: Consumer = make_consumer(kafka, self.group)
+        self.liveness = BrokerLiveness(kafka, config.job, [self.topics.requests, self.topics.results, self.topics.dlq])
         self.executor = ThreadPoolExecutor(1, thread_name_prefix="engine")
         self.in_flight: deque[_InFlight] = deque()
         self.stats = WorkerStats()
@@ -124,9 +127,11 @@ class Worker:
             self.fingerprint.value,
         )
         self.pinning.start()
+        self.liveness.start()
         self.consumer.subscribe([self.topics.requests], on_assign=self._on_assign, on_revoke=self._on_revoke)
         try:
             while not self.stop_event.is_set() and not self._idle_done():
+                self.liveness.check()  # BrokerLost after broker_loss_timeout_s; MissingTopicError
                 self._poll()
                 if self._outside_window():
                     continue
@@ -134,6 +139,9 @@ class Worker:
                 self._complete(block=False)
                 self._flow_control()
             self._drain()
+        except (BatchlineError, KafkaException):
+            self._abandon()  # nothing more is committed: the partitions' next owner re-reads it
+            raise
         finally:
             self.close()
         return self.stats
@@ -142,6 +150,7 @@ class Worker:
         self.stop_event.set()
 
     def close(self) -> None:
+        self.liveness.close()
         self.executor.shutdown(wait=True)
         self.pinning.stop()
         try:
@@ -162,6 +171,7 @@ class Worker:
         for msg in self.consumer.consume(POLL_BATCH, timeout):
             if msg.error():
                 log.warning("consume error: %s", msg.error())
+                self.liveness.on_error(msg.error())
                 continue
             self._last_record = time.monotonic()
             item = self.intake.admit(msg)
@@ -202,12 +212,14 @@ class Worker:
 
     # -- sink ------------------------------------------------------------------------------------
     def _complete(self, block: bool) -> None:
-        while self.in_flight and (block or self.in_flight[0].future.done()):
+        # No new transaction while the broker is suspected down: it would block until the transaction timeout.
+        while self.in_flight and (block or (self.in_flight[0].future.done() and not self.liveness.down)):
             head = self.in_flight[0]
             inferred = head.future.result()
             try:
                 self._commit(head, inferred)
             except SinkError as exc:
+                self.liveness.failed(str(exc))
                 self.stats.sink_failures += 1  # a fatal error already recreated the producer
                 log.warning("rewinding after a failed transaction (fatal=%s)", exc.fatal)
                 self._rewind()
@@ -239,6 +251,7 @@ class Worker:
             with self.tracer.start_as_current_span("produce and commit"):
                 offsets = self._offsets(batch.items)
                 self.sink.commit(batch.batch_id, produced, offsets, self.consumer.consumer_group_metadata())
+        self.liveness.ok()
         self.stats.batches += 1
         for p in produced:
             self.stats.by_kind[p.kind] = self.stats.by_kind.get(p.kind, 0) + 1
@@ -281,6 +294,11 @@ class Worker:
                 except KafkaException as exc:
                     log.warning("seek %s[%d] failed: %s", tp.topic, tp.partition, exc)
         return assignment
+
+    def _abandon(self) -> None:
+        """The broker is lost or a topic deleted: drop what is uncommitted, so closing commits nothing more."""
+        self.in_flight.clear()
+        self.batcher.drop(self._assigned)
 
     def _outside_window(self) -> bool:
         """Outside the job's time windows: in-flight work committed, partitions paused, nothing buffered.

@@ -81,11 +81,14 @@ class TransactionalProducer:
                 self.producer.poll(0.05)  # the local queue is full: let deliveries drain
 
     def _call(self, fn: Callable[[], T]) -> T:
+        # Retries share one CALL_TIMEOUT_S budget: a call that already waited out its timeout (the broker is
+        # gone) is not repeated, so a lost broker costs one timeout, not CALL_RETRIES of them.
+        deadline = time.monotonic() + CALL_TIMEOUT_S
         for attempt in range(CALL_RETRIES):
             try:
                 return fn()
             except KafkaException as exc:
-                if not exc.args[0].retriable() or attempt == CALL_RETRIES - 1:
+                if not exc.args[0].retriable() or attempt == CALL_RETRIES - 1 or time.monotonic() >= deadline:
                     raise
                 time.sleep(0.1 * 2**attempt)
         raise AssertionError("unreachable")
