@@ -4,7 +4,7 @@
   one metadata request, bounded by ``KafkaSettings.probe_timeout_s``. It returns the names of the existing
   topics, or raises :class:`BrokerUnreachable` naming the address and what to check.
 - :class:`BrokerLiveness` decides when a worker has lost its broker for good. It is fed by librdkafka's
-  ``error_cb`` (the client factory gives every client an ``error_cb`` that forwards to the listeners of its
+  ``error_cb`` (the client factory gives every client an ``error_cb`` that forwards to the detectors of its
   bootstrap address, :func:`client_error_cb`), and by failed commit/consume calls (:meth:`~BrokerLiveness.failed`).
   A background thread probes the broker (every second while it is suspected down, every few seconds otherwise);
   any successful round trip (a probe, a committed transaction: :meth:`~BrokerLiveness.ok`) clears the suspicion.
@@ -42,32 +42,27 @@ SUSPECT_PROBE_INTERVAL_S = 1.0  # probe period while the broker is suspected dow
 WATCH_PROBE_INTERVAL_S = 5.0  # probe period otherwise (also how soon a deleted topic is noticed)
 
 Listener = Callable[[KafkaError], None]
-_listeners: dict[str, list[Listener]] = {}
-_listeners_lock = threading.Lock()
+_detectors: dict[str, list[BrokerLiveness]] = {}
+_detectors_lock = threading.Lock()
 
 
 def client_error_cb(bootstrap: str) -> Listener:
-    """The ``error_cb`` the client factory gives each client of ``bootstrap``: forwards to its listeners."""
+    """The ``error_cb`` the client factory gives each client of ``bootstrap``: forwards to its detectors."""
 
     def on_error(err: KafkaError) -> None:
-        with _listeners_lock:
-            targets = list(_listeners.get(bootstrap, ()))
-        for listener in targets:
-            listener(err)
+        with _detectors_lock:
+            targets = list(_detectors.get(bootstrap, ()))
+        for detector in targets:
+            detector.on_error(err)
 
     return on_error
 
 
-def _listen(bootstrap: str, listener: Listener) -> None:
-    with _listeners_lock:
-        _listeners.setdefault(bootstrap, []).append(listener)
-
-
-def _unlisten(bootstrap: str, listener: Listener) -> None:
-    with _listeners_lock:
-        targets = _listeners.get(bootstrap, [])
-        if listener in targets:
-            targets.remove(listener)
+def suspected_down(bootstrap: str) -> bool:
+    """Whether a running detector of this address suspects the broker down (then retrying a call is futile)."""
+    with _detectors_lock:
+        targets = list(_detectors.get(bootstrap, ()))
+    return any(detector.down for detector in targets)
 
 
 def _addresses(bootstrap: str) -> list[tuple[str, int]]:
@@ -212,13 +207,16 @@ class BrokerLiveness:
     # -- lifecycle -------------------------------------------------------------------------------
     def start(self) -> BrokerLiveness:
         """Listen to the errors of every client of this bootstrap address and start probing."""
-        _listen(self.bootstrap, self.on_error)
+        with _detectors_lock:
+            _detectors.setdefault(self.bootstrap, []).append(self)
         self._thread = threading.Thread(target=self._loop, name="broker-liveness", daemon=True)
         self._thread.start()
         return self
 
     def close(self) -> None:
-        _unlisten(self.bootstrap, self.on_error)
+        with _detectors_lock:
+            if self in _detectors.get(self.bootstrap, []):
+                _detectors[self.bootstrap].remove(self)
         self._stop.set()
         self._wake.set()
         if self._thread is not None:

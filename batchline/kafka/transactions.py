@@ -18,6 +18,7 @@ from confluent_kafka import KafkaError, KafkaException, Producer, TopicPartition
 from batchline.config import KafkaSettings
 from batchline.exceptions import BatchlineError
 from batchline.kafka.client import make_producer
+from batchline.kafka.liveness import suspected_down
 
 log = logging.getLogger(__name__)
 T = TypeVar("T")
@@ -81,14 +82,15 @@ class TransactionalProducer:
                 self.producer.poll(0.05)  # the local queue is full: let deliveries drain
 
     def _call(self, fn: Callable[[], T]) -> T:
-        # Retries share one CALL_TIMEOUT_S budget: a call that already waited out its timeout (the broker is
-        # gone) is not repeated, so a lost broker costs one timeout, not CALL_RETRIES of them.
+        # Retries share one CALL_TIMEOUT_S budget, and stop while the broker is suspected down (its liveness
+        # detector decides when to give up): a lost broker costs one call timeout, not CALL_RETRIES of them.
         deadline = time.monotonic() + CALL_TIMEOUT_S
         for attempt in range(CALL_RETRIES):
             try:
                 return fn()
             except KafkaException as exc:
-                if not exc.args[0].retriable() or attempt == CALL_RETRIES - 1 or time.monotonic() >= deadline:
+                give_up = time.monotonic() >= deadline or suspected_down(self.kafka.bootstrap)
+                if not exc.args[0].retriable() or attempt == CALL_RETRIES - 1 or give_up:
                     raise
                 time.sleep(0.1 * 2**attempt)
         raise AssertionError("unreachable")
