@@ -169,7 +169,44 @@ def dlq(
         raise fail(f"dlq action must be list or replay, not {action!r}")
 
 
+def export(
+    job: str,
+    run: Annotated[str, typer.Option("--run", help="The run to export.")],
+    out_path: Annotated[Path, typer.Option("--out", help="Output file; dead letters go to OUT.errors.jsonl.")],
+    format: Annotated[str, typer.Option("--format", help="jsonl, openai or parquet.")] = "jsonl",
+    json_out: Annotated[bool, typer.Option("--json", help="Print the report as JSON.")] = False,
+    bootstrap: Bootstrap = DEFAULT_BOOTSTRAP,
+) -> None:
+    """Write run RUN's results (one per request id, with lineage) to OUT and its dead letters beside them."""
+    import json
+
+    from batchline.cli.progress import bar
+    from batchline.kafka.topics import JobTopics
+    from batchline.runs.export import FORMATS, export_run, find_run
+
+    if format not in FORMATS:
+        raise fail(f"--format must be jsonl, openai or parquet, not {format!r}")
+    if not out_path.parent.is_dir():
+        raise fail(f"cannot write {out_path}: no directory {out_path.parent}")
+    topics = JobTopics(job)
+    kafka = connect(bootstrap, topics, [topics.runs, topics.results, topics.dlq])
+    manifest = find_run(kafka, topics, run)
+    with bar(console, f"exporting {run}", total=manifest.record_count, quiet=json_out) as advance:
+        report = export_run(kafka, topics, run, format, out_path, advance, manifest)  # type: ignore[arg-type]
+    if json_out:
+        print(json.dumps(report.as_json(), indent=2))
+        return
+    pending = f"; {report.missing} records of the run have no outcome yet" if report.missing else ""
+    console.print(
+        f"run {run}: {report.results} results to {report.path}, {report.errors} dead letters to "
+        f"{report.errors_path}{pending}",
+        soft_wrap=True,
+        highlight=False,
+    )
+
+
 def register(app: typer.Typer) -> None:
     app.command()(status)
     app.command()(dlq)
     app.command()(replay)
+    app.command()(export)
