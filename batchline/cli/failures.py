@@ -45,14 +45,14 @@ def one_line(text: str) -> str:
     return " ".join(str(text).split())
 
 
-def _kinds(exc: BaseException) -> set[str]:
-    # typer vendors its own copy of click: its exceptions are matched by class name, not by import.
-    return {cls.__name__ for cls in type(exc).__mro__}
+def _click_kinds(exc: BaseException) -> set[str]:
+    # typer vendors its own copy of click: its exceptions are matched by module and class name, not by import.
+    return {cls.__name__ for cls in type(exc).__mro__ if "click" in cls.__module__}
 
 
 def report(exc: BaseException, bootstrap: str) -> int:
     """Print ``exc`` as one line on stderr and return the exit code."""
-    kinds = _kinds(exc)
+    kinds = _click_kinds(exc)
     if "NoArgsIsHelpError" in kinds:
         exc.show()  # type: ignore[attr-defined]  # no arguments at all: the help text, as click prints it
         return ExitCode.USAGE
