@@ -320,12 +320,25 @@ def main(argv: Sequence[str] | None = None) -> None:
     """Run one command; every failure ends as one line on stderr and an exit code (README: exit codes)."""
     from batchline.cli.failures import report
 
+    interrupted: list[int] = []
+
+    def on_sigint(signum: int, frame: Any) -> None:
+        interrupted.append(signum)
+        raise KeyboardInterrupt
+
+    # Ctrl-C inside a C extension's call can surface as another exception: remember it was Ctrl-C.
+    signal.signal(signal.SIGINT, on_sigint)
     try:
         result = app(args=argv, standalone_mode=False)
     except BaseException as exc:
         if isinstance(exc, SystemExit):
             raise
-        sys.exit(report(exc, current_bootstrap[0] if current_bootstrap else DEFAULT_BOOTSTRAP))
+        sys.exit(
+            report(
+                KeyboardInterrupt() if interrupted else exc,
+                current_bootstrap[0] if current_bootstrap else DEFAULT_BOOTSTRAP,
+            )
+        )
     sys.exit(result if isinstance(result, int) else 0)
 
 

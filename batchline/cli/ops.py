@@ -44,7 +44,7 @@ def status(
     from batchline.runs.status import collect
 
     topics = JobTopics(job)
-    kafka = connect(bootstrap, topics, [topics.runs, topics.ledger])
+    kafka = connect(bootstrap, topics, [topics.runs, topics.ledger, topics.requests])
 
     def snapshot() -> list[dict[str, Any]]:
         runs = [r.as_json() for r in collect(kafka, topics, run)]
@@ -186,8 +186,8 @@ def export(
 
     if format not in FORMATS:
         raise fail(f"--format must be jsonl, openai or parquet, not {format!r}")
-    if not out_path.parent.is_dir():
-        raise fail(f"cannot write {out_path}: no directory {out_path.parent}")
+    if not out_path.parent.is_dir() or out_path.is_dir():
+        raise fail(f"cannot write {out_path}: " + ("it is a directory" if out_path.is_dir() else "no such directory"))
     topics = JobTopics(job)
     kafka = connect(bootstrap, topics, [topics.runs, topics.results, topics.dlq])
     manifest = find_run(kafka, topics, run)

@@ -117,6 +117,13 @@ def test_missing_input_file_is_a_usage_error(nowhere: str, tmp_path: Path) -> No
     assert one_line(proc) == f"error: no such file: {tmp_path / 'absent.jsonl'}"
 
 
+def test_output_that_cannot_be_written_is_a_usage_error(nowhere: str, tmp_path: Path) -> None:
+    out = tmp_path / "absent" / "out.jsonl"
+    proc = run_cli(nowhere, "export", "j", "--run", "r-1", "--out", str(out), check=False)
+    assert proc.returncode == ExitCode.USAGE
+    assert one_line(proc) == f"error: cannot write {out}: no such directory"
+
+
 # -- 3: broker -------------------------------------------------------------------------------------
 @pytest.mark.parametrize("command", COMMANDS)
 def test_no_broker_at_the_address(command: str, nowhere: str, tmp_path: Path) -> None:
@@ -268,5 +275,5 @@ def test_ctrl_c(kafka: KafkaSettings, job_name: str, make_job: Callable[..., Job
         reader.join(5)
         proc.send_signal(signal.SIGINT)
         _, err = proc.communicate(timeout=60)
-    assert proc.returncode == ExitCode.INTERRUPTED
+    assert proc.returncode == ExitCode.INTERRUPTED, err
     assert "Traceback" not in err
