@@ -198,7 +198,9 @@ def worker(
     cfg = job_config(job, config, engine, model, engine_arg, set_)
     check_model(cfg)  # before anything heavy loads
     topics = JobTopics(job, cfg.retry.tiers)
-    kafka = connect(bootstrap, topics, [topics.requests, topics.results, *topics.retries, topics.dlq, topics.runs])
+    # Retry tiers are not required here: where the broker auto-creates topics, the first retry creates its tier.
+    # `batchline streams` refuses to start without them.
+    kafka = connect(bootstrap, topics, [topics.requests, topics.results, topics.dlq, topics.runs])
     setup_telemetry(cfg.telemetry, f"batchline-worker-{job}")
     fails = [int(x) for x in fail_transactions.split(",") if x.strip()]
     w = Worker(cfg, kafka, sink_fail_batches=fails, idle_exit_s=idle_exit)
