@@ -20,6 +20,7 @@ import uuid
 from dataclasses import dataclass
 
 from batchline.config import KafkaSettings
+from batchline.exceptions import BatchlineError
 from batchline.kafka.topics import JobTopics
 from batchline.runs.identity import Fingerprint
 from batchline.runs.manifests import STREAM_RUN, RunsView, claim_stream
@@ -158,6 +159,6 @@ class Pinning:
             return
         try:
             self.claim_offset = claim_stream(self.kafka, self.topics, self.fp, self.claim_id)
-        except RuntimeError as exc:
+        except (RuntimeError, BatchlineError) as exc:
             self._claim_failed_at = time.monotonic()
             log.warning("could not claim the open stream of %s: %s", self.topics.job, exc)

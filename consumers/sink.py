@@ -151,6 +151,14 @@ class SinkThread:
         with self._cond:
             return not self._queue and not self._busy
 
+    def discard_queued(self) -> None:
+        """Drop the transactions not yet started (the one committing finishes)."""
+        with self._cond:
+            for commit in list(self._queue)[1 if self._busy else 0 :]:
+                commit.error = SinkError("discarded: the worker is stopping", commit.batch_id, True, False)
+                commit.done = True
+            self._queue = deque(list(self._queue)[:1]) if self._busy else deque()
+
     def wait_idle(self) -> None:
         """Until nothing is queued or committing (a transaction's calls are bounded by their timeouts)."""
         with self._cond:

@@ -25,11 +25,12 @@ import uuid
 from collections import deque
 from collections.abc import Sequence
 
-from confluent_kafka import Consumer, KafkaError, TopicPartition
+from confluent_kafka import Consumer, KafkaError, KafkaException, TopicPartition
 
 from batchline.config import JobConfig, KafkaSettings
-from batchline.exceptions import ConfigError
+from batchline.exceptions import BatchlineError, ConfigError
 from batchline.kafka.client import make_consumer
+from batchline.kafka.liveness import BrokerLiveness
 from batchline.kafka.topics import (
     MESSAGE_HEADROOM,
     JobTopics,
@@ -113,6 +114,8 @@ class Worker:
             kafka, f"{self.group}.{self.worker_id}", sink_fail_batches, limits, self.router.replacement
         )
         self.sink_thread = SinkThread(self.sink, self.wake.set)
+        watched = [self.topics.requests, self.topics.results, self.topics.dlq]
+        self.liveness = BrokerLiveness(kafka, config.job, watched)  # exits after broker_loss_timeout_s without one
         # librdkafka's prefetch counts against memory too: bounded in bytes and records. Its default back-off when
         # that queue is full (fetch.queue.backoff.ms, 1 s) would leave the engine idle after every pause.
         # librdkafka's buffers are bounded like the worker's own: its prefetch queue, and one fetch response (50 MB
@@ -166,6 +169,7 @@ class Worker:
         gc.set_threshold(GC_YOUNG, 20, 100)
         self.feeder.start()
         self.sink_thread.start()
+        self.liveness.start()
         self.consumer.subscribe(
             [self.topics.requests], on_assign=self._on_assign, on_revoke=self._on_revoke, on_lost=self._on_lost
         )
@@ -180,6 +184,7 @@ class Worker:
         try:
             while not self.stop_event.is_set() and not self._idle_done():
                 self.health.beat(waiting=bool(self.in_flight))  # liveness: records wait on the engine or the sink
+                self.liveness.check()  # BrokerLost after broker_loss_timeout_s; MissingTopicError
                 self._poll()
                 self._check_engine()
                 self._follow_schedule()
@@ -187,6 +192,9 @@ class Worker:
                 self._complete()
                 self._flow_control()
             self._drain()
+        except (BatchlineError, KafkaException):
+            self._abandon()  # nothing more is committed: the partitions' next owner re-reads it
+            raise
         finally:
             self.close()
         return self.stats
@@ -200,6 +208,7 @@ class Worker:
         self.feeder.close()
         self.sink_thread.close()
         self.lanes.stop()
+        self.liveness.close()
         self.pinning.stop()
         try:
             self.consumer.close()
@@ -234,6 +243,7 @@ class Worker:
             if msg.error():
                 if msg.error().code() != KafkaError._PARTITION_EOF:
                     log.warning("consume error: %s", msg.error())
+                    self.liveness.on_error(msg.error())
                 continue
             item = self.intake.admit(msg)
             item.passed_over = self.pinning.pass_over(item)
@@ -325,13 +335,26 @@ class Worker:
     def _complete(self, in_callback: bool = False) -> bool:
         """Take committed micro-batches off the line, queue the next finished ones. False after a failed commit
         (everything uncommitted was rewound)."""
+        committed = self.stats.transactions
         error = self.committer.harvest(self.in_flight)
+        if self.stats.transactions > committed:
+            self.liveness.ok()  # a round trip to the broker
         if error is not None:
+            self.liveness.failed(str(error))
             log.warning("rewinding after a failed transaction (fatal=%s)", error.fatal)
             self._rewind(in_callback=in_callback)
             return False
-        self.committer.queue(self.in_flight)
+        if not self.liveness.down:  # no new transaction while the broker is suspected down: it would only block
+            self.committer.queue(self.in_flight)
         return True
+
+    def _abandon(self) -> None:
+        """Stop without committing anything more (the broker is lost, a topic is gone): in-flight and buffered
+        records are dropped, and their partitions' next owner re-reads them from the committed offsets."""
+        self.sink_thread.discard_queued()
+        self.feeder.cancel(self.in_flight)
+        self.in_flight.clear()
+        self.batcher.drop({(i.source.topic, i.source.partition) for i in self.batcher.items()})
 
     # -- rewinds ---------------------------------------------------------------------------------
     def _rewind(self, partitions: set[TP] | None = None, in_callback: bool = False) -> None:

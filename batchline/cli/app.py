@@ -1,6 +1,8 @@
 """The ``batchline`` command line (typer + rich). Nothing else imports this module.
 
-Every command takes ``--bootstrap`` (env ``BATCHLINE_BOOTSTRAP``). Errors are one line and a non-zero exit.
+Every command takes ``--bootstrap`` (env ``BATCHLINE_BOOTSTRAP``) and probes the broker before it touches Kafka.
+Errors are one line and a documented exit code (``batchline.exceptions.ExitCode``), through the one handler in
+:func:`main` (``batchline.cli.failures``).
 """
 
 from __future__ import annotations
@@ -8,6 +10,7 @@ from __future__ import annotations
 import logging
 import signal
 import sys
+from collections.abc import Sequence
 from pathlib import Path
 from typing import Annotated, Any
 
@@ -21,14 +24,16 @@ from batchline.cli.common import (
     EngineOpt,
     ModelOpt,
     SetOpt,
+    check_model,
+    connect,
     console,
+    current_bootstrap,
     fail,
     job_config,
-    kafka_settings,
     out,
 )
 from batchline.config import DEFAULT_BOOTSTRAP, JobConfig, KafkaSettings
-from batchline.exceptions import BatchlineError
+from batchline.exceptions import InputFileError
 
 app = typer.Typer(
     add_completion=False,
@@ -79,8 +84,10 @@ def topics_create(
     from batchline.kafka.topics import JobTopics, create_job_topics
 
     cfg = job_config(job, config)
+    if pin:
+        check_model(cfg)
     topics = JobTopics(job, cfg.retry.tiers)
-    kafka = kafka_settings(bootstrap)
+    kafka = connect(bootstrap, topics)
     for name, state in create_job_topics(kafka, topics, partitions, cfg.max_request_bytes).items():
         out.print(f"{name}: {state}")
     if pin:
@@ -119,7 +126,9 @@ def pin(
     from batchline.runs.manifests import pin_stream
 
     cfg = job_config(job, config, engine, model, engine_arg, set_)
-    m = pin_stream(kafka_settings(bootstrap), JobTopics(job, cfg.retry.tiers), fingerprint_of(cfg), reason)
+    check_model(cfg)
+    topics = JobTopics(job, cfg.retry.tiers)
+    m = pin_stream(connect(bootstrap, topics, [topics.runs]), topics, fingerprint_of(cfg), reason)
     out.print(f"open stream of {job} pinned to {m.fingerprint}")
 
 
@@ -146,12 +155,15 @@ def submit(
     if format not in ("jsonl", "openai", "parquet"):
         raise fail(f"--format must be jsonl, openai or parquet, not {format!r}")
     if not file.is_file():
-        raise fail(f"no such file: {file}")
+        raise InputFileError(f"no such file: {file}")
     cfg = job_config(job, config, engine, model, engine_arg, set_)
+    check_model(cfg)
+    topics = JobTopics(job, cfg.retry.tiers)
+    kafka = connect(bootstrap, topics, [topics.requests, topics.runs])
     with bar(console, f"submitting {file.name}", total=None, quiet=json_out) as advance:
         report = submit_file(
-            kafka_settings(bootstrap),
-            JobTopics(job, cfg.retry.tiers),
+            kafka,
+            topics,
             file,
             fingerprint_of(cfg),
             format,  # type: ignore[arg-type]
@@ -189,16 +201,22 @@ def worker(
     bootstrap: Bootstrap = DEFAULT_BOOTSTRAP,
 ) -> None:
     """Run a GPU consumer-group worker for JOB until SIGTERM/Ctrl-C (then drains and commits)."""
+    from batchline.kafka.topics import JobTopics
     from batchline.telemetry import Health, serve_probes, setup_telemetry
     from consumers.worker import Worker
 
     logging.basicConfig(level=log_level.upper(), format="%(asctime)s %(levelname)s %(name)s: %(message)s")
     cfg = job_config(job, config, engine, model, engine_arg, set_)
+    check_model(cfg)  # before anything heavy loads
+    topics = JobTopics(job, cfg.retry.tiers)
+    # Retry tiers are not required here: where the broker auto-creates topics, the first retry creates its tier.
+    # `batchline streams` refuses to start without them.
+    kafka = connect(bootstrap, topics, [topics.requests, topics.results, topics.dlq, topics.runs])
     setup_telemetry(cfg.telemetry, f"batchline-worker-{job}", prometheus=metrics_port is not None)
     health = Health.for_worker(cfg)
     serve_probes(metrics_port, health)  # before the engine loads: live, not ready
     fails = [int(x) for x in fail_transactions.split(",") if x.strip()]
-    w = Worker(cfg, kafka_settings(bootstrap), sink_fail_batches=fails, idle_exit_s=idle_exit, health=health)
+    w = Worker(cfg, kafka, sink_fail_batches=fails, idle_exit_s=idle_exit, health=health)
     signal.signal(signal.SIGTERM, lambda *_: w.stop())
     signal.signal(signal.SIGINT, lambda *_: w.stop())
     stats = w.run()
@@ -224,19 +242,22 @@ def streams_cmd(
     bootstrap: Bootstrap = DEFAULT_BOOTSTRAP,
 ) -> None:
     """Run JOB's retry scheduler and completion ledger until SIGTERM/Ctrl-C (retry tiers from the config)."""
+    from batchline.kafka.topics import JobTopics
     from batchline.telemetry import Health, serve_probes, setup_telemetry
     from streams import StreamsApp
     from streams.ledger import LedgerSettings
 
     logging.basicConfig(level=log_level.upper(), format="%(asctime)s %(levelname)s %(name)s: %(message)s")
     cfg = job_config(job, config, sets=set_)
+    topics = JobTopics(job, cfg.retry.tiers)
+    kafka = connect(bootstrap, topics, topics.all())
     ledger = LedgerSettings(dir=ledger_dir) if ledger_dir else LedgerSettings()
     setup_telemetry(cfg.telemetry, f"batchline-streams-{job}", prometheus=metrics_port is not None)
     health = Health.for_streams(cfg)
     serve_probes(metrics_port, health)
     streams_app = StreamsApp(
         cfg,
-        kafka_settings(bootstrap),
+        kafka,
         idle_exit_s=idle_exit,
         snapshot_interval_s=snapshot_interval,
         ledger=ledger,
@@ -307,6 +328,7 @@ def fingerprint(
     from batchline.runs.identity import fingerprint_of
 
     cfg = job_config(job, config, engine, model, engine_arg, set_)
+    check_model(cfg)
     fp = fingerprint_of(cfg)
     group = JobTopics(job, cfg.retry.tiers).worker_group(fp.value)
     if json_out:
@@ -326,14 +348,30 @@ def config_doc() -> None:
 cli_ops.register(app)
 
 
-def main() -> None:
+def main(argv: Sequence[str] | None = None) -> None:
+    """Run one command; every failure ends as one line on stderr and an exit code (README: exit codes)."""
+    from batchline.cli.failures import report
+
+    interrupted: list[int] = []
+
+    def on_sigint(signum: int, frame: Any) -> None:
+        interrupted.append(signum)
+        raise KeyboardInterrupt
+
+    # Ctrl-C inside a C extension's call can surface as another exception: remember it was Ctrl-C.
+    signal.signal(signal.SIGINT, on_sigint)
     try:
-        app()
-    except BatchlineError as exc:
-        console.print(f"[red]error:[/red] {exc}", highlight=False)
-        sys.exit(2)
-    except KeyboardInterrupt:
-        sys.exit(130)
+        result = app(args=argv, standalone_mode=False)
+    except BaseException as exc:
+        if isinstance(exc, SystemExit):
+            raise
+        sys.exit(
+            report(
+                KeyboardInterrupt() if interrupted else exc,
+                current_bootstrap[0] if current_bootstrap else DEFAULT_BOOTSTRAP,
+            )
+        )
+    sys.exit(result if isinstance(result, int) else 0)
 
 
 if __name__ == "__main__":

@@ -1,18 +1,23 @@
-"""Shared pieces of the CLI: consoles, option types, config assembly, one-line failures."""
+"""Shared pieces of the CLI: consoles, option types, config assembly, the broker preflight, one-line failures."""
 
 from __future__ import annotations
 
+import json
 from pathlib import Path
 from typing import Annotated, Any
 
 import typer
+from pydantic import ValidationError
 from rich.console import Console
 
 from batchline.config import JobConfig, KafkaSettings, load_job_config, parse_scalar
-from batchline.exceptions import ConfigError
+from batchline.exceptions import BatchlineError, ConfigError, ExitCode, MissingTopicError, ModelError
+from batchline.kafka.topics import JobTopics
 
 console = Console(stderr=True)
 out = Console()
+# The address the running command talks to, so a Kafka error that escapes a library call still names it.
+current_bootstrap: list[str] = []
 
 Bootstrap = Annotated[str, typer.Option("--bootstrap", envvar="BATCHLINE_BOOTSTRAP", help="Kafka bootstrap servers.")]
 ConfigOpt = Annotated[Path | None, typer.Option("--config", help="Job config (TOML).")]
@@ -20,15 +25,43 @@ EngineOpt = Annotated[str | None, typer.Option("--engine", help="vllm or determi
 ModelOpt = Annotated[str | None, typer.Option("--model", help="Local model path.")]
 EngineArgs = Annotated[list[str] | None, typer.Option("--engine-arg", help="key=value passed to the engine.")]
 SetOpt = Annotated[list[str] | None, typer.Option("--set", help="dotted.key=value config override.")]
+_WEIGHT_SUFFIXES = (".safetensors", ".bin", ".pt", ".gguf")
 
 
-def fail(message: str, code: int = 2) -> typer.Exit:
-    console.print(f"[red]error:[/red] {message}", highlight=False)
-    return typer.Exit(code)
+class CliFailure(BatchlineError):
+    """A failure the CLI itself detects (a bad flag value, an incomplete demo), with its exit code."""
+
+    def __init__(self, message: str, code: int) -> None:
+        super().__init__(message)
+        self.exit_code = code
+
+
+def fail(message: str, code: int = ExitCode.USAGE) -> CliFailure:
+    """A one-line failure for the CLI's handler: ``raise fail(...)``."""
+    return CliFailure(message, code)
 
 
 def kafka_settings(bootstrap: str) -> KafkaSettings:
-    return KafkaSettings(bootstrap=bootstrap)
+    """The Kafka settings for ``bootstrap`` (other fields from ``BATCHLINE_*``); a bad env value is one line."""
+    current_bootstrap[:] = [bootstrap]
+    try:
+        return KafkaSettings(bootstrap=bootstrap)
+    except ValidationError as exc:
+        err = exc.errors()[0]
+        name = "BATCHLINE_" + "_".join(str(p) for p in err["loc"]).upper()
+        raise ConfigError(f"{name}: {err['msg']}") from None
+
+
+def connect(bootstrap: str, topics: JobTopics | None = None, need: list[str] | None = None) -> KafkaSettings:
+    """The Kafka settings, once the broker has answered (exit 3 otherwise) and ``need`` topics exist (exit 4)."""
+    from batchline.kafka.liveness import probe
+
+    kafka = kafka_settings(bootstrap)
+    existing = probe(kafka)
+    missing = [t for t in need or [] if t not in existing]
+    if missing:
+        raise MissingTopicError(kafka.bootstrap, topics.job if topics else "JOB", missing)
+    return kafka
 
 
 def _pairs(items: list[str] | None, flag: str) -> dict[str, Any]:
@@ -49,6 +82,11 @@ def job_config(
     engine_args: list[str] | None = None,
     sets: list[str] | None = None,
 ) -> JobConfig:
+    if config is not None and config.exists():
+        try:
+            config.read_bytes()
+        except OSError as exc:
+            raise ConfigError(f"cannot read config {config}: {exc.strerror or exc}") from None
     overrides: dict[str, Any] = _pairs(sets, "--set")
     if engine:
         overrides["engine.name"] = engine
@@ -57,3 +95,27 @@ def job_config(
     for key, value in _pairs(engine_args, "--engine-arg").items():
         overrides[f"engine.engine_kwargs.{key}"] = value
     return load_job_config(job, config, overrides)
+
+
+def check_model(cfg: JobConfig) -> None:
+    """Fail fast (exit 6), before anything heavy loads, when a vllm job's model path is not a model directory.
+
+    A model directory holds a readable ``config.json`` and at least one weight file; the fingerprint is computed
+    from those files, so ``submit`` and ``pin`` check too: a run pinned to a model that is not there would wait
+    for a worker that can never exist.
+    """
+    eng = cfg.engine
+    if eng.name != "vllm":
+        return
+    if not eng.model:
+        raise ModelError("the vllm engine needs a local model directory: --model PATH or engine.model")
+    root = Path(eng.model)
+    if not root.is_dir():
+        raise ModelError(f"model {root} is not a directory: give --model a local model directory")
+    try:
+        json.loads((root / "config.json").read_text())
+    except (OSError, ValueError) as exc:
+        reason = "has no config.json" if isinstance(exc, FileNotFoundError) else "has an unreadable config.json"
+        raise ModelError(f"{root} is not a model directory: it {reason}") from None
+    if not any(f.suffix in _WEIGHT_SUFFIXES for f in root.rglob("*") if f.is_file()):
+        raise ModelError(f"{root} is not a model directory: no weight files ({', '.join(_WEIGHT_SUFFIXES)})")

@@ -14,13 +14,15 @@ from batchline.cli.common import (
     EngineOpt,
     ModelOpt,
     SetOpt,
+    check_model,
+    connect,
     console,
     fail,
     job_config,
-    kafka_settings,
     out,
 )
 from batchline.config import DEFAULT_BOOTSTRAP, JobConfig
+from batchline.exceptions import NotFoundError
 
 
 def status(
@@ -41,12 +43,13 @@ def status(
     from batchline.kafka.topics import JobTopics
     from batchline.runs.status import collect
 
-    kafka, topics = kafka_settings(bootstrap), JobTopics(job)
+    topics = JobTopics(job)
+    kafka = connect(bootstrap, topics, [topics.runs, topics.ledger, topics.requests])
 
     def snapshot() -> list[dict[str, Any]]:
         runs = [r.as_json() for r in collect(kafka, topics, run)]
         if run is not None and not runs:
-            raise fail(f"no run {run!r} in {topics.runs}")
+            raise NotFoundError(f"no run {run!r} in {topics.runs} at {kafka.bootstrap}")
         return runs
 
     if json_out:
@@ -76,7 +79,9 @@ def dlq_list(
     from batchline.kafka.topics import JobTopics
     from batchline.runs.replay import quarantined, summarise
 
-    summary = summarise(quarantined(kafka_settings(bootstrap), JobTopics(job), run, failure_class)).as_json()
+    topics = JobTopics(job)
+    kafka = connect(bootstrap, topics, [topics.dlq, topics.results])
+    summary = summarise(quarantined(kafka, topics, run, failure_class)).as_json()
     if json_out:
         print(json.dumps(summary, indent=2))
     else:
@@ -126,7 +131,10 @@ def _replay(
     from batchline.runs import replay as rp
     from batchline.runs.identity import fingerprint_of
 
-    kafka, topics, fp = kafka_settings(bootstrap), JobTopics(job, cfg.retry.tiers), fingerprint_of(cfg)
+    check_model(cfg)
+    topics, fp = JobTopics(job, cfg.retry.tiers), fingerprint_of(cfg)
+    need = [topics.requests, topics.runs] + ([topics.dlq, topics.results] if source == "dlq" else [])
+    kafka = connect(bootstrap, topics, need)
     if source == "dlq":
         report = rp.replay_dlq(kafka, topics, fp, run, failure_class)
     elif source == "archive":
@@ -161,7 +169,44 @@ def dlq(
         raise fail(f"dlq action must be list or replay, not {action!r}")
 
 
+def export(
+    job: str,
+    run: Annotated[str, typer.Option("--run", help="The run to export.")],
+    out_path: Annotated[Path, typer.Option("--out", help="Output file; dead letters go to OUT.errors.jsonl.")],
+    format: Annotated[str, typer.Option("--format", help="jsonl, openai or parquet.")] = "jsonl",
+    json_out: Annotated[bool, typer.Option("--json", help="Print the report as JSON.")] = False,
+    bootstrap: Bootstrap = DEFAULT_BOOTSTRAP,
+) -> None:
+    """Write run RUN's results (one per request id, with lineage) to OUT and its dead letters beside them."""
+    import json
+
+    from batchline.cli.progress import bar
+    from batchline.kafka.topics import JobTopics
+    from batchline.runs.export import FORMATS, export_run, find_run
+
+    if format not in FORMATS:
+        raise fail(f"--format must be jsonl, openai or parquet, not {format!r}")
+    if not out_path.parent.is_dir() or out_path.is_dir():
+        raise fail(f"cannot write {out_path}: " + ("it is a directory" if out_path.is_dir() else "no such directory"))
+    topics = JobTopics(job)
+    kafka = connect(bootstrap, topics, [topics.runs, topics.results, topics.dlq])
+    manifest = find_run(kafka, topics, run)
+    with bar(console, f"exporting {run}", total=manifest.record_count, quiet=json_out) as advance:
+        report = export_run(kafka, topics, run, format, out_path, advance, manifest)  # type: ignore[arg-type]
+    if json_out:
+        print(json.dumps(report.as_json(), indent=2))
+        return
+    pending = f"; {report.missing} records of the run have no outcome yet" if report.missing else ""
+    console.print(
+        f"run {run}: {report.results} results to {report.path}, {report.errors} dead letters to "
+        f"{report.errors_path}{pending}",
+        soft_wrap=True,
+        highlight=False,
+    )
+
+
 def register(app: typer.Typer) -> None:
     app.command()(status)
     app.command()(dlq)
     app.command()(replay)
+    app.command()(export)

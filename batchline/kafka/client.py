@@ -17,6 +17,7 @@ from confluent_kafka import Consumer, KafkaException, Producer
 from confluent_kafka.admin import AdminClient
 
 from batchline.exceptions import ConfigError
+from batchline.kafka.liveness import client_error_cb
 from batchline.kafka.settings import KafkaSettings
 
 log = logging.getLogger(__name__)
@@ -85,6 +86,8 @@ def redact(text: str, kafka: KafkaSettings) -> str:
 def _build(kind: Callable[[dict[str, Any]], C], conf: dict[str, Any], kafka: KafkaSettings) -> C:
     # librdkafka prints connection chatter to stderr; route it through logging instead.
     conf.setdefault("logger", logging.getLogger("librdkafka"))
+    # Broker-down errors reach the liveness detectors of this address (batchline/kafka/liveness.py).
+    conf.setdefault("error_cb", client_error_cb(conf["bootstrap.servers"]))
     try:
         return kind(conf)
     except KafkaException as exc:

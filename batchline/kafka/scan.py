@@ -22,10 +22,15 @@ SCAN_IDLE_S = 0.6
 
 
 def scan(
-    kafka: KafkaSettings, topic: str, ranges: dict[int, tuple[int, int]] | None = None, idle_s: float = SCAN_IDLE_S
+    kafka: KafkaSettings,
+    topic: str,
+    ranges: dict[int, tuple[int, int]] | None = None,
+    idle_s: float = SCAN_IDLE_S,
+    **overrides: Any,
 ) -> Iterator[Any]:
-    """Every message of ``topic``, or of the given per-partition ``[start, end)`` ranges, in partition order."""
-    reader = make_reader(kafka, **{"group.id": f"batchline-scan-{time.monotonic_ns()}"})
+    """Every message of ``topic``, or of the given per-partition ``[start, end)`` ranges, in partition order.
+    ``overrides``: librdkafka settings of the reader (e.g. smaller prefetch queues for a long read)."""
+    reader = make_reader(kafka, **({"group.id": f"batchline-scan-{time.monotonic_ns()}"} | overrides))
     try:
         meta = reader.list_topics(topic, timeout=READ_TIMEOUT_S).topics.get(topic)
         if meta is None or meta.error is not None:

@@ -155,6 +155,20 @@ class KafkaSettings(BaseSettings):
         description="Producer transaction timeout; transactions begin after inference, so this "
         "bounds produce+commit only.",
     )
+    # -- failure detection (batchline/kafka/liveness.py) --
+    probe_timeout_s: float = Field(
+        5.0,
+        gt=0,
+        description="How long a command waits for the broker to answer before it fails with exit code 3. "
+        "Longer tolerates a slow network; shorter fails faster when the address is wrong.",
+    )
+    broker_loss_timeout_s: float = Field(
+        120.0,
+        gt=0,
+        description="How long a worker that lost the broker mid-run keeps retrying before it exits with code 3 "
+        "(nothing uncommitted is marked done). Longer rides out a broker restart; shorter hands the "
+        "partitions and the GPU back sooner.",
+    )
     kafka: dict[str, SecretStr] = Field(
         default_factory=dict,
         description="Any other librdkafka property, applied to every client: one variable "

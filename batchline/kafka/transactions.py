@@ -36,6 +36,7 @@ from confluent_kafka import KafkaError, KafkaException, Message, Producer, Topic
 from batchline.config import KafkaSettings
 from batchline.exceptions import BatchlineError
 from batchline.kafka.client import make_producer
+from batchline.kafka.liveness import suspected_down
 
 log = logging.getLogger(__name__)
 T = TypeVar("T")
@@ -361,11 +362,15 @@ class TransactionalProducer:
 
     # -- error handling ----------------------------------------------------------------------------
     def _call(self, fn: Callable[[], T]) -> T:
+        # Retries share one CALL_TIMEOUT_S budget, and stop while the broker is suspected down (its liveness
+        # detector decides when to give up): a lost broker costs one call timeout, not CALL_RETRIES of them.
+        deadline = time.monotonic() + CALL_TIMEOUT_S
         for attempt in range(CALL_RETRIES):
             try:
                 return fn()
             except KafkaException as exc:
-                if not exc.args[0].retriable() or attempt == CALL_RETRIES - 1:
+                give_up = time.monotonic() >= deadline or suspected_down(self.kafka.bootstrap)
+                if not exc.args[0].retriable() or attempt == CALL_RETRIES - 1 or give_up:
                     raise
                 time.sleep(0.1 * 2**attempt)
         raise AssertionError("unreachable")

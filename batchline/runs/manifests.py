@@ -24,6 +24,7 @@ from datetime import UTC, datetime
 from confluent_kafka import KafkaError, Message, TopicPartition
 
 from batchline.config import KafkaSettings
+from batchline.exceptions import BrokerUnreachable
 from batchline.kafka.client import make_producer, make_reader
 from batchline.kafka.topics import JobTopics
 from batchline.runs.identity import Fingerprint
@@ -142,7 +143,7 @@ def write_manifest(kafka: KafkaSettings, topics: JobTopics, manifest: RunManifes
         on_delivery=lambda err, msg: delivered.append((err, msg.offset())),
     )
     if producer.flush(30) != 0 or not delivered or delivered[0][0] is not None:
-        raise RuntimeError(f"manifest of run {manifest.run_id} was not delivered")
+        raise BrokerUnreachable(kafka.bootstrap, f"the manifest of run {manifest.run_id} was not delivered in 30s")
     return delivered[0][1]
 
 

@@ -11,7 +11,7 @@ from pathlib import Path
 from typing import Any
 
 from batchline.config import KafkaSettings
-from batchline.exceptions import BatchlineError
+from batchline.exceptions import NotFoundError
 from batchline.kafka.scan import scan
 from batchline.kafka.topics import JobTopics
 from batchline.runs.identity import Fingerprint
@@ -21,8 +21,8 @@ from schemas import DeadLetter, codec_for
 from schemas.codec import DecodeError, decode_request
 
 
-class ReplayError(BatchlineError):
-    """A replay cannot be made (unknown run, nothing to replay)."""
+class ReplayError(NotFoundError):
+    """A replay cannot be made (unknown run, nothing to replay): exit code 7."""
 
 
 def succeeded_ids(kafka: KafkaSettings, topics: JobTopics) -> set[str]:

@@ -20,7 +20,7 @@ from confluent_kafka import KafkaError, Message
 from pydantic import ValidationError
 
 from batchline.config import KafkaSettings
-from batchline.exceptions import InputFileError
+from batchline.exceptions import BrokerUnreachable, InputFileError, KafkaOperationError
 from batchline.kafka import headers as h
 from batchline.kafka.client import make_producer
 from batchline.kafka.topics import JobTopics
@@ -30,6 +30,7 @@ from schemas import PartitionBoundary, Request, RunManifest, codec_for
 
 Format = Literal["jsonl", "openai", "parquet"]
 FLUSH_TIMEOUT_S = 60.0
+PARQUET_BATCH_ROWS = 4096
 
 
 @dataclass
@@ -66,19 +67,15 @@ def _openai_to_request(obj: dict[str, Any]) -> dict[str, Any]:
     return out
 
 
-def read_records(path: Path, fmt: Format) -> Iterator[tuple[int, dict[str, Any] | bytes]]:
-    """(line number, object) per record; raw bytes for a line that is not a JSON object."""
+def read_records(path: Path, fmt: Format, tag: str = "line") -> Iterator[tuple[str, dict[str, Any] | bytes]]:
+    """(fallback id, object) per record; raw bytes for a line that is not a JSON object (or an OpenAI line whose
+    body cannot be converted). The fallback id names a record that carries no id of its own: the line's
+    ``custom_id`` when an OpenAI line has one, else ``{tag}-{line number}``."""
     if not path.is_file():
         raise InputFileError(f"no such file: {path}")
     if fmt == "parquet":
-        try:
-            import pyarrow.parquet as pq
-
-            table = pq.read_table(path)
-        except Exception as exc:
-            raise InputFileError(f"{path}: not a readable Parquet file ({exc})") from None
-        for n, row in enumerate(table.to_pylist(), 1):
-            yield n, {k: v for k, v in row.items() if v is not None}
+        for n, row in _parquet_records(path):
+            yield f"{tag}-{n}", row
         return
     with path.open("rb") as fh:
         for n, raw in enumerate(fh, 1):
@@ -88,17 +85,44 @@ def read_records(path: Path, fmt: Format) -> Iterator[tuple[int, dict[str, Any] 
             try:
                 obj = json.loads(line)
             except (json.JSONDecodeError, UnicodeDecodeError):
-                yield n, line
+                yield f"{tag}-{n}", line
                 continue
             if not isinstance(obj, dict):
-                yield n, line
+                yield f"{tag}-{n}", line
             elif fmt == "openai":
+                custom_id = obj.get("custom_id")
+                fallback = custom_id if isinstance(custom_id, str) and custom_id else f"{tag}-{n}"
                 try:
-                    yield n, _openai_to_request(obj)
+                    yield fallback, _openai_to_request(obj)
                 except ValueError:
-                    yield n, line
+                    yield fallback, line  # published as is under its custom_id: the worker dead-letters it
             else:
-                yield n, obj
+                yield f"{tag}-{n}", obj
+
+
+def _parquet_records(path: Path) -> Iterator[tuple[int, dict[str, Any]]]:
+    """Rows of a Parquet file, one record batch at a time: memory holds one batch, not the table."""
+    import pyarrow.parquet as pq
+
+    try:
+        parquet = pq.ParquetFile(path)
+        batches = parquet.iter_batches(batch_size=PARQUET_BATCH_ROWS)
+        n = 0
+        for batch in batches:
+            for row in batch.to_pylist():
+                n += 1
+                yield n, {k: v for k, v in row.items() if v is not None}
+    except (OSError, ValueError) as exc:  # pyarrow's ArrowInvalid is a ValueError, ArrowIOError an OSError
+        raise InputFileError(f"{path}: not a readable Parquet file ({exc})") from None
+
+
+def _file_tag(path: Path) -> str:
+    """A short digest of the file's bytes (read in chunks), naming the records that carry no id of their own."""
+    digest = hashlib.sha256()
+    with path.open("rb") as fh:
+        while chunk := fh.read(1 << 20):
+            digest.update(chunk)
+    return digest.hexdigest()[:12]
 
 
 def _encode(obj: dict[str, Any] | bytes, run_id: str, fallback_id: str) -> tuple[str, bytes, float, bool]:
@@ -127,8 +151,8 @@ def submit_file(
     progress: Callable[[int], None] | None = None,
 ) -> SubmitReport:
     """Publish ``path`` as one run (a new run each time, even for the same file)."""
-    file_tag = hashlib.sha256(path.read_bytes()).hexdigest()[:12] if path.is_file() else "missing"
-    records = ((f"{file_tag}-{n}", obj) for n, obj in read_records(path, fmt))
+    file_tag = _file_tag(path) if path.is_file() else "missing"
+    records = read_records(path, fmt, file_tag)
     return publish_run(
         kafka, topics, fp, records, run_id=run_id, parent_run_id=parent_run_id, source=str(path), progress=progress
     )
@@ -176,8 +200,13 @@ def publish_run(
         report.value_total += value
         if progress:
             progress(1)
-    if producer.flush(FLUSH_TIMEOUT_S) != 0 or errors:
-        raise InputFileError(f"{len(errors) or 'some'} records of run {report.run_id} were not delivered: {errors[:1]}")
+    undelivered = producer.flush(FLUSH_TIMEOUT_S)
+    if errors:
+        what = f"publishing run {report.run_id}"
+        raise KafkaOperationError(kafka.bootstrap, what, f"{len(errors)} records not delivered, e.g. {errors[0]}")
+    if undelivered:
+        reason = f"records of run {report.run_id} not delivered within {FLUSH_TIMEOUT_S:.0f}s"
+        raise BrokerUnreachable(kafka.bootstrap, reason)
     report.manifest = opening.model_copy(
         update={
             "boundaries": [

@@ -1,0 +1,397 @@
+"""Export: a run's outcomes out of Kafka as files, the way hosted batch APIs hand them back.
+
+``PATH`` holds one line (or Parquet row) per request id of the run that has a result, with its lineage;
+``PATH.errors.jsonl`` holds one line per request id whose outcome is a dead letter (and no result). Formats:
+
+- ``jsonl``: the Result's fields plus ``lineage`` (the Lineage header's fields); error lines are the DeadLetter's
+  fields, with the original request (``request``) when it decodes, else its bytes (``payload`` or ``payload_base64``).
+- ``openai``: the OpenAI Batch API's output and error line shapes, ``{id, custom_id, response, error}``, with
+  ``custom_id`` = the request id (``submit --format openai`` made the custom_id the request id). The response body
+  is a ``chat.completion`` (generate, classify: the label is the message) or an embedding ``list`` (embed), with
+  ``model`` = the lineage's model id, ``system_fingerprint`` = the run's fingerprint, and batchline's extras
+  (attempt, latency, label scores, lineage) under ``body.batchline``. Error lines carry
+  ``error: {code: failure class, message}`` and ``response: null``.
+- ``parquet``: one row per result (``scores`` a map, ``embedding`` a list, ``lineage`` a struct), written in row
+  groups; the error file is JSONL as above.
+
+It streams. Results are read once, in topic order, and written as they come; the request ids already written
+live in a SQLite file in a temporary directory (not in memory), so the same id written twice (a redelivery, or
+an aborted transaction the embedded broker shows) is skipped, and memory stays flat whatever the run's size.
+Dead letters go to the same file (the latest per id) and are written at the end for the ids without a result.
+Both files are written under a ``.part`` name and renamed when complete.
+"""
+
+from __future__ import annotations
+
+import base64
+import hashlib
+import json
+import logging
+import sqlite3
+import tempfile
+from collections.abc import Callable, Iterator
+from dataclasses import dataclass
+from pathlib import Path
+from typing import IO, Any, Literal, Protocol
+
+from batchline.config import KafkaSettings
+from batchline.exceptions import NotFoundError, UsageError
+from batchline.kafka import headers as h
+from batchline.kafka.scan import scan
+from batchline.kafka.topics import JobTopics
+from batchline.runs.manifests import STREAM_RUN, RunsView
+from schemas import DeadLetter, Lineage, Result, RunManifest, codec_for
+from schemas.codec import DecodeError, decode_request
+
+log = logging.getLogger(__name__)
+Format = Literal["jsonl", "openai", "parquet"]
+FORMATS: tuple[str, ...] = ("jsonl", "openai", "parquet")
+ROW_GROUP = 8192  # Parquet rows buffered per row group
+# The reader's prefetch and fetch sizes: with librdkafka's defaults (64 MB queued, 50 MB fetches, 1 MB per
+# partition) its buffers were most of an export's memory and grew with the run up to those caps; these read as
+# fast here and keep the peak near 90 MB at 1M records (tests/bench/test_export.py).
+READER: dict[str, Any] = {
+    "queued.max.messages.kbytes": 2048,
+    "queued.min.messages": 1000,
+    "fetch.max.bytes": 1 << 20,
+    "max.partition.fetch.bytes": 256 << 10,
+}
+COMMIT_EVERY = 20000  # SQLite statements per transaction
+
+
+@dataclass
+class ExportReport:
+    run_id: str
+    path: Path
+    errors_path: Path
+    expected: int = 0  # the manifest's record count
+    results: int = 0
+    errors: int = 0
+    duplicates: int = 0  # further copies of an id already written
+    unreadable: int = 0  # results that do not decode (skipped, logged)
+
+    @property
+    def missing(self) -> int:
+        """Records of the run without an outcome yet (a run still running, or retries in flight)."""
+        return max(0, self.expected - self.results - self.errors)
+
+    def as_json(self) -> dict[str, Any]:
+        return {
+            "run_id": self.run_id,
+            "path": str(self.path),
+            "errors_path": str(self.errors_path),
+            "records": self.expected,
+            "results": self.results,
+            "errors": self.errors,
+            "missing": self.missing,
+            "duplicates_skipped": self.duplicates,
+            "unreadable_skipped": self.unreadable,
+        }
+
+
+def errors_path_for(path: Path) -> Path:
+    return path.with_name(path.name + ".errors.jsonl")
+
+
+class _Ids:
+    """Request ids already written, and the latest dead letter per id, in a SQLite file (flat memory)."""
+
+    def __init__(self, path: Path) -> None:
+        self.db = sqlite3.connect(path)
+        # A 2 MB page cache: the file, not memory, grows with the run (about 40 bytes per id).
+        for pragma in ("journal_mode=OFF", "synchronous=OFF", "cache_size=-2048", "temp_store=FILE"):
+            self.db.execute(f"PRAGMA {pragma}")
+        self.db.execute("CREATE TABLE seen (id TEXT PRIMARY KEY) WITHOUT ROWID")
+        self.db.execute("CREATE TABLE letters (id TEXT PRIMARY KEY, value BLOB NOT NULL) WITHOUT ROWID")
+        self._pending = 0
+
+    def first(self, rid: str) -> bool:
+        """Record ``rid`` as written; False if it already was."""
+        added = self.db.execute("INSERT OR IGNORE INTO seen VALUES (?)", (rid,)).rowcount == 1
+        self._tick()
+        return added
+
+    def letter(self, rid: str, value: bytes) -> None:
+        self.db.execute("INSERT OR REPLACE INTO letters VALUES (?, ?)", (rid, value))
+        self._tick()
+
+    def letters_without_result(self) -> Iterator[bytes]:
+        self.db.commit()
+        query = "SELECT value FROM letters WHERE id NOT IN (SELECT id FROM seen) ORDER BY id"
+        for (value,) in self.db.execute(query):
+            yield value
+
+    def _tick(self) -> None:
+        self._pending += 1
+        if self._pending >= COMMIT_EVERY:
+            self.db.commit()
+            self._pending = 0
+
+    def close(self) -> None:
+        self.db.close()
+
+
+# -- line shapes ---------------------------------------------------------------------------------
+
+
+def result_json(result: Result, lineage: Lineage | None) -> dict[str, Any]:
+    return result.model_dump(mode="json") | {"lineage": lineage.model_dump(mode="json") if lineage else None}
+
+
+def letter_json(letter: DeadLetter) -> dict[str, Any]:
+    row = letter.model_dump(mode="json", exclude={"payload"})
+    try:
+        row["request"] = decode_request(letter.payload).model_dump(mode="json", exclude_none=True)
+    except DecodeError:
+        try:
+            row["payload"] = letter.payload.decode("utf-8")
+        except UnicodeDecodeError:
+            row["payload_base64"] = base64.b64encode(letter.payload).decode()
+    return row
+
+
+def _ref(run_id: str | None, request_id: str) -> str:
+    return hashlib.sha256(f"{run_id}\x1f{request_id}".encode()).hexdigest()[:24]
+
+
+def openai_output(result: Result, lineage: Lineage | None) -> dict[str, Any]:
+    """One line of an OpenAI batch output file for ``result``."""
+    ref, model = _ref(result.run_id, result.request_id), lineage.model_id if lineage else None
+    prompt, completion = result.prompt_tokens, result.completion_tokens
+    body: dict[str, Any]
+    if result.task == "embed":
+        data = [{"object": "embedding", "index": 0, "embedding": result.embedding}]
+        body = {"object": "list", "data": data, "model": model}
+        body["usage"] = {"prompt_tokens": prompt, "total_tokens": prompt}
+    else:
+        content = result.output if result.output is not None else result.label
+        choice = {"index": 0, "message": {"role": "assistant", "content": content}, "logprobs": None}
+        body = {"id": f"chatcmpl-{ref}", "object": "chat.completion", "created": int(result.produced_at.timestamp())}
+        body |= {"model": model, "choices": [choice | {"finish_reason": result.finish_reason or "stop"}]}
+        body["usage"] = {"prompt_tokens": prompt, "completion_tokens": completion, "total_tokens": prompt + completion}
+        body["system_fingerprint"] = lineage.fingerprint if lineage else None
+    body["batchline"] = {
+        "run_id": result.run_id,
+        "task": result.task,
+        "label": result.label,
+        "scores": result.scores,
+        "attempt": result.attempt,
+        "latency_ms": result.latency_ms,
+        "lineage": lineage.model_dump(mode="json") if lineage else None,
+    }
+    response = {"status_code": 200, "request_id": f"req_{ref}", "body": body}
+    return {"id": f"batch_req_{ref}", "custom_id": result.request_id, "response": response, "error": None}
+
+
+def openai_error(letter: DeadLetter) -> dict[str, Any]:
+    """One line of an OpenAI batch error file for a dead letter."""
+    error = {"code": letter.failure_class, "message": f"{letter.error_type}: {letter.error_message}"}
+    ref = _ref(letter.run_id, letter.request_id)
+    return {"id": f"batch_req_{ref}", "custom_id": letter.request_id, "response": None, "error": error}
+
+
+# -- writers -------------------------------------------------------------------------------------
+
+
+class _Writer(Protocol):
+    def write(self, result: Result, lineage: Lineage | None) -> None: ...
+
+    def close(self) -> None: ...
+
+
+class _JsonLines:
+    def __init__(self, path: Path, shape: Callable[[Result, Lineage | None], dict[str, Any]]) -> None:
+        self.fh: IO[str] = path.open("w", encoding="utf-8")
+        self.shape = shape
+
+    def write(self, result: Result, lineage: Lineage | None) -> None:
+        self.fh.write(json.dumps(self.shape(result, lineage), ensure_ascii=False) + "\n")
+
+    def close(self) -> None:
+        self.fh.close()
+
+
+class _Parquet:
+    def __init__(self, path: Path) -> None:
+        import pyarrow as pa
+        import pyarrow.parquet as pq
+
+        lineage_fields = [
+            pa.field(name, pa.int64() if name in ("source_partition", "source_offset") else pa.string())
+            for name in Lineage.model_fields
+        ]
+        self.schema = pa.schema(
+            [
+                *((name, pa.string()) for name in ("request_id", "run_id", "task", "output", "label")),
+                ("scores", pa.map_(pa.string(), pa.float64())),
+                ("embedding", pa.list_(pa.float32())),
+                ("finish_reason", pa.string()),
+                *((name, pa.int64()) for name in ("prompt_tokens", "completion_tokens", "attempt")),
+                ("latency_ms", pa.float64()),
+                ("produced_at", pa.timestamp("ms", tz="UTC")),
+                ("lineage", pa.struct(lineage_fields)),
+            ]
+        )
+        self._pa = pa
+        self.writer = pq.ParquetWriter(path, self.schema, compression="zstd")
+        self.rows: list[dict[str, Any]] = []
+
+    def write(self, result: Result, lineage: Lineage | None) -> None:
+        row = result.model_dump()
+        row["scores"] = list(row["scores"].items()) if row["scores"] is not None else None
+        row["lineage"] = lineage.model_dump() if lineage else None
+        self.rows.append(row)
+        if len(self.rows) >= ROW_GROUP:
+            self._flush()
+
+    def _flush(self) -> None:
+        if self.rows:
+            self.writer.write_table(self._pa.Table.from_pylist(self.rows, schema=self.schema))
+            self.rows = []
+
+    def close(self) -> None:
+        self._flush()
+        self.writer.close()
+
+
+def _writer(fmt: Format, path: Path) -> _Writer:
+    if fmt == "parquet":
+        return _Parquet(path)
+    return _JsonLines(path, openai_output if fmt == "openai" else result_json)
+
+
+# -- the export ----------------------------------------------------------------------------------
+
+
+def find_run(kafka: KafkaSettings, topics: JobTopics, run_id: str) -> RunManifest:
+    view = RunsView(kafka, topics)
+    try:
+        view.sync()
+        manifest = view.get(run_id)
+    finally:
+        view.stop()
+    if manifest is None:
+        raise NotFoundError(f"no run {run_id!r} in {topics.runs} at {kafka.bootstrap}")
+    return manifest
+
+
+def _run_ids(run_id: str) -> set[bytes]:
+    """Values of the ``batchline-run-id`` header that belong to ``run_id`` (the open stream's records have none)."""
+    return {run_id.encode()} | ({b"", STREAM_RUN.encode()} if run_id == STREAM_RUN else set())
+
+
+def _in_run(msg: Any, wanted: set[bytes]) -> bool:
+    return h.as_dict(msg.headers()).get(h.RUN_ID, b"") in wanted
+
+
+def export_run(
+    kafka: KafkaSettings,
+    topics: JobTopics,
+    run_id: str,
+    fmt: Format,
+    path: Path,
+    progress: Callable[[int], None] | None = None,
+    manifest: RunManifest | None = None,
+) -> ExportReport:
+    """Write run ``run_id``'s results to ``path`` and its dead letters to ``path.errors.jsonl``."""
+    if fmt not in FORMATS:
+        raise UsageError(f"--format must be one of {', '.join(FORMATS)}, not {fmt!r}")
+    if not path.parent.is_dir():
+        raise UsageError(f"cannot write {path}: no directory {path.parent}")
+    manifest = manifest or find_run(kafka, topics, run_id)
+    report = ExportReport(run_id, path, errors_path_for(path), expected=manifest.record_count)
+    wanted = _run_ids(run_id)
+    parts = [p.with_name(p.name + ".part") for p in (report.path, report.errors_path)]
+    with tempfile.TemporaryDirectory(prefix="batchline-export-") as tmp:
+        ids = _Ids(Path(tmp) / "ids.sqlite")
+        try:
+            _write_results(kafka, topics, wanted, ids, _writer(fmt, parts[0]), report, progress)
+            _write_errors(kafka, topics, wanted, ids, fmt, parts[1], report, progress)
+        except BaseException:
+            for part in parts:
+                part.unlink(missing_ok=True)
+            raise
+        finally:
+            ids.close()
+    for part, final in zip(parts, (report.path, report.errors_path), strict=True):
+        part.replace(final)
+    return report
+
+
+def _write_results(
+    kafka: KafkaSettings,
+    topics: JobTopics,
+    wanted: set[bytes],
+    ids: _Ids,
+    writer: _Writer,
+    report: ExportReport,
+    progress: Callable[[int], None] | None,
+) -> None:
+    try:
+        for msg in scan(kafka, topics.results, **READER):
+            if not _in_run(msg, wanted):
+                continue
+            try:
+                result, lineage = _decode_result(msg, ids)
+            except DecodeError as exc:
+                report.unreadable += 1
+                log.warning(
+                    "skipping an unreadable result at %s[%d]@%d: %s", msg.topic(), msg.partition(), msg.offset(), exc
+                )
+                continue
+            if result is None:
+                report.duplicates += 1
+                continue
+            writer.write(result, lineage)
+            report.results += 1
+            if progress:
+                progress(1)
+    finally:
+        writer.close()
+
+
+def _decode_result(msg: Any, ids: _Ids) -> tuple[Result | None, Lineage | None]:
+    """The message's result and lineage, or (None, None) if its request id was already written."""
+    key: bytes | None = msg.key()
+    result: Result | None = None if key else codec_for("result").decode(msg.value() or b"")
+    rid = key.decode("utf-8", "replace") if key else result.request_id  # type: ignore[union-attr]
+    if not ids.first(rid):
+        return None, None
+    if result is None:
+        result = codec_for("result").decode(msg.value() or b"")
+    raw = h.as_dict(msg.headers()).get(h.LINEAGE)
+    return result, codec_for("lineage").decode(raw) if raw else None
+
+
+def _write_errors(
+    kafka: KafkaSettings,
+    topics: JobTopics,
+    wanted: set[bytes],
+    ids: _Ids,
+    fmt: Format,
+    part: Path,
+    report: ExportReport,
+    progress: Callable[[int], None] | None,
+) -> None:
+    letters = codec_for("dead_letter")
+    for msg in scan(kafka, topics.dlq, **READER):
+        if not _in_run(msg, wanted):
+            continue
+        try:
+            rid = msg.key().decode("utf-8", "replace") if msg.key() else letters.decode(msg.value() or b"").request_id
+        except DecodeError:
+            report.unreadable += 1
+            continue
+        ids.letter(rid, msg.value() or b"")
+    shape = openai_error if fmt == "openai" else letter_json
+    with part.open("w", encoding="utf-8") as fh:
+        for value in ids.letters_without_result():
+            try:
+                letter: DeadLetter = letters.decode(value)
+            except DecodeError:
+                report.unreadable += 1
+                continue
+            fh.write(json.dumps(shape(letter), ensure_ascii=False) + "\n")
+            report.errors += 1
+            if progress:
+                progress(1)
