@@ -172,7 +172,8 @@ def test_unreadable_or_invalid_config(problem: str, nowhere: str, tmp_path: Path
         "not TOML": f"error: {cfg}: not valid TOML (Expected '=' after a key in a key/value pair "
         "(at line 1, column 6))",
         "a bad value": f"error: {cfg}: batching.max_records: Input should be greater than or equal to 1",
-        "a bad environment value": "error: BATCHLINE_PROBE_TIMEOUT_S: Input should be a valid number, unable to "
+        "a bad environment value": "error: Kafka settings: BATCHLINE_PROBE_TIMEOUT_S: Input should be a valid number, "
+        "unable to "
         "parse string as a number",
     }[problem]
     if problem == "a directory":
