@@ -100,8 +100,8 @@ class TransactionalSink:
         if self.transactions in self.fail_batches:
             raise InjectedSinkFault(KafkaError(KafkaError._STATE, "injected sink fault", txn_requires_abort=True))
 
-    def close(self) -> None:
-        self.txn.close()
+    def close(self, timeout: float = 30.0) -> None:
+        self.txn.close(timeout)
 
 
 @dataclass(eq=False)
@@ -165,12 +165,14 @@ class SinkThread:
             while self._queue or self._busy:
                 self._cond.wait(0.5)
 
-    def close(self) -> None:
+    def close(self, timeout: float = 60.0) -> None:
+        """Stop after the queued transactions (a daemon thread: one still blocked past ``timeout`` dies with the
+        process, and the broker aborts its transaction when it times out)."""
         with self._cond:
             self._stopping = True
             self._cond.notify_all()
         if self._thread.is_alive():
-            self._thread.join(60)
+            self._thread.join(timeout)
 
     def _run(self) -> None:
         while True:

@@ -59,6 +59,7 @@ POLL_BATCH = 1000
 WAIT_FETCHING_S = 0.05  # longest wait on a finished inference while records may still arrive
 WAIT_PAUSED_S = 0.5  # longest wait while every partition is paused (callbacks are served between waits)
 WAIT_IDLE_S = 0.5  # longest wait in consume() with nothing in flight
+ABANDON_WAIT_S = 2.0  # how long a worker that lost its broker waits for its sink before it exits
 REVOKE_GRACE_S = 20.0  # how long a revocation waits for in-flight micro-batches before rewinding them
 TP = tuple[str, int]
 # Young-generation collections every 700 allocations cost the loop about a third of its throughput: it allocates
@@ -152,6 +153,7 @@ class Worker:
         self._seq = 0
         self._last_record = time.monotonic()
         self._pending_seeks: tuple[set[TP], dict[TP, int]] | None = None
+        self._abandoned = False
 
     # -- lifecycle -------------------------------------------------------------------------------
     def run(self) -> WorkerStats:
@@ -206,14 +208,15 @@ class Worker:
     def close(self) -> None:
         self.metrics.close()  # stop observing this worker
         self.feeder.close()
-        self.sink_thread.close()
+        # After an abandon (the broker is lost) nothing is waited for: exit within the bound, not a timeout later.
+        self.sink_thread.close(ABANDON_WAIT_S if self._abandoned else 60.0)
         self.lanes.stop()
         self.liveness.close()
         self.pinning.stop()
         try:
             self.consumer.close()
         finally:
-            self.sink.close()
+            self.sink.close(ABANDON_WAIT_S if self._abandoned else 30.0)
             self.engine.close()
 
     def _idle_done(self) -> bool:
@@ -351,6 +354,7 @@ class Worker:
     def _abandon(self) -> None:
         """Stop without committing anything more (the broker is lost, a topic is gone): in-flight and buffered
         records are dropped, and their partitions' next owner re-reads them from the committed offsets."""
+        self._abandoned = True
         self.sink_thread.discard_queued()
         self.feeder.cancel(self.in_flight)
         self.in_flight.clear()

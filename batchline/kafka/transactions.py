@@ -401,8 +401,8 @@ class TransactionalProducer:
         finally:
             self.producer = self._new_producer()
 
-    def close(self) -> None:
-        self.producer.flush(CALL_TIMEOUT_S)
+    def close(self, timeout: float = CALL_TIMEOUT_S) -> None:
+        self.producer.flush(timeout)
 
 
 def _per_record(delivery: Mapping[int, KafkaError | None], outgoing: list[Outgoing]) -> dict[int, RecordError]:
