@@ -13,7 +13,7 @@ import logging
 import threading
 
 from batchline.config import KafkaSettings, ScheduleConfig
-from batchline.runs.backlog import JobBacklog
+from batchline.runs.backlog import JobBacklog, first_over
 
 log = logging.getLogger(__name__)
 
@@ -49,12 +49,9 @@ class Lanes:
 
     def check(self) -> str | None:
         """Measure now; the job yielded to (the first over the threshold, in config order) or None."""
-        over: str | None = None
         for job, probe in self._probes.items():
-            backlog = probe.measure()
-            self.backlogs[job] = backlog
-            if over is None and backlog is not None and backlog > self.config.yield_threshold:
-                over = job
+            self.backlogs[job] = probe.measure()
+        over = first_over(self.config.yield_to, self.backlogs, self.config.yield_threshold)
         if over != self.yielding_to:
             if over is None:
                 log.info("lanes: %s caught up, resuming", self.yielding_to)

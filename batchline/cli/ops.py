@@ -30,9 +30,11 @@ def status(
     run: Annotated[str | None, typer.Option("--run", help="One run and its replays.")] = None,
     json_out: Annotated[bool, typer.Option("--json", help="Stable JSON (see README).")] = False,
     watch: Annotated[bool, typer.Option("--watch", help="Refresh every 2 s until Ctrl-C.")] = False,
+    config: ConfigOpt = None,
     bootstrap: Bootstrap = DEFAULT_BOOTSTRAP,
 ) -> None:
-    """Per-run completion: counts, value-weighted completion, quarantined records, waiting fingerprints."""
+    """Per-run completion: counts, value-weighted completion, quarantined records, waiting fingerprints; with
+    --config, whether the job yields to another (schedule.yield_to)."""
     import json
     import time
 
@@ -41,10 +43,12 @@ def status(
 
     from batchline.cli.render import run_panel
     from batchline.kafka.topics import JobTopics
+    from batchline.runs.backlog import lanes_state
     from batchline.runs.status import collect
 
     topics = JobTopics(job)
     kafka = connect(bootstrap, topics, [topics.runs, topics.ledger, topics.requests])
+    schedule = job_config(job, config).schedule if config is not None else None
 
     def snapshot() -> list[dict[str, Any]]:
         runs = [r.as_json() for r in collect(kafka, topics, run)]
@@ -52,17 +56,31 @@ def status(
             raise NotFoundError(f"no run {run!r} in {topics.runs} at {kafka.bootstrap}")
         return runs
 
+    def lanes() -> dict[str, Any] | None:
+        if schedule is None or not schedule.yield_to:
+            return None
+        return lanes_state(kafka, schedule.yield_to, schedule.yield_threshold)
+
     if json_out:
-        print(json.dumps({"job": job, "runs": snapshot()}, indent=2))
+        print(json.dumps({"job": job, "lanes": lanes(), "runs": snapshot()}, indent=2))
         return
     if not watch:
         runs = snapshot()
-        out.print(Group(*(run_panel(r) for r in runs)) if runs else f"no runs in {topics.runs}")
+        out.print(Group(*_lanes_lines(lanes()), *(run_panel(r) for r in runs)) if runs else f"no runs in {topics.runs}")
         return
     with Live(console=out, refresh_per_second=1) as live:
         while True:
-            live.update(Group(*(run_panel(r) for r in snapshot())))
+            live.update(Group(*_lanes_lines(lanes()), *(run_panel(r) for r in snapshot())))
             time.sleep(2)
+
+
+def _lanes_lines(state: dict[str, Any] | None) -> list[str]:
+    if state is None:
+        return []
+    target = state["yielding_to"]
+    if target is None:
+        return [f"lanes: not yielding (backlogs {state['backlogs']}, threshold {state['threshold']})"]
+    return [f"yielding to {target} (backlog {state['backlogs'][target]} > {state['threshold']})"]
 
 
 def dlq_list(

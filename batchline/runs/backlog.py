@@ -13,6 +13,7 @@ Used by lanes (``schedule.yield_to``): a job yields while a job it yields to has
 from __future__ import annotations
 
 import logging
+from collections.abc import Mapping, Sequence
 
 from confluent_kafka import Consumer, KafkaException, TopicPartition
 
@@ -81,3 +82,29 @@ class JobBacklog:
         self._meta.close()
         for reader in self._groups.values():
             reader.close()
+
+
+def first_over(jobs: Sequence[str], backlogs: Mapping[str, int | None], threshold: int) -> str | None:
+    """The job yielded to: the first of ``jobs`` whose backlog is known and above ``threshold``."""
+    for job in jobs:
+        backlog = backlogs.get(job)
+        if backlog is not None and backlog > threshold:
+            return job
+    return None
+
+
+def lanes_state(kafka: KafkaSettings, jobs: Sequence[str], threshold: int) -> dict[str, object]:
+    """What ``batchline status`` shows for a job with ``schedule.yield_to``: each backlog, and whom it yields to."""
+    backlogs: dict[str, int | None] = {}
+    for job in jobs:
+        probe = JobBacklog(kafka, job)
+        try:
+            backlogs[job] = probe.measure()
+        finally:
+            probe.close()
+    return {
+        "yield_to": list(jobs),
+        "threshold": threshold,
+        "backlogs": backlogs,
+        "yielding_to": first_over(jobs, backlogs, threshold),
+    }

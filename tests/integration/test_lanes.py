@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import json
 import threading
 import time
 from collections.abc import Callable
@@ -13,6 +14,7 @@ from batchline.runs.backlog import JobBacklog
 from batchline.runs.identity import fingerprint_of
 from batchline.runs.submit import submit_file
 from consumers.worker import Worker
+from tests.support.cli import run_cli
 from tests.support.jobs import job_toml, requests_file
 from tests.support.kafka import dead_letters, read_topic, results, wait_for
 
@@ -30,8 +32,9 @@ def test_backfill_yields_while_the_urgent_job_has_a_backlog_then_finishes_everyt
     urgent_ids, _ = requests_file(tmp_path / "urgent.jsonl", 200, prefix="u")
     submit_file(kafka, urgent, tmp_path / "urgent.jsonl", fingerprint_of(urgent_cfg))
 
-    lanes = {"schedule.yield_to": [urgent.job], "schedule.yield_threshold": 10, "schedule.yield_check_s": 0.3}
-    backfill_cfg = load_job_config(backfill.job, job_toml(tmp_path / "backfill.toml"), lanes)
+    lanes = f'[schedule]\nyield_to = ["{urgent.job}"]\nyield_threshold = 10\nyield_check_s = 0.3\n'
+    backfill_toml = job_toml(tmp_path / "backfill.toml", extra=lanes)
+    backfill_cfg = load_job_config(backfill.job, backfill_toml)
     backfill_ids, _ = requests_file(tmp_path / "backfill.jsonl", 300, prefix="b")
     submit_file(kafka, backfill, tmp_path / "backfill.jsonl", fingerprint_of(backfill_cfg))
 
@@ -46,6 +49,12 @@ def test_backfill_yields_while_the_urgent_job_has_a_backlog_then_finishes_everyt
         )
         assert worker.lanes.yielding_to == urgent.job
         assert worker.lanes.backlogs[urgent.job] == 200  # read past the embedded broker's short watermarks
+        shown = json.loads(
+            run_cli(kafka.bootstrap, "status", backfill.job, "--config", str(backfill_toml), "--json").stdout
+        )
+        assert shown["lanes"]["yielding_to"] == urgent.job and shown["lanes"]["backlogs"][urgent.job] == 200
+        printed = run_cli(kafka.bootstrap, "status", backfill.job, "--config", str(backfill_toml)).stdout
+        assert f"yielding to {urgent.job}" in printed
         time.sleep(HELD_S)  # several checks later it still yields, holding its partitions, producing nothing
         assert read_topic(kafka, backfill.results) == []
         assert worker.pauses.assigned and "lanes" in worker.pauses.reasons and thread.is_alive()
@@ -60,6 +69,10 @@ def test_backfill_yields_while_the_urgent_job_has_a_backlog_then_finishes_everyt
 
         wait_for(lambda: len(results(kafka, backfill)) >= 300, RUN_TIMEOUT_S, "the backfill resumed and finished")
         assert "lanes" not in worker.pauses.reasons
+        shown = json.loads(
+            run_cli(kafka.bootstrap, "status", backfill.job, "--config", str(backfill_toml), "--json").stdout
+        )
+        assert shown["lanes"]["yielding_to"] is None
     finally:
         worker.stop()
         thread.join(60)
