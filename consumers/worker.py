@@ -121,13 +121,14 @@ class Worker:
         # that queue is full (fetch.queue.backoff.ms, 1 s) would leave the engine idle after every pause.
         # librdkafka's buffers are bounded like the worker's own: its prefetch queue, and one fetch response (50 MB
         # by default; its records stay in memory until all are consumed). With the defaults a worker grew to
-        # ~175 MB on a deep topic; with these, ~110 MB (tests/bench/test_pipeline_cost.py).
+        # ~175 MB on a deep topic; with these, ~110 MB (tests/bench/test_pipeline_cost.py). receive.message.max.bytes
+        # stays librdkafka's (100 MB): a record larger than any topic should take must still be read, to be
+        # dead-lettered (a fetch always returns at least one record batch, whatever fetch.max.bytes says).
         prefetch_kb = max(1024, config.batching.max_in_flight_records // 2)
         prefetch = {
             "queued.max.messages.kbytes": prefetch_kb,
             "queued.min.messages": config.batching.max_in_flight_records,
             "fetch.max.bytes": prefetch_kb * 1024,
-            "receive.message.max.bytes": prefetch_kb * 1024 + topic_message_bytes(config.max_request_bytes) + 512,
             "fetch.queue.backoff.ms": 20,
         }
         self.consumer: Consumer = make_consumer(kafka, self.group, **prefetch)
