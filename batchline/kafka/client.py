@@ -23,6 +23,10 @@ from batchline.kafka.settings import KafkaSettings
 log = logging.getLogger(__name__)
 C = TypeVar("C")
 REDACTED = "**********"
+# What `topics create` gives a job's data topics by default (batchline.kafka.topics.topic_message_bytes(): a 1 MiB
+# request plus 64 KiB for a dead letter's fields). librdkafka's own default, 1,000,000, would refuse a request
+# that max_request_bytes accepts; the worker's sink raises it further to its topics' real limits.
+PRODUCER_MESSAGE_MAX_BYTES = (1 << 20) + 64 * 1024
 
 
 def consumer_conf(kafka: KafkaSettings, group: str, **overrides: Any) -> dict[str, Any]:
@@ -53,7 +57,7 @@ def reader_conf(kafka: KafkaSettings, **overrides: Any) -> dict[str, Any]:
 
 def producer_conf(kafka: KafkaSettings, transactional_id: str | None = None, **overrides: Any) -> dict[str, Any]:
     """An idempotent producer; transactional when ``transactional_id`` is given."""
-    defaults = {"linger.ms": 5, "compression.type": "lz4"}
+    defaults = {"linger.ms": 5, "compression.type": "lz4", "message.max.bytes": PRODUCER_MESSAGE_MAX_BYTES}
     fixed: dict[str, Any] = {"enable.idempotence": True, "acks": "all"}
     if transactional_id:
         fixed |= {"transactional.id": transactional_id, "transaction.timeout.ms": kafka.transaction_timeout_ms}

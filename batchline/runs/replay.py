@@ -4,6 +4,7 @@ dead letters (after a fix). Also the DLQ listing that ``batchline dlq`` shows.
 
 from __future__ import annotations
 
+import logging
 from collections import Counter
 from collections.abc import Callable
 from dataclasses import dataclass, field
@@ -19,6 +20,8 @@ from batchline.runs.manifests import RunsView
 from batchline.runs.submit import Format, SubmitReport, publish_run, submit_file
 from schemas import DeadLetter, codec_for
 from schemas.codec import DecodeError, decode_request
+
+log = logging.getLogger(__name__)
 
 
 class ReplayError(NotFoundError):
@@ -98,6 +101,18 @@ def replay_dlq(
     letters = quarantined(kafka, topics, parent, failure_class)
     if not letters:
         raise ReplayError(f"no quarantined records for run {parent or '(any)'} class {failure_class or '(any)'}")
+    # A letter whose payload was too large to keep (payload_sha256 set) cannot be replayed from the DLQ: it is
+    # left out (replay its run from the archive or offsets instead), never re-published empty.
+    omitted = sorted(rid for rid, dl in letters.items() if dl.payload_omitted)
+    if omitted:
+        log.warning(
+            "%d dead letters carry no payload (too large to keep) and are not replayed: %s",
+            len(omitted),
+            ", ".join(omitted[:5]),
+        )
+        letters = {rid: dl for rid, dl in letters.items() if not dl.payload_omitted}
+        if not letters:
+            raise ReplayError(f"the quarantined records of run {parent or '(any)'} carry no payload to replay")
     records = ((rid, _as_record(dl.payload)) for rid, dl in letters.items())
     source = f"dlq:{parent or '*'}:{failure_class or '*'}"
     return publish_run(kafka, topics, fp, records, parent_run_id=parent, source=source, progress=progress)

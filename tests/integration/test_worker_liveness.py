@@ -10,8 +10,10 @@ from pathlib import Path
 
 import pytest
 
-from batchline.config import KafkaSettings
+from batchline.config import KafkaSettings, load_job_config
 from batchline.kafka.topics import JobTopics
+from batchline.runs.identity import fingerprint_of
+from batchline.runs.replay import replay_dlq
 from tests.support.jobs import job_toml
 from tests.support.kafka import dead_letters, produce_raw, results, wait_for
 from tests.support.procs import CliProcess
@@ -66,6 +68,10 @@ def test_requests_too_large_for_the_broker_are_dead_lettered_and_hold_nothing_ba
     # the request under max_request_bytes fits a dead letter with its payload (its prompt is over max_model_len)
     (kept,) = {letter.request_id: letter for letter in letters["near"]}.values()
     assert kept.failure_class == "invalid_input" and kept.payload == near and not kept.payload_omitted
+    # a DLQ replay re-publishes what it has a payload for, and leaves the payload-less letter out (never empty)
+    config = load_job_config(job_name, tmp_path / "job.toml")
+    report = replay_dlq(kafka, topics, fingerprint_of(config), None)
+    assert report.records == 1
 
 
 def test_a_flow_controlled_worker_keeps_fetching_after_a_second_worker_joins_and_leaves(

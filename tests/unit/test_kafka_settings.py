@@ -246,3 +246,11 @@ def test_no_kafka_client_is_built_outside_the_factory() -> None:
         for where in _client_constructions(path.read_text())
     ]
     assert not offenders, offenders
+
+
+def test_producers_take_what_job_topics_take() -> None:
+    from batchline.kafka.client import PRODUCER_MESSAGE_MAX_BYTES, producer_conf
+    from batchline.kafka.topics import topic_message_bytes
+
+    assert topic_message_bytes() == PRODUCER_MESSAGE_MAX_BYTES
+    assert producer_conf(KafkaSettings())["message.max.bytes"] == topic_message_bytes()
