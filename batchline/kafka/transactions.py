@@ -35,7 +35,7 @@ from confluent_kafka import KafkaError, KafkaException, Message, Producer, Topic
 
 from batchline.config import KafkaSettings
 from batchline.exceptions import BatchlineError
-from batchline.kafka.client import make_producer
+from batchline.kafka.client import make_producer, producer_conf
 from batchline.kafka.liveness import suspected_down
 
 log = logging.getLogger(__name__)
@@ -147,7 +147,7 @@ class TransactionalProducer:
         self.transactional_id = transactional_id
         self.overrides = overrides
         self.topic_limits = dict(topic_limits or {})
-        conf = kafka.librdkafka() | overrides
+        conf = producer_conf(kafka, transactional_id, **overrides)  # what the producer it builds will enforce
         self.max_message_bytes = int(conf.get("message.max.bytes", LIBRDKAFKA_MESSAGE_MAX_BYTES))
         self.aborts = 0
         self.recreated = 0

@@ -19,7 +19,7 @@ from confluent_kafka import TopicPartition
 from confluent_kafka.admin import NewTopic
 
 from batchline.config import KafkaSettings
-from batchline.kafka.client import make_admin, make_consumer
+from batchline.kafka.client import PRODUCER_MESSAGE_MAX_BYTES, make_admin, make_consumer
 from batchline.kafka.topics import (
     KAFKA_DEFAULT_MAX_MESSAGE_BYTES,
     JobTopics,
@@ -28,7 +28,6 @@ from batchline.kafka.topics import (
     topic_message_bytes,
 )
 from batchline.kafka.transactions import (
-    LIBRDKAFKA_MESSAGE_MAX_BYTES,
     Outgoing,
     RecordError,
     ReplacementTooLarge,
@@ -95,7 +94,7 @@ def test_an_oversize_message_is_replaced_before_producing_and_its_neighbours_and
 ) -> None:
     topics = _job(kafka, make_job, job_name)
     messages = _messages(topics, big_at={2})
-    assert wire_size(messages[2]) > LIBRDKAFKA_MESSAGE_MAX_BYTES
+    assert wire_size(messages[2]) > PRODUCER_MESSAGE_MAX_BYTES
     calls: list[tuple[int, RecordError]] = []
     group, report, txn = _commit(kafka, topics, messages, _fit_to_dlq(topics, calls))
 
@@ -117,12 +116,13 @@ def test_a_message_rejected_by_produce_is_replaced_in_the_open_transaction(
     """The pre-check is an estimate; when librdkafka's own check rejects a message in produce(), the message is
     replaced on the spot, inside the transaction already open."""
     topics = _job(kafka, make_job, job_name)
-    messages = _messages(topics, big_at={0, 4}, big=LIBRDKAFKA_MESSAGE_MAX_BYTES)
+    messages = _messages(topics, big_at={0, 4}, big=PRODUCER_MESSAGE_MAX_BYTES)
     calls: list[tuple[int, RecordError]] = []
     group = f"g-{uuid.uuid4().hex[:6]}"
     consumer = make_consumer(kafka, group)
     txn = TransactionalProducer(kafka, f"t-{uuid.uuid4().hex[:6]}")
-    txn.max_message_bytes = 10 * LIBRDKAFKA_MESSAGE_MAX_BYTES  # the pre-check believes a larger limit
+    assert txn.max_message_bytes == PRODUCER_MESSAGE_MAX_BYTES
+    txn.max_message_bytes = 10 * PRODUCER_MESSAGE_MAX_BYTES  # the pre-check believes a larger limit
     try:
         report = txn.commit(
             messages,
