@@ -119,16 +119,22 @@ class Worker:
         self.liveness = BrokerLiveness(kafka, config.job, watched)  # exits after broker_loss_timeout_s without one
         # librdkafka's prefetch counts against memory too: bounded in bytes and records. Its default back-off when
         # that queue is full (fetch.queue.backoff.ms, 1 s) would leave the engine idle after every pause.
-        # librdkafka's buffers are bounded like the worker's own: its prefetch queue, and one fetch response (50 MB
-        # by default; its records stay in memory until all are consumed). With the defaults a worker grew to
-        # ~175 MB on a deep topic; with these, ~110 MB (tests/bench/test_pipeline_cost.py). receive.message.max.bytes
-        # stays librdkafka's (100 MB): a record larger than any topic should take must still be read, to be
-        # dead-lettered (a fetch always returns at least one record batch, whatever fetch.max.bytes says).
+        # Fetch responses are bounded as well, and tighter than the queue: their limits count *compressed* bytes,
+        # and a fetch's decompressed records stay in memory until all of them are consumed. With 1 MB fetches of
+        # lz4 batches (~10x on JSON prompts) a worker's peak grew with the depth of its topic, 89 MB at 20k
+        # records to 108 MB at 200k; with these limits 88 and 92 MB, at the same rate
+        # (tests/bench/test_pipeline_cost.py). The consumer's message.max.bytes only bounds the requests it sends
+        # and must not exceed fetch.max.bytes. receive.message.max.bytes stays librdkafka's (100 MB): a record
+        # larger than any topic should take must still be read, to be dead-lettered (a fetch always returns at
+        # least one record batch, whatever fetch.max.bytes says).
         prefetch_kb = max(1024, config.batching.max_in_flight_records // 2)
+        fetch_bytes = prefetch_kb * 1024 // 4
         prefetch = {
             "queued.max.messages.kbytes": prefetch_kb,
             "queued.min.messages": config.batching.max_in_flight_records,
-            "fetch.max.bytes": prefetch_kb * 1024,
+            "fetch.max.bytes": fetch_bytes,
+            "max.partition.fetch.bytes": fetch_bytes // 4,
+            "message.max.bytes": fetch_bytes,
             "fetch.queue.backoff.ms": 20,
         }
         self.consumer: Consumer = make_consumer(kafka, self.group, **prefetch)
