@@ -92,14 +92,21 @@ class WorkerMetrics:
         self.engine_time.record(engine_ms / 1000, self.attrs)
         if started_ns is not None:
             self.process_time.record(max(0, time.time_ns() - started_ns) / 1e9, self.messaging)
-        classes = _failure_classes(items, outcomes)
+        classes: dict[bytes, str] | None = None  # built on the first retry: most batches have none
+        counts: dict[tuple[str, str | None], int] = {}  # one add per outcome and class, not one per record
         for p in produced:
-            attrs = self.attrs | {OUTCOME: p.kind}
+            failure = None
             if p.kind == "dlq":
-                attrs[FAILURE_CLASS] = _dead_letter_class(p.value)
+                failure = _dead_letter_class(p.value)
             elif p.kind == "retry":
-                attrs[FAILURE_CLASS] = classes.get(p.key, "transient")
-            self.records.add(1, attrs)
+                classes = _failure_classes(items, outcomes) if classes is None else classes
+                failure = classes.get(p.key, "transient")
+            counts[(p.kind, failure)] = counts.get((p.kind, failure), 0) + 1
+        for (kind, failure), n in counts.items():
+            attrs = self.attrs | {OUTCOME: kind}
+            if failure is not None:
+                attrs[FAILURE_CLASS] = failure
+            self.records.add(n, attrs)
         passed = sum(1 for i in items if getattr(i, "passed_over", None))
         if passed:
             self.records.add(passed, self.attrs | {OUTCOME: "passed_over"})
