@@ -24,7 +24,6 @@ Prompts are tokenized here with the engine's own tokenizer: a prompt over ``max_
 from __future__ import annotations
 
 import logging
-import math
 import threading
 import time
 from collections.abc import Iterable, Iterator, Sequence
@@ -48,18 +47,6 @@ WATCH_INTERVAL_S = 1.0
 
 class EngineGone(EngineError):
     """vLLM's engine-core process exited, or a call outran ``infer_timeout_s``: the engine is restarted."""
-
-
-def _softmax(values: Sequence[float], temperature: float) -> list[float]:
-    top = max(values)
-    exps = [math.exp((v - top) / temperature) for v in values]
-    total = sum(exps)
-    return [e / total for e in exps]
-
-
-def _unit(vector: Sequence[float]) -> list[float]:
-    norm = math.sqrt(sum(x * x for x in vector)) or 1.0
-    return [x / norm for x in vector]
 
 
 class VLLMEngine:
@@ -90,7 +77,7 @@ class VLLMEngine:
         self._ids: dict[str, int] = {}
         self._llm: Any = None
         self._watchdog: _Watchdog | None = None
-        self._label_vectors: list[list[float]] = []
+        self._label_vectors: Any = None  # numpy (labels x dim) unit vectors, set at start for classify by embedding
         self.restarts = 0  # read by the batchline.engine.restarts metric
         self._start()
 
@@ -112,8 +99,11 @@ class VLLMEngine:
             if not self.labels:
                 self.close()
                 raise EngineStartError("a classify job needs engine.labels")
+            import numpy as np
+
             outs = self._llm.embed(list(self.label_texts), use_tqdm=False)
-            self._label_vectors = [_unit(o.outputs.embedding) for o in outs]
+            labels = np.asarray([o.outputs.embedding for o in outs], dtype=np.float64)
+            self._label_vectors = labels / np.maximum(np.linalg.norm(labels, axis=1, keepdims=True), 1e-12)
 
     def close(self) -> None:
         """Stop vLLM's engine-core processes; idempotent. Running records are forgotten."""
@@ -247,16 +237,17 @@ class VLLMEngine:
 
     # -- inference -------------------------------------------------------------------------------
     def _run(self, inputs: list[EngineInput], ids: list[list[int]]) -> list[Outcome]:
+        prompts = [self._vllm.TokensPrompt(prompt_token_ids=t) for t in ids]  # tokenized once, by _tokens
         if self.by_embedding:
-            outs = self._llm.embed([inp.prompt for inp in inputs], use_tqdm=False)
-            vectors = [list(o.outputs.embedding) for o in outs]
+            outs = self._llm.embed(prompts, use_tqdm=False)
             if self.task == "embed":
                 return [
-                    EngineOutput(embedding=v, prompt_tokens=len(o.prompt_token_ids), finish_reason="stop")
-                    for v, o in zip(vectors, outs, strict=True)
+                    EngineOutput(
+                        embedding=list(o.outputs.embedding), prompt_tokens=len(o.prompt_token_ids), finish_reason="stop"
+                    )
+                    for o in outs
                 ]
-            return [self._by_similarity(v, len(o.prompt_token_ids)) for v, o in zip(vectors, outs, strict=True)]
-        prompts = [self._vllm.TokensPrompt(prompt_token_ids=t) for t in ids]
+            return self._by_similarity([o.outputs.embedding for o in outs], [len(o.prompt_token_ids) for o in outs])
         outs = self._llm.generate(prompts, [self._sampling(inp) for inp in inputs], use_tqdm=False)
         return [self._generated(o) for o in outs]
 
@@ -287,12 +278,22 @@ class VLLMEngine:
             structured_outputs=structured,
         )
 
-    def _by_similarity(self, vector: list[float], tokens: int) -> EngineOutput:
-        v = _unit(vector)
-        sims = [sum(a * b for a, b in zip(v, lab, strict=True)) for lab in self._label_vectors]
-        scores = dict(zip(self.labels, _softmax(sims, SCORE_TEMPERATURE), strict=True))
-        label = max(scores, key=lambda k: scores[k])
-        return EngineOutput(label=label, scores=scores, prompt_tokens=tokens, finish_reason="stop")
+    def _by_similarity(self, vectors: Sequence[Sequence[float]], tokens: Sequence[int]) -> list[Outcome]:
+        """Each vector's softmaxed cosine similarity to each label's, as one matrix product per call."""
+        import numpy as np
+
+        v = np.asarray(vectors, dtype=np.float64)
+        v /= np.maximum(np.linalg.norm(v, axis=1, keepdims=True), 1e-12)
+        logits = v @ self._label_vectors.T / SCORE_TEMPERATURE
+        logits -= logits.max(axis=1, keepdims=True)
+        probs = np.exp(logits)
+        probs /= probs.sum(axis=1, keepdims=True)
+        out: list[Outcome] = []
+        for row, n in zip(probs.tolist(), tokens, strict=True):
+            scores = dict(zip(self.labels, row, strict=True))
+            label = max(scores, key=lambda k: scores[k])
+            out.append(EngineOutput(label=label, scores=scores, prompt_tokens=n, finish_reason="stop"))
+        return out
 
     # -- failures --------------------------------------------------------------------------------
     def _failure_of(self, exc: Exception, size: int) -> RecordFailure | None:
