@@ -25,6 +25,7 @@ from batchline.config import KafkaSettings, load_job_config
 from batchline.kafka.broker import die_with_parent
 from batchline.kafka.client import make_consumer, make_producer
 from batchline.kafka.topics import JobTopics
+from batchline.telemetry.setup import setup_telemetry
 from tests.bench.conftest import record
 from tests.bench.support import PeakRss, json_records, outputs, publish, run_measured_worker
 
@@ -80,6 +81,7 @@ def test_engine_free_throughput_against_a_bare_transactional_loop(
     topics = make_job(job_name, partitions=PARTITIONS)
     publish(kafka, topics.requests, records)
     config = load_job_config(job_name, None, {})
+    setup_telemetry(config.telemetry, f"batchline-worker-{job_name}")  # as `batchline worker` does: metrics, spans
     stats, first_dispatch = run_measured_worker(config, kafka)
     out = outputs(kafka, topics)
     assert out.count == RECORDS == bare_n and stats.results == RECORDS
