@@ -31,7 +31,11 @@ PRODUCER_MESSAGE_MAX_BYTES = (1 << 20) + 64 * 1024
 
 def consumer_conf(kafka: KafkaSettings, group: str, **overrides: Any) -> dict[str, Any]:
     """A worker-style consumer: manual commits, read_committed, cooperative-sticky."""
-    defaults = {"heartbeat.interval.ms": max(500, kafka.session_timeout_ms // 6)}
+    # max.poll.interval.ms is also the rebalance timeout a member sends with JoinGroup: how long a coordinator may
+    # wait for members to rejoin. librdkafka's 300 s let a group whose members were SIGKILLed mid-rebalance sit
+    # with no partition assigned for minutes on the embedded broker (tests/chaos/test_liveness_chaos.py); a worker
+    # polls continuously (its engine and sink have threads of their own), so 60 s costs nothing.
+    defaults = {"heartbeat.interval.ms": max(500, kafka.session_timeout_ms // 6), "max.poll.interval.ms": 60_000}
     fixed = {
         "group.id": group,
         "enable.auto.commit": False,
