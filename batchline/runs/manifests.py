@@ -20,6 +20,7 @@ import logging
 import threading
 import time
 from datetime import UTC, datetime
+from typing import Any
 
 from confluent_kafka import KafkaError, Message, TopicPartition
 
@@ -47,7 +48,8 @@ class RunsView:
         self._position = 0
         self._stop = threading.Event()
         self._thread: threading.Thread | None = None
-        self._consumer = make_reader(kafka)
+        # J.runs is small and a worker may wait on it (the open stream's claim read back): short fetch waits.
+        self._consumer = make_reader(kafka, **{"fetch.wait.max.ms": 20, "fetch.error.backoff.ms": 20})
         self._consumer.assign([TopicPartition(topics.runs, 0, 0)])
         # A second handle for watermark queries: the first is busy in consume() on the view's thread.
         self._meta = make_reader(kafka)
@@ -133,8 +135,14 @@ class RunsView:
 
 
 def write_manifest(kafka: KafkaSettings, topics: JobTopics, manifest: RunManifest, key: str | None = None) -> int:
-    """Write ``manifest`` to J.runs under ``key`` (default: its run id); returns the offset it was written at."""
-    producer = make_producer(kafka)
+    """Write ``manifest`` to J.runs under ``key`` (default: its run id); returns the offset it was written at.
+
+    A plain (not idempotent) producer: a manifest is one record under its key on a compacted topic, so a retried
+    duplicate is the same record again, and the idempotent producer's start-up (its InitProducerId before the first
+    send: 0.5 s measured on the embedded broker) would delay the first record of an unpinned open stream, whose
+    claim a worker writes while that record waits."""
+    plain: dict[str, Any] = {"enable.idempotence": False}
+    producer = make_producer(kafka, **plain)
     delivered: list[tuple[KafkaError | None, int]] = []
     producer.produce(
         topics.runs,
