@@ -447,7 +447,7 @@ def test_kafka_topics_keep_the_partition_and_compaction_rules(tmp_path: Path) ->
     declared = _declared_topics()
     requests = declared[topics.requests]["partitions"]
     for name in [*topics.retries, topics.dlq]:
-        assert declared[name]["partitions"] >= requests, f"{name} needs at least {requests} partitions (DESIGN §2)"
+        assert declared[name]["partitions"] >= requests, f"{name} < {requests} partitions (docs/architecture.md#topics)"
     for name in (topics.runs, topics.ledger):
         assert declared[name]["config"]["cleanup.policy"] == "compact", name
 
