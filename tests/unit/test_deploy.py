@@ -472,7 +472,9 @@ def test_worker_grace_period_covers_the_drain(tmp_path: Path) -> None:
 
 def test_deployments_reach_the_strimzi_bootstrap_service() -> None:
     bootstrap = f"{_kafka()['metadata']['name']}-kafka-bootstrap:{_plain_port()}"
-    for _, container in _containers():
+    containers = list(_containers())
+    assert {c["args"][1] for _, c in containers} >= {"worker", "streams"}  # never vacuous: both deployments
+    for _, container in containers:
         env = {e["name"]: e.get("value") for e in container["env"]}
         assert env["BATCHLINE_BOOTSTRAP"] == bootstrap
 
