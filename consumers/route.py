@@ -1,7 +1,7 @@
 """Route: every record's outcome becomes the messages to produce - a result, a retry or a dead letter.
 
 The failure class -> route table is data (``retry.routes`` in the job config); this is the one place that
-reads it. Results carry the lineage headers of DESIGN.md §3. Results are the hot path: what is the same for every
+reads it. Results carry lineage headers (docs/architecture.md#records) and are the hot path: what is the same for every
 record of a worker (fingerprint headers, lineage fields) is encoded once, and a result is encoded from a plain
 dict, never through a model.
 """

@@ -1,4 +1,4 @@
-"""Pydantic models of the records in DESIGN.md §3: the in-process shapes that the Avro codec reads and writes.
+"""Pydantic models of the records (docs/architecture.md#records): the in-process shapes the Avro codec reads and writes.
 
 Field names match the ``.avsc`` files one to one; a unit test keeps them in step.
 """

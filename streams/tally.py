@@ -6,7 +6,7 @@ the difference the event makes, so counts are maintained incrementally and a sna
 The store (``streams/store.py``) keeps the id states on disk; :func:`compute_run_stats` is the same fold over
 plain lists in memory, for tests and tools, merged exactly as ``batchline status`` merges the ledger's partials.
 
-Rules (DESIGN.md §5, §6), all per run and per distinct request id:
+Rules (docs/architecture.md#streams), all per run and per distinct request id:
 
 - A record whose run id is empty or missing belongs to the open stream, :data:`batchline.runs.manifests.STREAM_RUN`.
 - The final outcome of an id is *succeeded* if it has any result, else the class of its latest dead letter

