@@ -37,7 +37,7 @@ from consumers.engines.base import (
     StreamingEngine,
 )
 from consumers.exceptions import EngineOOM
-from consumers.isolate import GROW_AFTER, IsolatingRunner
+from consumers.isolate import AdaptiveLimit, IsolatingRunner
 from consumers.validate import OutputValidator
 from consumers.work import Failure, WorkItem
 
@@ -78,10 +78,6 @@ def engine_input(config: JobConfig, item: WorkItem, greedy: Sampling | None = No
     )
 
 
-def is_streaming(engine: Engine) -> bool:
-    return isinstance(engine, StreamingEngine) and bool(getattr(engine, "streaming", True))
-
-
 @dataclass(eq=False)
 class Flight:
     """One micro-batch handed to the engine. ``outcomes`` (by index in ``items``) is complete once ``done``."""
@@ -120,15 +116,18 @@ class Feeder:
     def __init__(self, engine: Engine, config: JobConfig, wake: Callable[[], None]) -> None:
         self.engine = engine
         self.config = config
-        self.streaming = is_streaming(engine)
+        # What the engine declares; only a StreamingEngine has a running batch to drive.
+        self.stream: StreamingEngine | None = (
+            engine if engine.streaming and isinstance(engine, StreamingEngine) else None
+        )
+        self.streaming = self.stream is not None
         self.runner = IsolatingRunner(engine, config.batching.max_records)
         self.validator = OutputValidator(config)
         self.retries = config.retry.invalid_output_retries
         job = config.engine.sampling
         # shared by the records without overrides of a greedy job; never mutated (re-tries build a new one)
         self._greedy = Sampling(job.temperature, job.top_p, job.max_tokens, None)
-        self.max_admitted = config.batching.max_in_flight_records
-        self.limit = self.max_admitted  # records allowed in the running batch at once; OOM halves it
+        self.limit = AdaptiveLimit(config.batching.max_in_flight_records)  # records in the running batch at once
         self.stats = FeederStats()
         self.error: BaseException | None = None
         self._wake = wake
@@ -140,7 +139,6 @@ class Feeder:
         self._slots: dict[int, _Slot] = {}
         self._backlog: deque[int] = deque()  # keys waiting to join the running batch (or the next call)
         self._running: set[int] = set()  # keys in the engine's running batch
-        self._good_steps = 0
         self._thread = threading.Thread(target=self._run, name="engine", daemon=True)
 
     # -- the worker's side -----------------------------------------------------------------------
@@ -213,8 +211,8 @@ class Feeder:
 
     def _drop_cancelled(self) -> None:
         gone = [k for k, slot in self._slots.items() if slot.flight.cancelled]
-        if self.streaming and gone:
-            self.engine.abort(gone)  # type: ignore[attr-defined]
+        if self.stream is not None and gone:
+            self.stream.abort(gone)
             self._running.difference_update(gone)
         for key in gone:
             del self._slots[key]
@@ -223,8 +221,9 @@ class Feeder:
     # -- continuous batching -------------------------------------------------------------------------
     def _fill(self) -> None:
         """Move backlog records into the running batch, up to ``limit``."""
-        engine: StreamingEngine = self.engine  # type: ignore[assignment]
-        while self._backlog and len(self._running) < self.limit:
+        engine = self.stream
+        assert engine is not None
+        while self._backlog and len(self._running) < self.limit.value:
             key = self._backlog.popleft()
             slot = self._slots.get(key)
             if slot is None:
@@ -236,7 +235,8 @@ class Feeder:
                 self._running.add(key)
 
     def _step(self) -> None:
-        engine: StreamingEngine = self.engine  # type: ignore[assignment]
+        engine = self.stream
+        assert engine is not None
         self.stats.steps += 1
         try:
             finished = engine.step()
@@ -246,10 +246,7 @@ class Feeder:
             keys, self._running = sorted(self._running), set()
             self._isolate(keys, exc)
             return
-        self._good_steps += 1
-        if self._good_steps >= GROW_AFTER and self.limit < self.max_admitted:
-            self.limit = min(self.max_admitted, self.limit * 2)
-            self._good_steps = 0
+        self.limit.succeeded()
         for key, outcome in finished:
             self._running.discard(key)
             self._settle(key, outcome)
@@ -257,13 +254,13 @@ class Feeder:
     def _isolate(self, keys: list[int], exc: Exception) -> None:
         """The running batch failed as a whole: shrink it after OOM, else isolate its records call by call."""
         keys = [k for k in keys if k in self._slots]
-        self._good_steps = 0
         if isinstance(exc, EngineOOM) and len(keys) > 1:
             self.stats.oom_events += 1
-            self.limit = max(1, len(keys) // 2)
-            log.warning("engine OOM with %d records running; running batch limit now %d", len(keys), self.limit)
+            limit = self.limit.shrink(len(keys))
+            log.warning("engine OOM with %d records running; running batch limit now %d", len(keys), limit)
             self._backlog.extendleft(reversed(keys))
             return
+        self.limit.failed()
         log.warning("engine step failed with %d records running (%s); isolating them", len(keys), exc)
         outcomes = self.runner.run([self._slots[k].inp for k in keys])
         for key, outcome in zip(keys, outcomes, strict=True):

@@ -18,6 +18,7 @@ from batchline.kafka import headers as h
 from batchline.kafka.topics import JobTopics
 from batchline.runs.identity import Fingerprint
 from consumers.engines.base import EngineOutput
+from consumers.exceptions import MissingOutcome
 from consumers.work import Failure, WorkItem
 from schemas import DeadLetter, Lineage, codec_for
 from schemas.encoders import LineageEncoder, ResultEncoder
@@ -85,8 +86,11 @@ class Router:
             if item.passed_over is not None:
                 continue
             outcome = item.failure or outcomes.get(i)
-            if outcome is None:
-                outcome = Failure("transient", "MissingOutcome", "engine returned no outcome")
+            if outcome is None:  # the engine loop lost a record: a bug, never to be mistaken for flaky inference
+                raise MissingOutcome(
+                    f"batch {ctx.batch_id}: no outcome for record {item.request_id} ({item.source}); "
+                    "nothing of the batch is committed"
+                )
             if isinstance(outcome, EngineOutput):
                 out.append(self._result(item, outcome, ctx, tail))
             else:

@@ -67,6 +67,7 @@ Outcome = EngineOutput | RecordFailure
 class Engine(Protocol):
     name: str
     task: str
+    streaming: bool  # True: a StreamingEngine to drive record by record; False: call by call (``infer``)
 
     def count_tokens(self, text: str) -> int: ...
 

@@ -11,10 +11,13 @@ import time
 from datetime import UTC, datetime
 from typing import Any
 
+import pytest
+
 from batchline.kafka import headers as h
 from batchline.kafka.topics import JobTopics
 from batchline.runs.identity import fingerprint_of
 from consumers.engines.base import EngineOutput
+from consumers.exceptions import MissingOutcome
 from consumers.route import BatchContext, Produced, Router
 from consumers.work import Failure, WorkItem
 from schemas import DeadLetter, Lineage, Request, Result, codec_for
@@ -194,3 +197,15 @@ def test_what_does_not_fit_is_replaced_by_a_dead_letter_that_does() -> None:
         assert small.payload == b""
         assert small.payload_size == 500 and small.payload_sha256 == hashlib.sha256(rec.payload).hexdigest()
     assert _letter(shrunk).failure_class == "poison" and _letter(squeezed).failure_class == "output_too_large"
+
+
+def test_a_runnable_record_without_an_outcome_stops_the_batch_loudly() -> None:
+    """An engine loop that loses a record is a bug: routing raises, nothing is produced for the batch (the worker
+    abandons it uncommitted), never a transient retry that would look like flaky inference."""
+    router = _router()
+    items = [item("r1"), item("r2")]
+    for rec in items:
+        rec.request = Request(id=rec.request_id, prompt="words")
+
+    with pytest.raises(MissingOutcome, match="no outcome for record r2"):
+        _route(router, items, {0: EngineOutput(text="ok")})
