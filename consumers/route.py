@@ -58,19 +58,7 @@ class Router:
         self.routes = config.retry.routes
         self.worker_id = worker_id
         self._results = ResultEncoder(config.task)
-        self._lineage = LineageEncoder(
-            {
-                "model_id": fingerprint.model_id,
-                "model_revision": fingerprint.model_revision,
-                "model_digest": fingerprint.model_digest,
-                "engine": fingerprint.engine,
-                "engine_version": fingerprint.engine_version,
-                "config_digest": fingerprint.config_digest,
-                "prompt_template_digest": fingerprint.prompt_template_digest,
-                "fingerprint": fingerprint.value,
-                "worker_id": worker_id,
-            }
-        )
+        self._lineage = LineageEncoder(fingerprint.as_dict() | {"worker_id": worker_id})
         self._fixed_headers: h.Headers = [
             (h.MODEL, fingerprint.model_id.encode()),
             (h.CONFIG_DIGEST, fingerprint.config_digest.encode()),
@@ -100,18 +88,10 @@ class Router:
     # -- results ---------------------------------------------------------------------------------
     def lineage(self, item: WorkItem, ctx: BatchContext) -> Lineage:
         """The lineage of a result as a model (the hot path writes the same bytes with :class:`LineageEncoder`)."""
-        fp = self.fp
         topic, partition, offset = self._source(item)
         return Lineage(
+            **self.fp.as_dict(),
             run_id=item.run_id,
-            model_id=fp.model_id,
-            model_revision=fp.model_revision,
-            model_digest=fp.model_digest,
-            engine=fp.engine,
-            engine_version=fp.engine_version,
-            config_digest=fp.config_digest,
-            prompt_template_digest=fp.prompt_template_digest,
-            fingerprint=fp.value,
             source_topic=topic,
             source_partition=partition,
             source_offset=offset,
