@@ -31,8 +31,7 @@ from batchline.config import JobConfig
 from consumers.engines.base import (
     Engine,
     EngineInput,
-    EngineOutput,
-    RecordFailure,
+    Outcome,
     Sampling,
     StreamingEngine,
 )
@@ -42,7 +41,6 @@ from consumers.validate import OutputValidator
 from consumers.work import Failure, WorkItem
 
 log = logging.getLogger(__name__)
-Outcome = EngineOutput | Failure
 RETRY_TEMPERATURE = 0.7
 
 
@@ -276,13 +274,13 @@ class Feeder:
                 self._settle(key, outcome)
 
     # -- outcomes -----------------------------------------------------------------------------------
-    def _settle(self, key: int, outcome: EngineOutput | RecordFailure) -> None:
+    def _settle(self, key: int, outcome: Outcome) -> None:
         slot = self._slots.pop(key, None)
         if slot is None or slot.flight.cancelled:
             return
         final: Outcome
-        if isinstance(outcome, RecordFailure):
-            final = Failure(outcome.failure_class, outcome.error_type, outcome.message)
+        if isinstance(outcome, Failure):
+            final = outcome
         else:
             problem = self.validator.problem(outcome)
             if problem is None:

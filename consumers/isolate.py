@@ -9,8 +9,9 @@ from __future__ import annotations
 import logging
 from collections.abc import Sequence
 
-from consumers.engines.base import Engine, EngineInput, Outcome, RecordFailure
+from consumers.engines.base import Engine, EngineInput, Outcome
 from consumers.exceptions import EngineError, EngineOOM
+from consumers.work import Failure
 
 log = logging.getLogger(__name__)
 GROW_AFTER = 8  # successful calls (or steps) before a shrunk limit doubles again
@@ -73,16 +74,16 @@ class IsolatingRunner:
             limit = self.limit.shrink(len(inputs))
             log.warning("engine OOM on %d records; batch limit now %d", len(inputs), limit)
             if len(inputs) == 1:
-                return [RecordFailure("EngineOOM", str(exc), "transient")]
+                return [Failure("transient", "EngineOOM", str(exc))]
             return self._split(inputs)
         except EngineError as exc:
             if len(inputs) == 1:
-                return [RecordFailure(type(exc).__name__, str(exc), "transient")]
+                return [Failure("transient", type(exc).__name__, str(exc))]
             return self._split(inputs)
         except Exception as exc:  # a crash of the call: isolate the record that causes it
             if len(inputs) == 1:
                 log.warning("record %s crashes the engine alone: poison (%s)", inputs[0].request_id, exc)
-                return [RecordFailure(type(exc).__name__, str(exc), "poison")]
+                return [Failure("poison", type(exc).__name__, str(exc))]
             return self._split(inputs)
         if len(outcomes) != len(inputs):
             raise RuntimeError(f"engine returned {len(outcomes)} outcomes for {len(inputs)} inputs")

@@ -17,13 +17,11 @@ from batchline.config import JobConfig
 from batchline.kafka import headers as h
 from batchline.kafka.topics import JobTopics
 from batchline.runs.identity import Fingerprint
-from consumers.engines.base import EngineOutput
+from consumers.engines.base import EngineOutput, Outcome
 from consumers.exceptions import MissingOutcome
 from consumers.work import Failure, WorkItem
 from schemas import DeadLetter, Lineage, codec_for
 from schemas.encoders import LineageEncoder, ResultEncoder
-
-Outcome = EngineOutput | Failure
 
 
 @dataclass(slots=True)

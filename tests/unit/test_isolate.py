@@ -7,7 +7,7 @@ import threading
 
 import pytest
 
-from consumers.engines.base import EngineOutput, RecordFailure
+from consumers.engines.base import EngineOutput
 from consumers.engines.deterministic import DeterministicEngine
 from consumers.infer import Feeder, Flight, engine_input
 from consumers.isolate import GROW_AFTER, AdaptiveLimit, IsolatingRunner
@@ -127,10 +127,6 @@ def test_greedy_records_carry_no_seed_and_sampled_ones_a_stable_one() -> None:
     again = engine_input(config(**{"engine.sampling.temperature": 0.8}), item("r1"))
     assert greedy.sampling.seed is None
     assert sampled.sampling.seed is not None and sampled.sampling.seed == again.sampling.seed
-
-
-def test_engine_record_failure_class_is_kept() -> None:
-    assert RecordFailure("X", "y").failure_class == "transient"
 
 
 def test_one_adaptive_limit_halves_on_oom_and_doubles_back_after_a_run_of_successes() -> None:
