@@ -230,7 +230,7 @@ def publish_run(
         expires_at=expires,
         idempotency_key=idempotency_key,
     )
-    write_manifest(kafka, topics, opening)
+    opened_at = write_manifest(kafka, topics, opening)
     producer = make_producer(kafka)
     errors: list[str] = []
 
@@ -278,14 +278,15 @@ def publish_run(
         }
     )
     write_manifest(kafka, topics, report.manifest)
-    report.manifest = _keep_cancel(kafka, topics, report.manifest)
+    report.manifest = _keep_cancel(kafka, topics, report.manifest, opened_at)
     return report
 
 
-def _keep_cancel(kafka: KafkaSettings, topics: JobTopics, final: RunManifest) -> RunManifest:
-    """A cancel written while the run was being published is kept: the final manifest is written again with its
-    ``cancelled_at``, so compaction (which keeps the latest manifest of a run) cannot lose it."""
-    view = RunsView(kafka, topics)
+def _keep_cancel(kafka: KafkaSettings, topics: JobTopics, final: RunManifest, since: int) -> RunManifest:
+    """A cancel written while the run was being published (after offset ``since`` of J.runs) is kept: the final
+    manifest is written again with its ``cancelled_at``, so compaction (which keeps the latest manifest of a run)
+    cannot lose it."""
+    view = RunsView(kafka, topics, start=since)
     try:
         view.sync()
         latest = view.get(final.run_id)

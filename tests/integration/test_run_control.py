@@ -23,10 +23,11 @@ from batchline.kafka.topics import JobTopics
 from batchline.runs.control import cancel_run
 from batchline.runs.identity import fingerprint_of
 from batchline.runs.manifests import RunsView
-from batchline.runs.submit import SubmitReport, submit_file
+from batchline.runs.submit import SubmitReport, publish_run, submit_file
 from consumers.engines.base import EngineInput, Outcome
 from consumers.engines.deterministic import DeterministicEngine
 from consumers.worker import Worker
+from schemas import codec_for
 from tests.support.cli import run_cli, status_json
 from tests.support.jobs import job_toml, requests_file
 from tests.support.kafka import dead_letters, read_topic, results, wait_for
@@ -271,3 +272,24 @@ def test_a_bad_completion_window_is_one_line_at_submit(text: str, kafka: KafkaSe
                    check=False)  # fmt: skip
     assert proc.returncode == ExitCode.USAGE and "--completion-window" in proc.stderr
     assert proc.stderr.count("\n") == 1 and "Traceback" not in proc.stderr
+
+
+def test_a_cancel_written_while_the_run_is_submitted_survives_the_final_manifest(
+    kafka: KafkaSettings, job_name: str, make_job: Callable[..., JobTopics], tmp_path: Path
+) -> None:
+    """Submit writes the complete manifest after its records; a cancel that came in between must still be the
+    latest manifest of the run's key, so that compaction (which keeps only that one) cannot lose it."""
+    topics = make_job(job_name, partitions=2, tiers=("1s", "2s"))
+    _, config = _config(job_name, tmp_path / "job.toml", "")
+
+    def records() -> Iterator[tuple[str, dict[str, Any] | bytes]]:
+        for i in range(10):
+            if i == 5:
+                assert cancel_run(kafka, topics, "run-racing").complete is False
+            yield f"r-{i}", {"id": f"r-{i}", "prompt": "x"}
+
+    report = publish_run(kafka, topics, fingerprint_of(config), records(), run_id="run-racing")
+    assert report.manifest is not None and report.manifest.cancelled_at is not None and report.manifest.complete
+    latest = [r for r in read_topic(kafka, topics.runs) if r.key == b"run-racing"][-1]
+    manifest = codec_for("run_manifest").decode(latest.value or b"")
+    assert manifest.complete and manifest.record_count == 10 and manifest.cancelled_at is not None
