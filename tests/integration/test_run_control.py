@@ -295,3 +295,25 @@ def test_a_cancel_written_while_the_run_is_submitted_survives_the_final_manifest
     latest = [r for r in read_topic(kafka, topics.runs) if r.key == b"run-racing"][-1]
     manifest = codec_for("run_manifest").decode(latest.value or b"")
     assert manifest.complete and manifest.record_count == 10 and manifest.cancelled_at is not None
+
+
+def test_a_run_cancelled_before_any_worker_reached_it_is_cancelling_then_cancelled_without_engine_time(
+    kafka: KafkaSettings, job_name: str, make_job: Callable[..., JobTopics], tmp_path: Path
+) -> None:
+    topics = make_job(job_name, partitions=2, tiers=("1s", "2s"))
+    cfg_path, config = _config(job_name, tmp_path / "job.toml", "")
+    ids, _ = requests_file(tmp_path / "in.jsonl", 30)
+    run = submit_file(kafka, topics, tmp_path / "in.jsonl", fingerprint_of(config)).run_id
+    streams = _streams(job_name, cfg_path, kafka, tmp_path)
+    try:
+        cancel_run(kafka, topics, run)
+        before = status_json(kafka.bootstrap, job_name)[run]  # no worker of its fingerprint runs: nothing can end
+        assert (before["state"], before["pending"], before["cancelled"]) == ("cancelling", 30, 0)
+        engine = CountingEngine(config)
+        with _worker(config, kafka, engine):
+            st = _settled(kafka, job_name, run, [], "cancelled")
+    finally:
+        streams.stop()
+    assert engine.ran == [] and set(_letters(kafka, topics)) == ids and not results(kafka, topics)
+    assert set(_letters(kafka, topics).values()) == {"cancelled"}
+    assert (st["cancelled"], st["succeeded"], st["total"]) == (30, 0, 30)
