@@ -297,23 +297,37 @@ def test_a_cancel_written_while_the_run_is_submitted_survives_the_final_manifest
     assert manifest.complete and manifest.record_count == 10 and manifest.cancelled_at is not None
 
 
-def test_a_run_cancelled_before_any_worker_reached_it_is_cancelling_then_cancelled_without_engine_time(
+def test_runs_cancelled_or_expired_before_any_worker_reached_them_end_without_engine_time(
     kafka: KafkaSettings, job_name: str, make_job: Callable[..., JobTopics], tmp_path: Path
 ) -> None:
+    """No worker of the runs' fingerprint runs at first: the cancelled run reads ``cancelling`` and the one past its
+    window ``expired`` with every record counted expired; a worker then dead-letters all of both, running none."""
     topics = make_job(job_name, partitions=2, tiers=("1s", "2s"))
     cfg_path, config = _config(job_name, tmp_path / "job.toml", "")
-    ids, _ = requests_file(tmp_path / "in.jsonl", 30)
-    run = submit_file(kafka, topics, tmp_path / "in.jsonl", fingerprint_of(config)).run_id
+    fp = fingerprint_of(config)
+    ids_a, _ = requests_file(tmp_path / "a.jsonl", 30, prefix="a")
+    ids_b, _ = requests_file(tmp_path / "b.jsonl", 30, prefix="b")
+    run_a = submit_file(kafka, topics, tmp_path / "a.jsonl", fp).run_id
+    run_b = submit_file(kafka, topics, tmp_path / "b.jsonl", fp, completion_window_s=1.0).run_id
     streams = _streams(job_name, cfg_path, kafka, tmp_path)
     try:
-        cancel_run(kafka, topics, run)
-        before = status_json(kafka.bootstrap, job_name)[run]  # no worker of its fingerprint runs: nothing can end
-        assert (before["state"], before["pending"], before["cancelled"]) == ("cancelling", 30, 0)
+        cancel_run(kafka, topics, run_a)
+        before = wait_for(
+            lambda: (s := status_json(kafka.bootstrap, job_name))[run_b]["state"] == "expired" and s,
+            RUN_TIMEOUT_S,
+            "run B past its window",
+        )
+        assert (before[run_a]["state"], before[run_a]["pending"], before[run_a]["cancelled"]) == ("cancelling", 30, 0)
+        assert (before[run_b]["pending"], before[run_b]["expired"], before[run_b]["total"]) == (0, 30, 30)
         engine = CountingEngine(config)
         with _worker(config, kafka, engine):
-            st = _settled(kafka, job_name, run, [], "cancelled")
+            st_a = _settled(kafka, job_name, run_a, [], "cancelled")
+            wait_for(lambda: len(_letters(kafka, topics)) >= 60, RUN_TIMEOUT_S, "every record dead-lettered")
+            st_b = _settled(kafka, job_name, run_b, [], "expired")
     finally:
         streams.stop()
-    assert engine.ran == [] and set(_letters(kafka, topics)) == ids and not results(kafka, topics)
-    assert set(_letters(kafka, topics).values()) == {"cancelled"}
-    assert (st["cancelled"], st["succeeded"], st["total"]) == (30, 0, 30)
+    letters = _letters(kafka, topics)
+    assert engine.ran == [] and not results(kafka, topics) and set(letters) == ids_a | ids_b
+    assert {letters[r] for r in ids_a} == {"cancelled"} and {letters[r] for r in ids_b} == {"expired"}
+    assert (st_a["cancelled"], st_a["succeeded"], st_a["total"]) == (30, 0, 30)
+    assert (st_b["expired"], st_b["succeeded"], st_b["total"]) == (30, 0, 30)
