@@ -77,8 +77,8 @@ def _commands(tmp_path: Path, job: str) -> dict[str, list[str]]:
     cfg = str(job_toml(tmp_path / "job.toml"))
     return {
         "status": ["status", job],
-        "dlq list": ["dlq", job, "list"],
-        "dlq replay": ["dlq", job, "replay", "--config", cfg],
+        "dlq list": ["dlq", "list", job],
+        "dlq replay": ["dlq", "replay", job, "--config", cfg],
         "replay": ["replay", job, "--run", "r-1", "--config", cfg],
         "topics create": ["topics", "create", job],
         "submit": ["submit", job, str(records), "--config", cfg],
@@ -230,7 +230,7 @@ def test_unknown_run(
         "status": ["status", job_name, "--run", "r-none"],
         "replay": ["replay", job_name, "--run", "r-none", "--config", cfg],
         "export": ["export", job_name, "--run", "r-none", "--out", str(tmp_path / "out.jsonl")],
-        "dlq replay": ["dlq", job_name, "replay", "--run", "r-none", "--config", cfg],
+        "dlq replay": ["dlq", "replay", job_name, "--run", "r-none", "--config", cfg],
         "cancel": ["cancel", job_name, "--run", "r-none"],
     }[command]
     proc = run_cli(kafka.bootstrap, *args, check=False)
