@@ -126,6 +126,7 @@ def test_worker_memory_is_flat_in_topic_size(
 ) -> None:
     peaks = {n: _worker_peak_rss_kb(kafka, make_job, f"{job_name}-{n}", n) for n in RSS_SIZES}
     small, large = (peaks[n] for n in RSS_SIZES)
+    assert small > 0 and large > 0, f"no peak RSS read: {peaks}"  # each run's outputs were counted in the helper
     record(
         "worker_rss",
         {
