@@ -19,8 +19,9 @@ import time
 from collections.abc import Iterable
 from dataclasses import dataclass, field
 
+from batchline.kafka import headers as h
 from batchline.kafka.topics import JobTopics
-from schemas import DeadLetter, Result, codec_for
+from schemas import DeadLetter, Lineage, Result, codec_for
 from tests.support.wire import Batch, Rec, read_batches
 
 __all__ = [
@@ -32,6 +33,7 @@ __all__ = [
     "assert_exactly_once",
     "committed",
     "job_outcomes",
+    "lineage_of",
     "open_transactions",
     "settle",
     "settle_topics",
@@ -131,6 +133,11 @@ class Outcomes:
     def ids(self) -> set[str]:
         return set(self.results) | set(self.dead)
 
+    def placed(self) -> dict[str, str]:
+        """Each id's committed outcome: 'result' or its dead letter's failure class (the last one, if several)."""
+        dead = {rid: letters[-1][0].failure_class for rid, letters in self.dead.items()}
+        return dead | dict.fromkeys(self.results, "result")
+
     def where(self, rid: str) -> list[str]:
         """Each committed outcome of ``rid``: 'result T[p]@o' or 'dead letter (class) T[p]@o'."""
         return [f"result {rec.where}" for _, rec in self.results.get(rid, [])] + [
@@ -172,6 +179,11 @@ def job_outcomes(bootstrap: str, topics: JobTopics) -> Outcomes:
             letter = letter_codec.decode(rec.value or b"")
             dead.setdefault(letter.request_id, []).append((letter, rec))
     return Outcomes(results, dead, log.open, len(log.aborted))
+
+
+def lineage_of(rec: Rec) -> Lineage:
+    """The lineage header of a result or dead letter."""
+    return codec_for("lineage").decode(rec.header(h.LINEAGE) or b"")
 
 
 def assert_exactly_once(
