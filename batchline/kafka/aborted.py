@@ -46,9 +46,9 @@ TP = tuple[str, int]
 
 @dataclass
 class _Partition:
-    """What the index knows of one partition, from ``start`` up to ``read_to``."""
+    """What the index knows of one partition, from where it started reading up to ``read_to``."""
 
-    start: int
+    asked: int  # the last offset asked about (readers ask in offset order)
     read_to: int
     pending: dict[int, list[tuple[int, int]]] = field(default_factory=dict)  # producer -> its open batches
     aborted: list[tuple[int, int]] = field(default_factory=list)  # sorted (first, last) offsets
@@ -121,8 +121,11 @@ class AbortedIndex:
             return False
         tp = (topic, partition)
         part = self.parts.get(tp)
-        if part is None or offset < part.start:
-            part = self.parts[tp] = _Partition(offset, offset)  # (re)start here: earlier records are not asked
+        if part is None or offset < part.asked:
+            # (re)start here - a first read, or a reader that sought back (a rewind): settling from any offset is
+            # exact for the records after it, and ranges already passed were let go
+            part = self.parts[tp] = _Partition(offset, offset)
+        part.asked = offset
         for _ in range(SETTLE_TRIES):
             if offset < part.read_to and not part.open_at(offset):
                 break
@@ -135,7 +138,7 @@ class AbortedIndex:
         return hit
 
     def forget(self, topic: str, partition: int) -> None:
-        """Drop what is known of a partition (a reader that lets it go or re-reads it from elsewhere)."""
+        """Drop what is known of a partition (a reader that lets it go)."""
         self.parts.pop((topic, partition), None)
 
     def _read(self, tp: TP, part: _Partition) -> None:
