@@ -13,6 +13,9 @@ answers "not aborted" without reading: such a broker is Apache Kafka (batchline 
 plaintext only), whose read_committed already leaves aborted records out. On a plaintext Apache Kafka it reads
 the batch headers a second time and finds nothing the broker did not hide: correct, at that cost.
 
+When a raw read fails (the broker unreachable: nothing commits then either), the index logs it and answers
+"not aborted" - the broker's read_committed - for :data:`UNREACHABLE_S`, then reads again.
+
 Who owns what: one index belongs to one reader thread; it keeps per partition the offset it has read to, the
 batch ranges of each producer's transaction in progress, and the aborted ranges not yet passed.
 """
@@ -35,7 +38,8 @@ from kafka.record.memory_records import MemoryRecords
 from batchline.kafka.settings import KafkaSettings
 
 log = logging.getLogger(__name__)
-IO_TIMEOUT_S = 30.0
+IO_TIMEOUT_S = 5.0  # a raw read must not hold a worker's loop for long
+UNREACHABLE_S = 5.0  # after a raw read failed, the broker's read_committed is trusted this long
 FETCH_WAIT_MS = 100
 PARTITION_MAX_BYTES = 1 << 20  # one fetch's bytes: the index holds no records, only their batches' offsets
 SETTLE_TRIES = 20  # fetches that may pass before a record's transaction shows its marker
@@ -115,9 +119,10 @@ class AbortedIndex:
         self.conns: dict[tuple[str, int], _Conn] = {}
         self.leaders: dict[TP, tuple[str, int]] = {}
         self.skipped = 0  # aborted records answered as such
+        self.unreachable_until = 0.0
 
     def aborted(self, topic: str, partition: int, offset: int) -> bool:
-        if not self.enabled:
+        if not self.enabled or time.monotonic() < self.unreachable_until:
             return False
         tp = (topic, partition)
         part = self.parts.get(tp)
@@ -129,7 +134,11 @@ class AbortedIndex:
         for _ in range(SETTLE_TRIES):
             if offset < part.read_to and not part.open_at(offset):
                 break
-            self._read(tp, part)
+            try:
+                self._read(tp, part)
+            except (OSError, ValueError) as exc:  # socket errors, a response that does not parse
+                self._unreachable(tp, exc)
+                return False
         else:
             log.warning("%s[%d]@%d: no transaction marker found after it; counted as committed", *tp, offset)
             return False
@@ -140,6 +149,19 @@ class AbortedIndex:
     def forget(self, topic: str, partition: int) -> None:
         """Drop what is known of a partition (a reader that lets it go)."""
         self.parts.pop((topic, partition), None)
+
+    def _unreachable(self, tp: TP, exc: Exception) -> None:
+        log.warning(
+            "raw read of %s[%d] failed (%s: %s): trusting the broker's read_committed for %.0f s",
+            *tp,
+            type(exc).__name__,
+            exc,
+            UNREACHABLE_S,
+        )
+        self.unreachable_until = time.monotonic() + UNREACHABLE_S
+        self.parts.pop(tp, None)  # read again from the next record asked about
+        self.leaders.clear()
+        self.close()
 
     def _read(self, tp: TP, part: _Partition) -> None:
         """One fetch from ``part.read_to``; its batches' headers settle what they can."""

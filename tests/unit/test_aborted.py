@@ -3,11 +3,14 @@ tests' oracle: both settle the same log, by different code, to the same aborted 
 
 from __future__ import annotations
 
+import pytest
 from hypothesis import given, settings
 from kafka.record.default_records import DefaultRecordBatch
 from kafka.record.memory_records import MemoryRecords
 
-from batchline.kafka.aborted import _Partition
+from batchline.config import KafkaSettings
+from batchline.kafka.aborted import AbortedIndex, _Partition
+from batchline.kafka.broker import free_port
 from tests.support.oracle import settle
 from tests.unit.test_oracle import ABORT, COMMIT, STEPS, data, log, marker
 
@@ -55,3 +58,15 @@ def test_the_index_finds_the_records_the_oracle_settles_as_aborted(steps: list[t
     settled = {r.offset for r in [*oracle.committed, *oracle.aborted]}
     assert {o for o in records if part.open_at(o)} == records - settled
     assert {o for o in range(len(steps)) if part.aborted_at(o)} == {r.offset for r in oracle.aborted}
+
+
+def test_an_unreachable_broker_is_trusted_for_a_while_not_waited_for(caplog: pytest.LogCaptureFixture) -> None:
+    """No broker at the address: the index answers 'not aborted' (the broker's read_committed) at once, says so
+    once, and does not try again on every record."""
+    index_ = AbortedIndex(KafkaSettings(bootstrap=f"127.0.0.1:{free_port()}"))
+    try:
+        assert [index_.aborted("t", 0, o) for o in range(3)] == [False, False, False]
+    finally:
+        index_.close()
+    assert len([r for r in caplog.records if "trusting the broker's read_committed" in r.message]) == 1
+    assert AbortedIndex(KafkaSettings(security_protocol="SSL")).enabled is False
