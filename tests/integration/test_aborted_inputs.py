@@ -22,7 +22,7 @@ from streams.retry_scheduler import RETRIED_AT, RetryScheduler
 from tests.integration.test_streams import _retry_records
 from tests.support.jobs import job_toml
 from tests.support.kafka import wait_for
-from tests.support.oracle import assert_exactly_once, committed, job_outcomes
+from tests.support.oracle import assert_exactly_once, committed, outcome_ids
 from tests.support.procs import CliProcess
 
 TIMEOUT_S = 60.0
@@ -56,7 +56,7 @@ def test_a_worker_does_not_process_requests_of_an_aborted_transaction(
     cfg = job_toml(tmp_path / "job.toml", tiers='"1s"')
     args = ["worker", job_name, "--config", str(cfg), "--idle-exit", "3"]
     with CliProcess(args, kafka.bootstrap, logs_dir / "w.log") as worker:
-        wait_for(lambda: len(job_outcomes(kafka.bootstrap, topics).ids()) >= 10, TIMEOUT_S, "the kept ids' results")
+        wait_for(lambda: len(outcome_ids(kafka.bootstrap, topics)) >= 10, TIMEOUT_S, "the kept ids' results")
         assert worker.wait(TIMEOUT_S) == 0, worker.log()[-2000:]
     outcomes = assert_exactly_once(kafka.bootstrap, topics, {f"kept-{i}" for i in range(10)})
     assert set(outcomes.results) == {f"kept-{i}" for i in range(10)}
