@@ -1,0 +1,104 @@
+"""Files: uploaded content in ``P.file-chunks``, file objects in ``P.files``; read back as a stream of chunks.
+
+An upload is cut into chunks of :data:`CHUNK_BYTES` written under ``<file id>/<seq>`` to one partition of the
+chunks topic (chosen from the id), then its :class:`FileRecord` (with the offset range of the chunks) goes to
+``P.files``: a file is visible only once its content is all there. Reading a file is an exact range read of that
+partition, keeping the chunks whose key names the file (other uploads may interleave). Deleting writes tombstones
+for the record and every chunk, so compaction removes the content. Memory holds one chunk at a time.
+"""
+
+from __future__ import annotations
+
+import time
+import uuid
+import zlib
+from collections.abc import Iterator
+from typing import IO
+
+from batchline.api.errors import FileContentLost
+from batchline.api.records import FileRecord, chunk_key
+from batchline.api.settings import ApiTopics
+from batchline.api.store import Writer
+from batchline.config import KafkaSettings
+from batchline.kafka.scan import scan
+
+CHUNK_BYTES = 256 * 1024  # well under every topic's message size limit, so no broker setting is needed
+READER = {"queued.max.messages.kbytes": 4096, "fetch.max.bytes": 1 << 20, "max.partition.fetch.bytes": 1 << 20}
+
+
+def new_file_id() -> str:
+    return f"file-{uuid.uuid4().hex[:24]}"
+
+
+def upload(
+    writer: Writer, topics: ApiTopics, partitions: int, tenant: str, filename: str, purpose: str, src: IO[bytes]
+) -> FileRecord:
+    """Write ``src``'s bytes as a new file of ``tenant``; returns its record once it is durable."""
+    file_id = new_file_id()
+    partition = zlib.crc32(file_id.encode()) % partitions
+    boxes: list[list[object]] = []
+    size = seq = 0
+    while chunk := src.read(CHUNK_BYTES):
+        boxes.append(writer.send(topics.chunks, chunk_key(file_id, seq), chunk, partition))
+        size += len(chunk)
+        seq += 1
+    writer.producer.flush(30)
+    offsets = [writer.wait(box)[1] for box in boxes]
+    record = FileRecord(
+        id=file_id,
+        tenant=tenant,
+        filename=filename,
+        purpose=purpose,
+        bytes=size,
+        created_at=int(time.time()),
+        chunks=seq,
+        partition=partition,
+        start_offset=min(offsets, default=0),
+        end_offset=max(offsets, default=-1) + 1,
+    )
+    writer.put(topics.files, file_id, record)
+    return record
+
+
+def content(kafka: KafkaSettings, topics: ApiTopics, record: FileRecord) -> Iterator[bytes]:
+    """The file's bytes, chunk by chunk, in order."""
+    if record.chunks == 0:
+        return
+    prefix = f"{record.id}/".encode()
+    expected = 0
+    ranges = {record.partition: (record.start_offset, record.end_offset)}
+    for msg in scan(kafka, topics.chunks, ranges=ranges, **READER):
+        key: bytes = msg.key() or b""
+        if not key.startswith(prefix) or msg.value() is None:
+            continue
+        seq = int(key[len(prefix) :])
+        if seq != expected:  # a chunk written twice by a retried produce: the idempotent producer prevents it
+            continue
+        expected += 1
+        yield msg.value()
+    if expected != record.chunks:
+        raise FileContentLost(record.id, expected, record.chunks)
+
+
+def lines(chunks: Iterator[bytes]) -> Iterator[tuple[int, bytes]]:
+    """(1-based line number, line without its newline) of the content; blank lines are numbered and skipped."""
+    n, rest = 0, b""
+    for chunk in chunks:
+        data = rest + chunk
+        parts = data.split(b"\n")
+        rest = parts.pop()
+        for line in parts:
+            n += 1
+            if line.strip():
+                yield n, line
+    if rest.strip():
+        yield n + 1, rest
+
+
+def delete(writer: Writer, topics: ApiTopics, record: FileRecord) -> None:
+    """Tombstones for the file's chunks, then its record."""
+    boxes = [writer.send(topics.chunks, record.chunk_key(seq), None, record.partition) for seq in range(record.chunks)]
+    writer.producer.flush(30)
+    for box in boxes:
+        writer.wait(box)
+    writer.put(topics.files, record.id, None)
