@@ -18,7 +18,7 @@ from typing import IO
 from batchline.api.errors import FileContentLost
 from batchline.api.records import FileRecord, chunk_key
 from batchline.api.settings import ApiTopics
-from batchline.api.store import Writer
+from batchline.api.store import Delivery, Writer
 from batchline.config import KafkaSettings
 from batchline.kafka.scan import scan
 
@@ -36,7 +36,7 @@ def upload(
     """Write ``src``'s bytes as a new file of ``tenant``; returns its record once it is durable."""
     file_id = new_file_id()
     partition = zlib.crc32(file_id.encode()) % partitions
-    boxes: list[list[object]] = []
+    boxes: list[Delivery] = []
     size = seq = 0
     while chunk := src.read(CHUNK_BYTES):
         boxes.append(writer.send(topics.chunks, chunk_key(file_id, seq), chunk, partition))

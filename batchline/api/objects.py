@@ -28,6 +28,7 @@ from collections.abc import Callable, Sequence
 from typing import Any, TypeVar
 
 from batchline.api.records import BatchRecord, FileRecord
+from batchline.runs.manifests import CANCELLED, EXPIRED, stop_of
 from schemas import RunManifest, RunStats
 
 R = TypeVar("R", BatchRecord, FileRecord)
@@ -50,28 +51,42 @@ def _ts(value: Any) -> int | None:
     return int(value.timestamp()) if value is not None else None
 
 
-def status_of(record: BatchRecord, manifest: RunManifest | None, stats: RunStats | None) -> str:
+def status_of(record: BatchRecord, manifest: RunManifest | None, stats: RunStats | None, now: float) -> str:
+    """The batch's status, by the same rules as ``batchline status`` (:mod:`batchline.runs.status`)."""
     if record.errors:
         return "failed"
     if manifest is None or not manifest.complete:
-        return "validating"
+        return "cancelling" if manifest is not None and manifest.cancelled_at is not None else "validating"
     pending = stats.pending if stats is not None else manifest.record_count
-    if getattr(manifest, "cancelled_at", None) is not None:
+    stop = stop_of(manifest)
+    if stop is not None and stop[1] == CANCELLED:
         return "cancelling" if pending > 0 else "cancelled"
-    if pending > 0:
-        return "in_progress"
-    expired = stats.dead_letters_by_class.get("expired", 0) if stats is not None else 0
-    return "expired" if expired else "completed"
+    expired = stats.expired if stats is not None else 0
+    if stop is not None and stop[1] == EXPIRED and now >= stop[0] and (pending > 0 or expired):
+        return "expired"
+    return "in_progress" if pending > 0 else "completed"
+
+
+def _counts(status: str, record: BatchRecord, stats: RunStats | None) -> dict[str, int]:
+    """OpenAI's request_counts: ``failed`` holds every request in the error file (cancelled and expired too); an
+    expired batch's requests without an outcome count as failed (they end ``expired`` when a worker meets them)."""
+    if stats is None:
+        return {"total": record.record_count, "completed": 0, "failed": 0}
+    failed = stats.quarantined + stats.cancelled + stats.expired + (stats.pending if status == "expired" else 0)
+    return {"total": record.record_count, "completed": stats.succeeded, "failed": failed}
 
 
 def batch_object(record: BatchRecord, manifest: RunManifest | None, stats: RunStats | None) -> dict[str, Any]:
     """The OpenAI ``batch`` object of ``record``."""
-    status = status_of(record, manifest, stats)
+    now = time.time()
+    status = status_of(record, manifest, stats, now)
+    counts = _counts(status, record, stats)
     done = _ts(stats.updated_at) if stats is not None and status in TERMINAL else None
-    completed = stats.succeeded if stats is not None else 0
-    failed = stats.quarantined if stats is not None else 0
-    expires_at = _ts(getattr(manifest, "expires_at", None)) if manifest is not None else None
-    cancelling_at = _ts(getattr(manifest, "cancelled_at", None)) if manifest is not None else None
+    if status == "expired" and manifest is not None and manifest.expires_at is not None:
+        done = _ts(manifest.expires_at)  # expired the moment its window passed
+    completed, failed = counts["completed"], counts["failed"]
+    expires_at = _ts(manifest.expires_at) if manifest is not None else None
+    cancelling_at = _ts(manifest.cancelled_at) if manifest is not None else None
     errors = [e.model_dump(exclude={"v"}) for e in record.errors]
     terminal = status in ("completed", "expired", "cancelled")
     obj: dict[str, Any] = {
@@ -94,7 +109,7 @@ def batch_object(record: BatchRecord, manifest: RunManifest | None, stats: RunSt
         "expired_at": done if status == "expired" else None,
         "cancelling_at": cancelling_at,
         "cancelled_at": done if status == "cancelled" else None,
-        "request_counts": {"total": record.record_count, "completed": completed, "failed": failed},
+        "request_counts": counts,
         "metadata": record.metadata,
     }
     if stats is not None:

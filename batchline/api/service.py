@@ -122,19 +122,17 @@ class ApiService:
         return tenant
 
     def file(self, tenant: str, file_id: str, param: str = "id") -> FileRecord:
+        """The caller's file, as the topic holds it now (created or deleted a moment ago by any replica)."""
+        self.files.sync()
         record = self.files.get(file_id)
-        if record is None:
-            self.files.sync()
-            record = self.files.get(file_id)
         if record is None or record.tenant != tenant:
             raise not_found("File", file_id, param)
         return record
 
     def batch(self, tenant: str, batch_id: str) -> BatchRecord:
+        """The caller's batch, as the topic holds it now."""
+        self.batches.sync()
         record = self.batches.get(batch_id)
-        if record is None:
-            self.batches.sync()
-            record = self.batches.get(batch_id)
         if record is None or record.tenant != tenant:
             raise not_found("Batch", batch_id)
         return record

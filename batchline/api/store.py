@@ -25,6 +25,7 @@ from schemas.codec import DecodeError
 
 log = logging.getLogger(__name__)
 T = TypeVar("T")
+Delivery = list[tuple[KafkaError | None, int, int]]  # filled by the delivery callback
 SYNC_TIMEOUT_S = 10.0
 FLUSH_TIMEOUT_S = 30.0
 
@@ -113,9 +114,9 @@ class Writer:
         payload = None if value is None else value.model_dump_json().encode()
         return self.wait(self.send(topic, key, payload, partition))
 
-    def send(self, topic: str, key: str, payload: bytes | None, partition: int | None = None) -> list[object]:
+    def send(self, topic: str, key: str, payload: bytes | None, partition: int | None = None) -> Delivery:
         """Produce without waiting; the returned list receives (error, partition, offset) when delivered."""
-        box: list[object] = []
+        box: Delivery = []
 
         def delivered(err: KafkaError | None, msg: Message) -> None:
             box.append((err, msg.partition(), msg.offset()))
@@ -130,13 +131,13 @@ class Writer:
         self.producer.poll(0)
         return box
 
-    def wait(self, box: list[object]) -> tuple[int, int]:
+    def wait(self, box: Delivery) -> tuple[int, int]:
         deadline = time.monotonic() + FLUSH_TIMEOUT_S
         while not box and time.monotonic() < deadline:
             self.producer.poll(0.05)
         if not box:
             raise BrokerUnreachable(self.kafka.bootstrap, f"a record was not delivered in {FLUSH_TIMEOUT_S:.0f}s")
-        err, partition, offset = box[0]  # type: ignore[misc]
+        err, partition, offset = box[0]
         if err is not None:
             raise BrokerUnreachable(self.kafka.bootstrap, f"a record was not delivered: {err.str()}")
-        return int(partition), int(offset)
+        return partition, offset
