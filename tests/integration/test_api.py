@@ -18,7 +18,7 @@ from batchline.config import KafkaSettings
 from batchline.kafka.topics import JobTopics
 from tests.support.api import KEYS, ApiServer, batch_lines, jsonl, wait_batch, write_lines
 from tests.support.jobs import job_toml
-from tests.support.kafka import read_topic
+from tests.support.kafka import read_topic, wait_for
 from tests.support.probes import get
 from tests.support.procs import CliProcess
 
@@ -62,7 +62,7 @@ def _stack(kafka: KafkaSettings, job: str, make_job: Callable[..., JobTopics], t
 def stack(
     kafka: KafkaSettings, job_name: str, make_job: Callable[..., JobTopics], tmp_path: Path, logs_dir: Path
 ) -> Iterator[Stack]:
-    yield from _stack(kafka, job_name, make_job, tmp_path, logs_dir, 'poison_marker = "POISON"')
+    yield from _stack(kafka, job_name, make_job, tmp_path, logs_dir, 'poison_marker = "POISON", latency_ms = 10')
 
 
 def _upload(client: openai.OpenAI, path: Path) -> str:
@@ -173,3 +173,141 @@ def test_keys_and_tenants(stack: Stack) -> None:
         acme.files.retrieve(file_id)
     log = stack.api.proc.log()
     assert all(key not in log for key in KEYS.values()), "an API key reached the log"
+
+
+def test_idempotency_key_returns_the_same_batch(stack: Stack, kafka: KafkaSettings) -> None:
+    acme, globex = stack.api.client("acme"), stack.api.client("globex")
+    src = write_lines(stack.tmp / "i.jsonl", batch_lines(10, MODEL))
+    acme_file, globex_file = _upload(acme, src), _upload(globex, src)
+    key = {"Idempotency-Key": "nightly-2026-12-03"}
+    args = {"endpoint": "/v1/chat/completions", "completion_window": "24h", "extra_headers": key}
+    first = acme.batches.create(input_file_id=acme_file, **args)  # type: ignore[arg-type]
+    again = acme.batches.create(input_file_id=acme_file, **args)  # type: ignore[arg-type]
+    with stack.replica("api-2") as other:
+        from_other = other.client("acme").batches.create(input_file_id=acme_file, **args)  # type: ignore[arg-type]
+    theirs = globex.batches.create(input_file_id=globex_file, **args)  # type: ignore[arg-type]
+    assert first.id == again.id == from_other.id != theirs.id  # the key is per tenant
+    assert [b.id for b in acme.batches.list()] == [first.id]
+    published = Counter(
+        r.headers.get("batchline-run-id", b"").decode() for r in read_topic(kafka, stack.topics.requests)
+    )
+    assert published == {first.id: 10, theirs.id: 10}
+
+
+def test_replica_killed_mid_batch_another_answers(stack: Stack) -> None:
+    """Two replicas; one is SIGKILLed while the batch runs; the other (and the killed one restarted) answer for it
+    with the same status, counts and output."""
+    a = stack.api
+    lines = batch_lines(300, MODEL)
+    with stack.replica("api-b") as b, stack.worker():
+        client_a, client_b = a.client(), b.client()
+        batch = client_a.batches.create(
+            input_file_id=_upload(client_a, write_lines(stack.tmp / "k.jsonl", lines)),
+            endpoint="/v1/chat/completions",
+            completion_window="24h",
+        )
+        assert client_b.batches.retrieve(batch.id).id == batch.id
+        mid = wait_batch(client_b, batch.id, {"in_progress"}, BATCH_TIMEOUT_S)
+        a.proc.kill()  # mid-batch: records without an outcome remain
+        done = wait_batch(client_b, batch.id, {"completed"}, BATCH_TIMEOUT_S)
+        output_b = client_b.files.content(done.output_file_id).text
+        restarted = stack.replica("api-a2")
+        with restarted:
+            again = restarted.client().batches.retrieve(batch.id)
+            output_again = restarted.client().files.content(done.output_file_id).text
+    assert mid.request_counts.completed < 300  # type: ignore[union-attr]
+    assert again.status == "completed" and again.request_counts == done.request_counts
+    assert done.request_counts.completed == 300  # type: ignore[union-attr]
+    assert sorted(line["custom_id"] for line in jsonl(output_b)) == [f"task-{i:05d}" for i in range(300)]
+    assert jsonl(output_again) == jsonl(output_b)
+
+
+SLOW_JOB = """
+task = "generate"
+[engine]
+name = "deterministic"
+engine_kwargs = { latency_ms = 40, max_running = 10 }
+[batching]
+max_records = 10
+linger_ms = 20
+max_in_flight_records = 20
+[retry]
+tiers = ["1s", "2s"]
+"""
+IN_FLIGHT_BOUND = 20  # batching.max_in_flight_records of SLOW_JOB: what may still finish after a cancel
+
+
+@pytest.fixture
+def slow_stack(
+    kafka: KafkaSettings, job_name: str, make_job: Callable[..., JobTopics], tmp_path: Path, logs_dir: Path
+) -> Iterator[Stack]:
+    """A worker that runs about 100 records/s, already running when the test starts (a warm-up batch is done)."""
+    topics = make_job(job_name, partitions=2, tiers=("1s", "2s"))
+    cfg = tmp_path / "slow.toml"
+    cfg.write_text(SLOW_JOB)
+    streams = CliProcess(["streams", job_name, "--config", str(cfg), "--snapshot-interval", "0.2"], kafka.bootstrap,
+                         logs_dir / "streams.log")  # fmt: skip
+    api = ApiServer(kafka.bootstrap, logs_dir / "api.log", {MODEL: job_name}, {job_name: cfg}, f"{job_name}-api")
+    stack = Stack(topics, api, cfg, tmp_path, logs_dir, kafka.bootstrap)
+    with streams, api, stack.worker():
+        client = api.client()
+        warm = _upload(client, write_lines(tmp_path / "warm.jsonl", batch_lines(5, MODEL, prefix="warm")))
+        batch = client.batches.create(input_file_id=warm, endpoint="/v1/chat/completions", completion_window="24h")
+        wait_batch(client, batch.id, {"completed"}, BATCH_TIMEOUT_S)
+        yield stack
+
+
+def _run_results(kafka: KafkaSettings, topics: JobTopics, batch_id: str) -> set[str]:
+    return {(r.key or b"").decode() for r in read_topic(kafka, topics.results)
+            if r.headers.get("batchline-run-id") == batch_id.encode()}  # fmt: skip
+
+
+def test_cancel_mid_run_starts_nothing_more(slow_stack: Stack, kafka: KafkaSettings) -> None:
+    client = slow_stack.api.client()
+    n = 600
+    file_id = _upload(client, write_lines(slow_stack.tmp / "c.jsonl", batch_lines(n, MODEL)))
+    batch = client.batches.create(input_file_id=file_id, endpoint="/v1/chat/completions", completion_window="24h")
+    wait_for_progress = wait_batch(client, batch.id, {"in_progress"}, BATCH_TIMEOUT_S)
+    assert wait_for_progress.request_counts.completed < n  # type: ignore[union-attr]
+    cancelling = client.batches.cancel(batch.id)
+    assert cancelling.status in ("cancelling", "cancelled") and cancelling.cancelling_at is not None
+    ran_by_cancel = _run_results(kafka, slow_stack.topics, batch.id)  # at least what had finished by the cancel
+    done = wait_batch(client, batch.id, {"cancelled"}, BATCH_TIMEOUT_S)
+    ran = _run_results(kafka, slow_stack.topics, batch.id)
+    assert len(ran - ran_by_cancel) <= IN_FLIGHT_BOUND, "records started on the engine after the cancel"
+    assert len(ran) < n
+    counts = done.request_counts
+    assert counts is not None and counts.total == n and counts.completed == len(ran)
+    assert counts.completed + counts.failed == n and done.cancelled_at is not None
+    output = jsonl(client.files.content(done.output_file_id).text) if done.output_file_id else []
+    errors = jsonl(client.files.content(done.error_file_id).text)
+    assert {line["custom_id"] for line in output} == ran
+    assert {line["error"]["code"] for line in errors} == {"batch_cancelled"}
+    ids = Counter(line["custom_id"] for line in output + errors)
+    assert set(ids) == {f"task-{i:05d}" for i in range(n)} and set(ids.values()) == {1}
+    assert client.batches.cancel(batch.id).status == "cancelled"  # cancelling again changes nothing
+
+
+def test_expiry_with_a_short_window_keeps_partial_results(slow_stack: Stack, kafka: KafkaSettings) -> None:
+    client = slow_stack.api.client()
+    n = 900  # about 9 s of work for a 3 s window
+    file_id = _upload(client, write_lines(slow_stack.tmp / "e.jsonl", batch_lines(n, MODEL)))
+    batch = client.batches.create(input_file_id=file_id, endpoint="/v1/chat/completions", completion_window="3s")
+    assert batch.expires_at is not None and batch.expires_at - batch.created_at <= 4
+    expired = wait_batch(client, batch.id, {"expired"}, BATCH_TIMEOUT_S)
+    assert expired.expired_at is not None and expired.error_file_id is not None
+
+    def every_record_in_a_file() -> tuple[list[dict[str, object]], list[dict[str, object]]] | None:
+        current = client.batches.retrieve(batch.id)
+        out = jsonl(client.files.content(current.output_file_id).text) if current.output_file_id else []
+        err = jsonl(client.files.content(current.error_file_id).text) if current.error_file_id else []
+        return (out, err) if len(out) + len(err) >= n else None
+
+    output, errors = wait_for(every_record_in_a_file, BATCH_TIMEOUT_S, "every record in the output or error file")
+    assert 0 < len(output) < n, "no partial results, or nothing expired"
+    assert {line["error"]["code"] for line in errors} == {"batch_expired"}  # type: ignore[index]
+    ids = Counter(str(line["custom_id"]) for line in output + errors)
+    assert set(ids) == {f"task-{i:05d}" for i in range(n)} and set(ids.values()) == {1}
+    final = client.batches.retrieve(batch.id)
+    assert final.status == "expired" and final.request_counts is not None
+    assert final.request_counts.completed == len(output) and final.request_counts.failed == len(errors)
