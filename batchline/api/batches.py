@@ -16,6 +16,8 @@ import uuid
 from collections.abc import Iterator
 from typing import Any
 
+from pydantic import SecretStr
+
 from batchline.api import files
 from batchline.api.errors import ApiError, bad_request, not_found
 from batchline.api.jobs import JobView
@@ -24,6 +26,7 @@ from batchline.api.records import BatchRecord
 from batchline.api.service import ApiService
 from batchline.api.settings import CHAT, COMPLETIONS, EMBEDDINGS
 from batchline.api.validate import requests, validate
+from batchline.config import KafkaSettings
 from batchline.runs.control import cancel_run, claim_idempotency, parse_window
 from batchline.runs.export import openai_error, openai_output
 from batchline.runs.outcomes import RunOutcomes
@@ -32,6 +35,7 @@ from batchline.runs.submit import publish_run
 ENDPOINTS = (CHAT, COMPLETIONS, EMBEDDINGS)
 MAX_METADATA = 16
 WINNER_WAIT_S = 30.0
+PUBLISH_QUEUE_KB = 1024
 
 
 def new_batch_id() -> str:
@@ -117,7 +121,7 @@ def create(
     service.writer.put(topics.batches, record.id, record)
     lines = files.lines(files.content(kafka, topics, source))
     publish_run(
-        kafka,
+        _bounded_producer(kafka),
         route.topics,
         route.fingerprint,
         requests(lines, str(endpoint)),
@@ -129,6 +133,13 @@ def create(
     started = record.model_copy(update={"in_progress_at": int(time.time())})
     service.writer.put(topics.batches, started.id, started)
     return render(service, started, sync=True)
+
+
+def _bounded_producer(kafka: KafkaSettings) -> KafkaSettings:
+    """``kafka`` with the producer's queue bounded (librdkafka's default is 1 GB): publish then waits on the broker
+    rather than queueing a large file's records in memory."""
+    props = dict(kafka.kafka) | {"queue.buffering.max.kbytes": SecretStr(str(PUBLISH_QUEUE_KB))}
+    return kafka.model_copy(update={"kafka": props})
 
 
 def _scoped(tenant: str, key: str) -> str:

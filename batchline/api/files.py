@@ -23,7 +23,8 @@ from batchline.config import KafkaSettings
 from batchline.kafka.scan import scan
 
 CHUNK_BYTES = 256 * 1024  # well under every topic's message size limit, so no broker setting is needed
-READER = {"queued.max.messages.kbytes": 4096, "fetch.max.bytes": 1 << 20, "max.partition.fetch.bytes": 1 << 20}
+CHUNKS_IN_FLIGHT = 4
+READER = {"queued.max.messages.kbytes": 1024, "queued.min.messages": 4, "fetch.max.bytes": 1 << 20, "message.max.bytes": 1 << 20, "max.partition.fetch.bytes": 512 << 10}
 
 
 def new_file_id() -> str:
@@ -36,14 +37,16 @@ def upload(
     """Write ``src``'s bytes as a new file of ``tenant``; returns its record once it is durable."""
     file_id = new_file_id()
     partition = zlib.crc32(file_id.encode()) % partitions
-    boxes: list[Delivery] = []
+    pending: list[Delivery] = []
+    offsets: list[int] = []
     size = seq = 0
     while chunk := src.read(CHUNK_BYTES):
-        boxes.append(writer.send(topics.chunks, chunk_key(file_id, seq), chunk, partition))
+        pending.append(writer.send(topics.chunks, chunk_key(file_id, seq), chunk, partition))
         size += len(chunk)
         seq += 1
-    writer.producer.flush(30)
-    offsets = [writer.wait(box)[1] for box in boxes]
+        if len(pending) >= CHUNKS_IN_FLIGHT:  # memory holds a few chunks, whatever the file's size
+            offsets.append(writer.wait(pending.pop(0))[1])
+    offsets += [writer.wait(box)[1] for box in pending]
     record = FileRecord(
         id=file_id,
         tenant=tenant,

@@ -102,9 +102,41 @@ def jsonl(text: str) -> list[dict[str, Any]]:
     return [json.loads(line) for line in text.splitlines() if line.strip()]
 
 
-def rss_peak_kb(pid: int) -> int:
-    """The process's peak resident set (VmHWM), in KiB."""
+def rss_kb(pid: int, field: str = "VmHWM") -> int:
+    """A memory figure of the process from /proc (``VmHWM``: peak resident set; ``VmRSS``: now), in KiB."""
     for line in Path(f"/proc/{pid}/status").read_text().splitlines():
-        if line.startswith("VmHWM:"):
+        if line.startswith(f"{field}:"):
             return int(line.split()[1])
-    raise AssertionError(f"no VmHWM for pid {pid}")
+    raise AssertionError(f"no {field} for pid {pid}")
+
+
+def round_trip_rss(api: ApiServer, model: str, n: int, tmp: Path, timeout: float) -> dict[str, Any]:
+    """Upload an ``n``-line file to a fresh replica, run it as a batch, download its output to disk (streamed);
+    the replica's resident memory at start and at its peak (MiB) and the lines that came back."""
+    assert api.proc.proc is not None
+    pid = api.proc.proc.pid
+    started_kb = rss_kb(pid, "VmRSS")
+    client = api.client()
+    src = write_lines(tmp / f"in-{n}.jsonl", batch_lines(n, model))
+    with src.open("rb") as fh:
+        file_id = client.files.create(file=fh, purpose="batch").id
+    uploaded_kb = rss_kb(pid)
+    batch = client.batches.create(input_file_id=file_id, endpoint="/v1/chat/completions", completion_window="24h")
+    created_kb = rss_kb(pid)
+    done = wait_batch(client, batch.id, {"completed"}, timeout)
+    finished_kb = rss_kb(pid)
+    out, lines = tmp / f"out-{n}.jsonl", 0
+    with client.files.with_streaming_response.content(done.output_file_id) as resp, out.open("wb") as fh:
+        for chunk in resp.iter_bytes():
+            fh.write(chunk)
+            lines += chunk.count(b"\n")
+    return {
+        "lines": n,
+        "input_mb": round(src.stat().st_size / 2**20, 2),
+        "output_lines": lines,
+        "start_rss_mb": round(started_kb / 1024, 1),
+        "peak_rss_mb": round(rss_kb(pid) / 1024, 1),
+        "peak_after_upload_mb": round(uploaded_kb / 1024, 1),
+        "peak_after_create_mb": round(created_kb / 1024, 1),
+        "peak_before_download_mb": round(finished_kb / 1024, 1),
+    }
