@@ -133,7 +133,7 @@ def create_app(service: ApiService) -> FastAPI:
     @app.get("/v1/batches/{batch_id}")
     def retrieve_batch(batch_id: str, authorization: Auth = None) -> dict[str, Any]:
         tenant = service.tenant_of(authorization)
-        return batches.render(service, service.batch(tenant, batch_id))
+        return batches.render(service, service.batch(tenant, batch_id), sync=True)
 
     @app.get("/v1/batches")
     def list_batches(

@@ -39,11 +39,10 @@ class JobView:
         return bool(self.runs.sync()) and self.ledger.sync()
 
     def manifest(self, run_id: str, sync: bool = False) -> RunManifest | None:
-        manifest = self.runs.get(run_id)
-        if manifest is None and sync:
+        """The run's latest manifest (``sync``: after reading everything written to ``J.runs`` before the call)."""
+        if sync:
             self.runs.sync()
-            manifest = self.runs.get(run_id)
-        return manifest
+        return self.runs.get(run_id)
 
     def stats(self, run_id: str, manifest: RunManifest | None) -> RunStats | None:
         """The run's merged counts from the ledger's snapshots; None before the ledger has seen it."""

@@ -14,9 +14,18 @@ from pathlib import Path
 import openai
 import pytest
 
-from batchline.config import KafkaSettings
+from batchline.config import KafkaSettings, load_job_config
 from batchline.kafka.topics import JobTopics
-from tests.support.api import KEYS, ApiServer, batch_lines, jsonl, wait_batch, write_lines
+from tests.support.api import (
+    KEYS,
+    ApiServer,
+    CountingEngine,
+    batch_lines,
+    jsonl,
+    wait_batch,
+    worker_thread,
+    write_lines,
+)
 from tests.support.jobs import job_toml
 from tests.support.kafka import read_topic, wait_for
 from tests.support.probes import get
@@ -34,6 +43,7 @@ class Stack:
     tmp: Path
     logs: Path
     bootstrap: str
+    engine: CountingEngine | None = None
 
     def worker(self, name: str = "w") -> CliProcess:
         args = ["worker", self.topics.job, "--config", str(self.config)]
@@ -248,8 +258,9 @@ def slow_stack(
     streams = CliProcess(["streams", job_name, "--config", str(cfg), "--snapshot-interval", "0.2"], kafka.bootstrap,
                          logs_dir / "streams.log")  # fmt: skip
     api = ApiServer(kafka.bootstrap, logs_dir / "api.log", {MODEL: job_name}, {job_name: cfg}, f"{job_name}-api")
-    stack = Stack(topics, api, cfg, tmp_path, logs_dir, kafka.bootstrap)
-    with streams, api, stack.worker():
+    stack = Stack(topics, api, cfg, tmp_path, logs_dir, kafka.bootstrap, CountingEngine(load_job_config(job_name, cfg)))
+    assert stack.engine is not None
+    with streams, api, worker_thread(load_job_config(job_name, cfg), kafka, stack.engine):
         client = api.client()
         warm = _upload(client, write_lines(tmp_path / "warm.jsonl", batch_lines(5, MODEL, prefix="warm")))
         batch = client.batches.create(input_file_id=warm, endpoint="/v1/chat/completions", completion_window="24h")
@@ -269,12 +280,15 @@ def test_cancel_mid_run_starts_nothing_more(slow_stack: Stack, kafka: KafkaSetti
     batch = client.batches.create(input_file_id=file_id, endpoint="/v1/chat/completions", completion_window="24h")
     wait_for_progress = wait_batch(client, batch.id, {"in_progress"}, BATCH_TIMEOUT_S)
     assert wait_for_progress.request_counts.completed < n  # type: ignore[union-attr]
+    assert slow_stack.engine is not None
     cancelling = client.batches.cancel(batch.id)
+    ran_by_cancel = len(slow_stack.engine.ran)  # at least what the engine had run by the cancel
     assert cancelling.status in ("cancelling", "cancelled") and cancelling.cancelling_at is not None
-    ran_by_cancel = _run_results(kafka, slow_stack.topics, batch.id)  # at least what had finished by the cancel
     done = wait_batch(client, batch.id, {"cancelled"}, BATCH_TIMEOUT_S)
+    engine_ran = [rid for rid in slow_stack.engine.ran if rid.startswith("task-")]
     ran = _run_results(kafka, slow_stack.topics, batch.id)
-    assert len(ran - ran_by_cancel) <= IN_FLIGHT_BOUND, "records started on the engine after the cancel"
+    assert set(engine_ran) == ran and len(engine_ran) == len(ran), "the engine ran a record that has no result"
+    assert len(slow_stack.engine.ran) - ran_by_cancel <= IN_FLIGHT_BOUND, "records started after the cancel"
     assert len(ran) < n
     counts = done.request_counts
     assert counts is not None and counts.total == n and counts.completed == len(ran)
