@@ -15,16 +15,26 @@ import zlib
 from collections.abc import Iterator
 from typing import IO
 
+from confluent_kafka import TopicPartition
+
 from batchline.api.errors import FileContentLost
 from batchline.api.records import FileRecord, chunk_key
 from batchline.api.settings import ApiTopics
 from batchline.api.store import Delivery, Writer
 from batchline.config import KafkaSettings
-from batchline.kafka.scan import scan
+from batchline.kafka.client import make_reader
 
 CHUNK_BYTES = 256 * 1024  # well under every topic's message size limit, so no broker setting is needed
 CHUNKS_IN_FLIGHT = 4
-READER = {"queued.max.messages.kbytes": 1024, "queued.min.messages": 4, "fetch.max.bytes": 1 << 20, "message.max.bytes": 1 << 20, "max.partition.fetch.bytes": 512 << 10}
+READ_TIMEOUT_S = 30.0  # a read that makes no progress for this long fails
+# Fetch limits count compressed bytes and text compresses well: small limits keep a few chunks in memory.
+READER = {
+    "queued.max.messages.kbytes": 1024,
+    "queued.min.messages": 1,
+    "fetch.max.bytes": 64 << 10,
+    "message.max.bytes": 64 << 10,
+    "max.partition.fetch.bytes": 64 << 10,
+}
 
 
 def new_file_id() -> str:
@@ -64,21 +74,29 @@ def upload(
 
 
 def content(kafka: KafkaSettings, topics: ApiTopics, record: FileRecord) -> Iterator[bytes]:
-    """The file's bytes, chunk by chunk, in order."""
+    """The file's bytes, chunk by chunk, in order: an exact read of its offset range, a chunk or two in memory."""
     if record.chunks == 0:
         return
     prefix = f"{record.id}/".encode()
     expected = 0
-    ranges = {record.partition: (record.start_offset, record.end_offset)}
-    for msg in scan(kafka, topics.chunks, ranges=ranges, **READER):
-        key: bytes = msg.key() or b""
-        if not key.startswith(prefix) or msg.value() is None:
-            continue
-        seq = int(key[len(prefix) :])
-        if seq != expected:  # a chunk written twice by a retried produce: the idempotent producer prevents it
-            continue
-        expected += 1
-        yield msg.value()
+    reader = make_reader(kafka, **READER)
+    try:
+        reader.assign([TopicPartition(topics.chunks, record.partition, record.start_offset)])
+        position, deadline = record.start_offset, time.monotonic() + READ_TIMEOUT_S
+        while position < record.end_offset and time.monotonic() < deadline:
+            for msg in reader.consume(2, 0.5):  # a couple of chunks at a time, not a fetch's worth
+                if msg.error():
+                    continue
+                position = msg.offset() + 1
+                deadline = time.monotonic() + READ_TIMEOUT_S
+                key: bytes = msg.key() or b""
+                if not key.startswith(prefix) or msg.value() is None or msg.offset() >= record.end_offset:
+                    continue
+                if int(key[len(prefix) :]) == expected:  # the idempotent producer writes each chunk once
+                    expected += 1
+                    yield msg.value()
+    finally:
+        reader.close()
     if expected != record.chunks:
         raise FileContentLost(record.id, expected, record.chunks)
 

@@ -28,6 +28,7 @@ T = TypeVar("T")
 Delivery = list[tuple[KafkaError | None, int, int]]  # filled by the delivery callback
 SYNC_TIMEOUT_S = 10.0
 FLUSH_TIMEOUT_S = 30.0
+CHUNK_BATCH_BYTES = 300 * 1024  # a content chunk (256 KiB) and its framing
 
 
 class CompactedView(Generic[T]):
@@ -107,7 +108,9 @@ class Writer:
 
     def __init__(self, kafka: KafkaSettings) -> None:
         self.kafka = kafka
-        self.producer = make_producer(kafka)
+        # One content chunk per record batch: a reader then decompresses one chunk at a time (its fetch limits count
+        # compressed bytes, and text compresses well).
+        self.producer = make_producer(kafka, None, **{"batch.size": CHUNK_BATCH_BYTES})
 
     def put(self, topic: str, key: str, value: BaseModel | None, partition: int | None = None) -> tuple[int, int]:
         """Write ``value`` (None: a tombstone) under ``key`` and wait for it; returns (partition, offset)."""
