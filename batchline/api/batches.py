@@ -36,6 +36,15 @@ ENDPOINTS = (CHAT, COMPLETIONS, EMBEDDINGS)
 MAX_METADATA = 16
 WINNER_WAIT_S = 30.0
 PUBLISH_QUEUE_KB = 1024
+# Reading results for an output file: smaller fetches than export's (results compress well and fetch limits count
+# compressed bytes); at 50k results the peak stayed flat against 5k, at about half export's read rate.
+OUTCOMES_READER = {
+    "fetch.max.bytes": 128 << 10,
+    "message.max.bytes": 128 << 10,
+    "max.partition.fetch.bytes": 32 << 10,
+    "queued.max.messages.kbytes": 512,
+    "queued.min.messages": 100,
+}
 
 
 def new_batch_id() -> str:
@@ -183,7 +192,7 @@ def output_lines(service: ApiService, record: BatchRecord, kind: str) -> Iterato
     if record.job is None:
         return
     job = service.job_of(record)
-    with RunOutcomes(service.kafka, job.topics, record.run_id) as outcomes:
+    with RunOutcomes(service.kafka, job.topics, record.run_id, OUTCOMES_READER) as outcomes:
         for result, lineage in outcomes.results():
             if kind == OUTPUT:
                 yield _line(openai_output(result, lineage, record.endpoint, record.model))

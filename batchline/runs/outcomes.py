@@ -90,8 +90,12 @@ def _in_run(msg: Any, wanted: set[bytes]) -> bool:
 class RunOutcomes:
     """One pass over run ``run_id``'s outcomes: :meth:`results` first, then :meth:`letters`."""
 
-    def __init__(self, kafka: KafkaSettings, topics: JobTopics, run_id: str) -> None:
+    def __init__(
+        self, kafka: KafkaSettings, topics: JobTopics, run_id: str, reader: dict[str, Any] | None = None
+    ) -> None:
+        """``reader``: the topic reader's librdkafka settings (default :data:`READER`)."""
         self.kafka, self.topics, self.run_id = kafka, topics, run_id
+        self._reader = READER if reader is None else reader
         self._wanted = run_header_values(run_id)
         self._tmp = tempfile.TemporaryDirectory(prefix="batchline-outcomes-")
         self._ids = _Ids(Path(self._tmp.name) / "ids.sqlite")
@@ -102,7 +106,7 @@ class RunOutcomes:
 
     def results(self) -> Iterator[tuple[Result, Lineage | None]]:
         """Each request id's first result, with its lineage, in topic order."""
-        for msg in scan(self.kafka, self.topics.results, **READER):
+        for msg in scan(self.kafka, self.topics.results, **self._reader):
             if not _in_run(msg, self._wanted):
                 continue
             try:
@@ -134,7 +138,7 @@ class RunOutcomes:
     def letters(self) -> Iterator[DeadLetter]:
         """The latest dead letter of each request id without a result (call after :meth:`results`), by id."""
         codec = codec_for("dead_letter")
-        for msg in scan(self.kafka, self.topics.dlq, **READER):
+        for msg in scan(self.kafka, self.topics.dlq, **self._reader):
             if not _in_run(msg, self._wanted):
                 continue
             try:
