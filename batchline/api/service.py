@@ -34,16 +34,21 @@ VIEWS_SYNCED = "views synced"
 HEARTBEAT_S = 5.0
 
 
-def create_api_topics(kafka: KafkaSettings, topics: ApiTopics, chunk_partitions: int = CHUNK_PARTITIONS) -> None:
-    """The API's compacted topics (idempotent): files and batches on one partition (totally ordered), chunks on
-    ``chunk_partitions``."""
+def api_topic_specs(topics: ApiTopics, chunk_partitions: int = CHUNK_PARTITIONS) -> list[NewTopic]:
+    """The API's compacted topics: files and batches on one partition (totally ordered), chunks on
+    ``chunk_partitions`` (deploy/topics.yaml declares the same)."""
     compact = {"cleanup.policy": "compact"}
-    specs = [
+    return [
         NewTopic(topics.files, 1, 1, config=compact),
         NewTopic(topics.chunks, chunk_partitions, 1, config=compact),
         NewTopic(topics.batches, 1, 1, config=compact),
     ]
+
+
+def create_api_topics(kafka: KafkaSettings, topics: ApiTopics, chunk_partitions: int = CHUNK_PARTITIONS) -> None:
+    """Create the API's topics (idempotent: existing ones are kept as they are)."""
     admin = make_admin(kafka)
+    specs = api_topic_specs(topics, chunk_partitions)
     for name, fut in admin.create_topics(specs, operation_timeout=ADMIN_TIMEOUT_S).items():
         try:
             fut.result(ADMIN_TIMEOUT_S)
