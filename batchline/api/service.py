@@ -106,7 +106,9 @@ class ApiService:
     def _heartbeat(self) -> None:
         """Live while the views' readers go round; ready once every view has caught up with its topic."""
         while not self._stop.wait(HEARTBEAT_S):
-            self.health.beat("api")
+            ledgers = [j.ledger.alive() for j in self.jobs.values()]
+            if self.files.alive() and self.batches.alive() and all(ledgers):
+                self.health.beat("api")
             if not self.health.ready().ok:
                 synced = self.files.sync(2) and self.batches.sync(2) and all(j.sync() for j in self.jobs.values())
                 self.health.set(VIEWS_SYNCED, synced)

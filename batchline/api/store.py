@@ -56,6 +56,10 @@ class CompactedView(Generic[T]):
         self._thread.join(5)
         self._meta.close()
 
+    def alive(self) -> bool:
+        """Whether the view's reader is still going round."""
+        return self._thread.is_alive()
+
     def get(self, key: str) -> T | None:
         with self._lock:
             return self._items.get(key)

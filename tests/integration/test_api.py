@@ -28,7 +28,7 @@ from tests.support.api import (
 )
 from tests.support.jobs import job_toml
 from tests.support.kafka import read_topic, wait_for
-from tests.support.probes import get
+from tests.support.probes import get, scrape, total
 from tests.support.procs import CliProcess
 
 BATCH_TIMEOUT_S = 120.0
@@ -183,6 +183,10 @@ def test_keys_and_tenants(stack: Stack) -> None:
         acme.files.retrieve(file_id)
     log = stack.api.proc.log()
     assert all(key not in log for key in KEYS.values()), "an API key reached the log"
+    assert get(stack.api.port, "/healthz")[0] == 200 and get(stack.api.port, "/readyz")[0] == 200  # no key needed
+    samples = scrape(stack.api.port)
+    assert total(samples, "batchline_api_requests_total", status="401") >= 2
+    assert total(samples, "batchline_api_requests_total", route="/v1/batches/{batch_id}", status="404") >= 1
 
 
 def test_idempotency_key_returns_the_same_batch(stack: Stack, kafka: KafkaSettings) -> None:
