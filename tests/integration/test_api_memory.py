@@ -1,6 +1,7 @@
-"""The API replica's memory does not grow with the size of the files it takes and serves: a file ten times
+"""The API replica's memory does not grow with the size of the files it takes and serves: a file four times
 larger uploaded, validated, published and its output downloaded, at about the same peak RSS (the 50,000-line
-version is tests/bench/test_api_rss.py)."""
+version is tests/bench/test_api_rss.py). Below about 5,000 lines the replica's fixed caches are still filling
+up, so the smaller file is that size."""
 
 from __future__ import annotations
 
@@ -13,9 +14,9 @@ from tests.support.api import ApiServer, round_trip_rss
 from tests.support.jobs import job_toml
 from tests.support.procs import CliProcess
 
-SMALL, LARGE = 500, 5000
+SMALL, LARGE = 5000, 20000
 TIMEOUT_S = 180.0
-GROWTH_BOUND_MB = 12.0  # what may grow between the two: allocator noise, not the file (5000 lines are ~1 MB)
+GROWTH_BOUND_MB = 6.0  # noise; the fixed caches (SQLite pages, fetch and produce queues) fill up by 5,000 lines
 
 
 def test_peak_rss_flat_in_file_size(
