@@ -12,12 +12,12 @@ from batchline.cli.common import Bootstrap, check_model, connect, console, fail,
 from batchline.config import DEFAULT_BOOTSTRAP, TelemetryConfig
 
 
-def _pairs(items: list[str], flag: str) -> list[tuple[str, str]]:
+def _pairs(items: list[str], flag: str, form: str) -> list[tuple[str, str]]:
     pairs = []
     for item in items:
         name, sep, value = item.partition("=")
         if not sep or not name.strip() or not value.strip():
-            raise fail(f"{flag} expects NAME=VALUE, got {item!r}")
+            raise fail(f"{flag} expects {form}, got {item!r}")
         pairs.append((name.strip(), value.strip()))
     return pairs
 
@@ -46,9 +46,9 @@ def api(
 
     logging.basicConfig(level=log_level.upper(), format="%(asctime)s %(levelname)s %(name)s: %(message)s")
     keys = load_keys()
-    paths = {job: Path(path) for job, path in _pairs(config or [], "--config")}
+    paths = {job: Path(path) for job, path in _pairs(config or [], "--config", "JOB=PATH")}
     routes = {}
-    for name, job in _pairs(model, "--model"):
+    for name, job in _pairs(model, "--model", "NAME=JOB"):
         if name in routes:
             raise fail(f"--model {name} is given twice")
         cfg = job_config(job, paths.get(job))
