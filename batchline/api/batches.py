@@ -28,7 +28,8 @@ from batchline.api.settings import CHAT, COMPLETIONS, EMBEDDINGS
 from batchline.api.validate import requests, validate
 from batchline.config import KafkaSettings
 from batchline.runs.control import cancel_run, claim_idempotency, parse_window
-from batchline.runs.export import openai_error, openai_output
+from batchline.runs.export import openai_error, openai_output, openai_stopped
+from batchline.runs.manifests import EXPIRED
 from batchline.runs.outcomes import RunOutcomes
 from batchline.runs.submit import publish_run
 
@@ -192,6 +193,8 @@ def output_lines(service: ApiService, record: BatchRecord, kind: str) -> Iterato
     if record.job is None:
         return
     job = service.job_of(record)
+    manifest = job.manifest(record.run_id)
+    expired = manifest is not None and render(service, record)["status"] == "expired"
     with RunOutcomes(service.kafka, job.topics, record.run_id, OUTCOMES_READER) as outcomes:
         for result, lineage in outcomes.results():
             if kind == OUTPUT:
@@ -199,6 +202,9 @@ def output_lines(service: ApiService, record: BatchRecord, kind: str) -> Iterato
         if kind == ERRORS:
             for letter in outcomes.letters():
                 yield _line(openai_error(letter))
+            if expired and manifest is not None:  # what no worker has met yet will end expired too: list it now
+                for rid in outcomes.without_outcome(manifest):
+                    yield _line(openai_stopped(record.run_id, rid, EXPIRED))
 
 
 def _line(obj: dict[str, Any]) -> bytes:

@@ -70,8 +70,12 @@ def status_of(record: BatchRecord, manifest: RunManifest | None, stats: RunStats
 def _counts(status: str, record: BatchRecord, stats: RunStats | None) -> dict[str, int]:
     """OpenAI's request_counts: ``failed`` holds every request in the error file (cancelled and expired too); an
     expired batch's requests without an outcome count as failed (they end ``expired`` when a worker meets them)."""
-    if stats is None:
-        return {"total": record.record_count, "completed": 0, "failed": 0}
+    if stats is None:  # the ledger has counted nothing of it yet (no worker has met it)
+        return {
+            "total": record.record_count,
+            "completed": 0,
+            "failed": record.record_count if status == "expired" else 0,
+        }
     failed = stats.quarantined + stats.cancelled + stats.expired + (stats.pending if status == "expired" else 0)
     return {"total": record.record_count, "completed": stats.succeeded, "failed": failed}
 

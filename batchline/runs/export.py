@@ -156,6 +156,14 @@ def openai_error(letter: DeadLetter) -> dict[str, Any]:
     return {"id": f"batch_req_{ref}", "custom_id": letter.request_id, "response": None, "error": error}
 
 
+def openai_stopped(run_id: str | None, request_id: str, failure_class: str) -> dict[str, Any]:
+    """The error line of a request its run's cancel or completion window stopped before any worker met it (no
+    dead letter yet): what :func:`openai_error` writes for the dead letter it will get."""
+    error = {"code": OPENAI_CODES[failure_class], "message": OPENAI_MESSAGES[failure_class]}
+    ref = _ref(run_id, request_id)
+    return {"id": f"batch_req_{ref}", "custom_id": request_id, "response": None, "error": error}
+
+
 # -- writers -------------------------------------------------------------------------------------
 
 

@@ -24,7 +24,7 @@ from batchline.kafka import headers as h
 from batchline.kafka.scan import scan
 from batchline.kafka.topics import JobTopics
 from batchline.runs.manifests import STREAM_RUN
-from schemas import DeadLetter, Lineage, Result, codec_for
+from schemas import DeadLetter, Lineage, Result, RunManifest, codec_for
 from schemas.codec import DecodeError
 
 log = logging.getLogger(__name__)
@@ -61,6 +61,10 @@ class _Ids:
     def letter(self, rid: str, value: bytes) -> None:
         self.db.execute("INSERT OR REPLACE INTO letters VALUES (?, ?)", (rid, value))
         self._tick()
+
+    def has_outcome(self, rid: str) -> bool:
+        query = "SELECT 1 FROM seen WHERE id = ? UNION ALL SELECT 1 FROM letters WHERE id = ? LIMIT 1"
+        return self.db.execute(query, (rid, rid)).fetchone() is not None
 
     def letters_without_result(self) -> Iterator[bytes]:
         self.db.commit()
@@ -155,6 +159,19 @@ class RunOutcomes:
                 continue
             self.letters_read += 1
             yield letter
+
+    def without_outcome(self, manifest: RunManifest) -> Iterator[str]:
+        """The request ids inside the run's boundaries (``J.requests``) with neither a result nor a dead letter,
+        once each (call after :meth:`letters`): the requests an expired run will never start, before a worker has
+        met them."""
+        ranges = {b.partition: (b.start_offset, b.end_offset) for b in manifest.boundaries}
+        if not ranges:
+            return
+        for msg in scan(self.kafka, self.topics.requests, ranges=ranges, **self._reader):
+            rid = (msg.key() or b"").decode("utf-8", "replace")
+            if rid and not self._ids.has_outcome(rid):
+                self._ids.first(rid)
+                yield rid
 
     def close(self) -> None:
         self._ids.close()

@@ -329,3 +329,21 @@ def test_expiry_with_a_short_window_keeps_partial_results(slow_stack: Stack, kaf
     final = client.batches.retrieve(batch.id)
     assert final.status == "expired" and final.request_counts is not None
     assert final.request_counts.completed == len(output) and final.request_counts.failed == len(errors)
+
+
+def test_expired_with_no_worker_lists_every_request_in_the_error_file(stack: Stack) -> None:
+    """No worker ever runs: once the window has passed the batch is expired and its error file already names every
+    request as batch_expired (read from the run's records in J.requests), and the counts add up."""
+    client = stack.api.client()
+    file_id = _upload(client, write_lines(stack.tmp / "x.jsonl", batch_lines(40, MODEL)))
+    batch = client.batches.create(input_file_id=file_id, endpoint="/v1/chat/completions", completion_window="2s")
+    done = wait_batch(client, batch.id, {"expired"}, BATCH_TIMEOUT_S)
+    assert done.request_counts is not None and done.request_counts.model_dump() == {
+        "total": 40,
+        "completed": 0,
+        "failed": 40,
+    }
+    assert done.output_file_id is None and done.error_file_id is not None
+    errors = jsonl(client.files.content(done.error_file_id).text)
+    assert sorted(line["custom_id"] for line in errors) == [f"task-{i:05d}" for i in range(40)]
+    assert {line["error"]["code"] for line in errors} == {"batch_expired"}
