@@ -47,7 +47,8 @@ SYNC_TIMEOUT_S = 10.0
 
 
 class RunsView:
-    def __init__(self, kafka: KafkaSettings, topics: JobTopics) -> None:
+    def __init__(self, kafka: KafkaSettings, topics: JobTopics, start: int = 0) -> None:
+        """``start``: the offset of J.runs to read from (0: everything; later: only what was written since)."""
         self.kafka = kafka
         self.topics = topics
         self._runs: dict[str, RunManifest] = {}
@@ -57,11 +58,11 @@ class RunsView:
         # read without the lock by the worker's and the scheduler's threads: a dict lookup on their hot path.
         self.stops: dict[str, tuple[float, str]] = {}
         self._lock = threading.Lock()
-        self._position = 0
+        self._position = start
         self._stop = threading.Event()
         self._thread: threading.Thread | None = None
         self._consumer = make_reader(kafka)
-        self._consumer.assign([TopicPartition(topics.runs, 0, 0)])
+        self._consumer.assign([TopicPartition(topics.runs, 0, start)])
         # A second handle for watermark queries: the first is busy in consume() on the view's thread.
         self._meta = make_reader(kafka)
 
