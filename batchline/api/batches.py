@@ -139,6 +139,7 @@ def create(
         source=f"api:{tenant}:{source.id}",
         completion_window_s=window_s,
         idempotency_key=_scoped(tenant, idempotency_key) if idempotency_key else None,
+        view=job.runs,
     )
     started = record.model_copy(update={"in_progress_at": int(time.time())})
     service.writer.put(topics.batches, started.id, started)
