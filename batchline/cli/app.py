@@ -16,6 +16,7 @@ from typing import Annotated, Any
 
 import typer
 
+from batchline.cli import api_cmd as cli_api
 from batchline.cli import ops as cli_ops
 from batchline.cli.common import (
     check_model,
@@ -374,6 +375,7 @@ def config_doc() -> None:
 
 
 cli_ops.register(app)
+cli_api.register(app)
 
 
 def main(argv: Sequence[str] | None = None) -> None:

@@ -15,12 +15,11 @@
 - ``parquet``: one row per result (``scores`` a map, ``embedding`` a list, ``lineage`` a struct), written in row
   groups; the error file is JSONL as above.
 
-It streams. Results are read once, in topic order, committed ones only (``scan`` leaves records of aborted
-transactions out, on the embedded broker too), and written as they come; the request ids already written live in
-a SQLite file in a temporary directory (not in memory), so the same id written twice (a copy written outside a
-transaction) is skipped, and memory stays flat whatever the run's size.
-Dead letters go to the same file (the latest per id) and are written at the end for the ids without a result.
-Both files are written under a ``.part`` name and renamed when complete.
+It streams (:class:`batchline.runs.outcomes.RunOutcomes`): results are read once, in topic order, committed ones
+only (``scan`` leaves records of aborted transactions out, on the embedded broker too), and written as they come,
+the first copy of each request id only; the dead letters of the ids without a result are written at the end;
+memory stays flat whatever the run's size. Both files are written under a ``.part`` name and renamed when
+complete. The ``openai`` line shapes are also what the API server (``batchline.api``) streams.
 """
 
 from __future__ import annotations
@@ -29,37 +28,26 @@ import base64
 import hashlib
 import json
 import logging
-import sqlite3
-import tempfile
-from collections.abc import Callable, Iterator
+from collections.abc import Callable
 from dataclasses import dataclass
 from pathlib import Path
 from typing import IO, Any, Literal, Protocol
 
 from batchline.config import KafkaSettings
 from batchline.exceptions import NotFoundError, UsageError
-from batchline.kafka import headers as h
-from batchline.kafka.scan import scan
 from batchline.kafka.topics import JobTopics
 from batchline.runs.control import OPENAI_CODES, OPENAI_MESSAGES
-from batchline.runs.manifests import STREAM_RUN, RunsView
-from schemas import DeadLetter, Lineage, Result, RunManifest, codec_for
+from batchline.runs.manifests import RunsView
+from batchline.runs.outcomes import RunOutcomes
+from schemas import DeadLetter, Lineage, Result, RunManifest
 from schemas.codec import DecodeError, decode_request
 
 log = logging.getLogger(__name__)
 Format = Literal["jsonl", "openai", "parquet"]
 FORMATS: tuple[str, ...] = ("jsonl", "openai", "parquet")
 ROW_GROUP = 8192  # Parquet rows buffered per row group
-# The reader's prefetch and fetch sizes: with librdkafka's defaults (64 MB queued, 50 MB fetches, 1 MB per
-# partition) its buffers were most of an export's memory and grew with the run up to those caps; these read as
-# fast here and keep the peak near 90 MB at 1M records (tests/bench/test_export.py).
-READER: dict[str, Any] = {
-    "queued.max.messages.kbytes": 2048,
-    "queued.min.messages": 1000,
-    "fetch.max.bytes": 1 << 20,
-    "max.partition.fetch.bytes": 256 << 10,
-}
-COMMIT_EVERY = 20000  # SQLite statements per transaction
+CHAT_ENDPOINT = "/v1/chat/completions"
+COMPLETIONS_ENDPOINT = "/v1/completions"
 
 
 @dataclass
@@ -96,44 +84,6 @@ def errors_path_for(path: Path) -> Path:
     return path.with_name(path.name + ".errors.jsonl")
 
 
-class _Ids:
-    """Request ids already written, and the latest dead letter per id, in a SQLite file (flat memory)."""
-
-    def __init__(self, path: Path) -> None:
-        self.db = sqlite3.connect(path)
-        # A 2 MB page cache: the file, not memory, grows with the run (about 40 bytes per id).
-        for pragma in ("journal_mode=OFF", "synchronous=OFF", "cache_size=-2048", "temp_store=FILE"):
-            self.db.execute(f"PRAGMA {pragma}")
-        self.db.execute("CREATE TABLE seen (id TEXT PRIMARY KEY) WITHOUT ROWID")
-        self.db.execute("CREATE TABLE letters (id TEXT PRIMARY KEY, value BLOB NOT NULL) WITHOUT ROWID")
-        self._pending = 0
-
-    def first(self, rid: str) -> bool:
-        """Record ``rid`` as written; False if it already was."""
-        added = self.db.execute("INSERT OR IGNORE INTO seen VALUES (?)", (rid,)).rowcount == 1
-        self._tick()
-        return added
-
-    def letter(self, rid: str, value: bytes) -> None:
-        self.db.execute("INSERT OR REPLACE INTO letters VALUES (?, ?)", (rid, value))
-        self._tick()
-
-    def letters_without_result(self) -> Iterator[bytes]:
-        self.db.commit()
-        query = "SELECT value FROM letters WHERE id NOT IN (SELECT id FROM seen) ORDER BY id"
-        for (value,) in self.db.execute(query):
-            yield value
-
-    def _tick(self) -> None:
-        self._pending += 1
-        if self._pending >= COMMIT_EVERY:
-            self.db.commit()
-            self._pending = 0
-
-    def close(self) -> None:
-        self.db.close()
-
-
 # -- line shapes ---------------------------------------------------------------------------------
 
 
@@ -157,9 +107,13 @@ def _ref(run_id: str | None, request_id: str) -> str:
     return hashlib.sha256(f"{run_id}\x1f{request_id}".encode()).hexdigest()[:24]
 
 
-def openai_output(result: Result, lineage: Lineage | None) -> dict[str, Any]:
-    """One line of an OpenAI batch output file for ``result``."""
-    ref, model = _ref(result.run_id, result.request_id), lineage.model_id if lineage else None
+def openai_output(
+    result: Result, lineage: Lineage | None, endpoint: str = CHAT_ENDPOINT, model: str | None = None
+) -> dict[str, Any]:
+    """One line of an OpenAI batch output file for ``result``: the response body of ``endpoint`` (a
+    ``chat.completion``, a ``text_completion`` or an embedding ``list``); ``model``: the name the request asked
+    for (default: the lineage's model id)."""
+    ref, model = _ref(result.run_id, result.request_id), model or (lineage.model_id if lineage else None)
     prompt, completion = result.prompt_tokens, result.completion_tokens
     body: dict[str, Any]
     if result.task == "embed":
@@ -168,9 +122,16 @@ def openai_output(result: Result, lineage: Lineage | None) -> dict[str, Any]:
         body["usage"] = {"prompt_tokens": prompt, "total_tokens": prompt}
     else:
         content = result.output if result.output is not None else result.label
-        choice = {"index": 0, "message": {"role": "assistant", "content": content}, "logprobs": None}
-        body = {"id": f"chatcmpl-{ref}", "object": "chat.completion", "created": int(result.produced_at.timestamp())}
-        body |= {"model": model, "choices": [choice | {"finish_reason": result.finish_reason or "stop"}]}
+        finish = result.finish_reason or "stop"
+        created = int(result.produced_at.timestamp())
+        if endpoint == COMPLETIONS_ENDPOINT:
+            choice: dict[str, Any] = {"text": content, "index": 0, "logprobs": None, "finish_reason": finish}
+            body = {"id": f"cmpl-{ref}", "object": "text_completion", "created": created}
+        else:
+            message = {"role": "assistant", "content": content}
+            choice = {"index": 0, "message": message, "logprobs": None, "finish_reason": finish}
+            body = {"id": f"chatcmpl-{ref}", "object": "chat.completion", "created": created}
+        body |= {"model": model, "choices": [choice]}
         body["usage"] = {"prompt_tokens": prompt, "completion_tokens": completion, "total_tokens": prompt + completion}
         body["system_fingerprint"] = lineage.fingerprint if lineage else None
     body["batchline"] = {
@@ -194,6 +155,14 @@ def openai_error(letter: DeadLetter) -> dict[str, Any]:
     error = {"code": code, "message": message}
     ref = _ref(letter.run_id, letter.request_id)
     return {"id": f"batch_req_{ref}", "custom_id": letter.request_id, "response": None, "error": error}
+
+
+def openai_stopped(run_id: str | None, request_id: str, failure_class: str) -> dict[str, Any]:
+    """The error line of a request its run's cancel or completion window stopped before any worker met it (no
+    dead letter yet): what :func:`openai_error` writes for the dead letter it will get."""
+    error = {"code": OPENAI_CODES[failure_class], "message": OPENAI_MESSAGES[failure_class]}
+    ref = _ref(run_id, request_id)
+    return {"id": f"batch_req_{ref}", "custom_id": request_id, "response": None, "error": error}
 
 
 # -- writers -------------------------------------------------------------------------------------
@@ -281,15 +250,6 @@ def find_run(kafka: KafkaSettings, topics: JobTopics, run_id: str) -> RunManifes
     return manifest
 
 
-def _run_ids(run_id: str) -> set[bytes]:
-    """Values of the ``batchline-run-id`` header that belong to ``run_id`` (the open stream's records have none)."""
-    return {run_id.encode()} | ({b"", STREAM_RUN.encode()} if run_id == STREAM_RUN else set())
-
-
-def _in_run(msg: Any, wanted: set[bytes]) -> bool:
-    return h.as_dict(msg.headers()).get(h.RUN_ID, b"") in wanted
-
-
 def export_run(
     kafka: KafkaSettings,
     topics: JobTopics,
@@ -306,98 +266,40 @@ def export_run(
         raise UsageError(f"cannot write {path}: no directory {path.parent}")
     manifest = manifest or find_run(kafka, topics, run_id)
     report = ExportReport(run_id, path, errors_path_for(path), expected=manifest.record_count)
-    wanted = _run_ids(run_id)
     parts = [p.with_name(p.name + ".part") for p in (report.path, report.errors_path)]
-    with tempfile.TemporaryDirectory(prefix="batchline-export-") as tmp:
-        ids = _Ids(Path(tmp) / "ids.sqlite")
-        try:
-            _write_results(kafka, topics, wanted, ids, _writer(fmt, parts[0]), report, progress)
-            _write_errors(kafka, topics, wanted, ids, fmt, parts[1], report, progress)
-        except BaseException:
-            for part in parts:
-                part.unlink(missing_ok=True)
-            raise
-        finally:
-            ids.close()
+    try:
+        with RunOutcomes(kafka, topics, run_id) as outcomes:
+            _write_results(outcomes, _writer(fmt, parts[0]), progress)
+            _write_errors(outcomes, openai_error if fmt == "openai" else letter_json, parts[1], progress)
+            report.results, report.errors = outcomes.results_read, outcomes.letters_read
+            report.duplicates, report.unreadable = outcomes.duplicates, outcomes.unreadable
+    except BaseException:
+        for part in parts:
+            part.unlink(missing_ok=True)
+        raise
     for part, final in zip(parts, (report.path, report.errors_path), strict=True):
         part.replace(final)
     return report
 
 
-def _write_results(
-    kafka: KafkaSettings,
-    topics: JobTopics,
-    wanted: set[bytes],
-    ids: _Ids,
-    writer: _Writer,
-    report: ExportReport,
-    progress: Callable[[int], None] | None,
-) -> None:
+def _write_results(outcomes: RunOutcomes, writer: _Writer, progress: Callable[[int], None] | None) -> None:
     try:
-        for msg in scan(kafka, topics.results, **READER):
-            if not _in_run(msg, wanted):
-                continue
-            try:
-                result, lineage = _decode_result(msg, ids)
-            except DecodeError as exc:
-                report.unreadable += 1
-                log.warning(
-                    "skipping an unreadable result at %s[%d]@%d: %s", msg.topic(), msg.partition(), msg.offset(), exc
-                )
-                continue
-            if result is None:
-                report.duplicates += 1
-                continue
+        for result, lineage in outcomes.results():
             writer.write(result, lineage)
-            report.results += 1
             if progress:
                 progress(1)
     finally:
         writer.close()
 
 
-def _decode_result(msg: Any, ids: _Ids) -> tuple[Result | None, Lineage | None]:
-    """The message's result and lineage, or (None, None) if its request id was already written."""
-    key: bytes | None = msg.key()
-    result: Result | None = None if key else codec_for("result").decode(msg.value() or b"")
-    rid = key.decode("utf-8", "replace") if key else result.request_id  # type: ignore[union-attr]
-    if not ids.first(rid):
-        return None, None
-    if result is None:
-        result = codec_for("result").decode(msg.value() or b"")
-    raw = h.as_dict(msg.headers()).get(h.LINEAGE)
-    return result, codec_for("lineage").decode(raw) if raw else None
-
-
 def _write_errors(
-    kafka: KafkaSettings,
-    topics: JobTopics,
-    wanted: set[bytes],
-    ids: _Ids,
-    fmt: Format,
+    outcomes: RunOutcomes,
+    shape: Callable[[DeadLetter], dict[str, Any]],
     part: Path,
-    report: ExportReport,
     progress: Callable[[int], None] | None,
 ) -> None:
-    letters = codec_for("dead_letter")
-    for msg in scan(kafka, topics.dlq, **READER):
-        if not _in_run(msg, wanted):
-            continue
-        try:
-            rid = msg.key().decode("utf-8", "replace") if msg.key() else letters.decode(msg.value() or b"").request_id
-        except DecodeError:
-            report.unreadable += 1
-            continue
-        ids.letter(rid, msg.value() or b"")
-    shape = openai_error if fmt == "openai" else letter_json
     with part.open("w", encoding="utf-8") as fh:
-        for value in ids.letters_without_result():
-            try:
-                letter: DeadLetter = letters.decode(value)
-            except DecodeError:
-                report.unreadable += 1
-                continue
+        for letter in outcomes.letters():
             fh.write(json.dumps(shape(letter), ensure_ascii=False) + "\n")
-            report.errors += 1
             if progress:
                 progress(1)

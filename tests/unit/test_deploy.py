@@ -31,6 +31,8 @@ from compose_spec import PyOptions
 from compose_spec import parse_duration as compose_duration
 from compose_spec.models import ComposeSpecification
 
+from batchline.api.service import api_topic_specs
+from batchline.api.settings import KEYS_ENV, KEYS_FILE_ENV, ApiTopics
 from batchline.cli.app import app
 from batchline.config import JobConfig, KafkaSettings, load_job_config
 from batchline.kafka.topics import JobTopics, _specs
@@ -48,7 +50,8 @@ DRAIN_FLOOR_RECORDS_PER_S = 20
 # Probes: which path each Kubernetes probe asks, how long a process may take to open its port (importing torch
 # and vLLM, CUDA init on a cold node), and how many failed liveness probes it takes to restart a pod.
 PROBE_PATHS = {"startupProbe": HEALTH_PATH, "livenessProbe": HEALTH_PATH, "readinessProbe": READY_PATH}
-PORT_OPEN_FLOOR_S = {"worker": 300, "streams": 60}
+PORT_OPEN_FLOOR_S = {"worker": 300, "streams": 60, "api": 60}
+API_VARIABLES = {KEYS_ENV, KEYS_FILE_ENV}  # read by `batchline api` (batchline.api.settings), not KafkaSettings
 LIVENESS_FAILURES_FLOOR = 2
 
 # ---------------------------------------------------------------------------------------------- loading
@@ -432,9 +435,11 @@ def test_kafka_topics_are_the_topics_of_the_job(tmp_path: Path) -> None:
     cfg = _job_config_from_configmap(tmp_path, JOB)
     topics = JobTopics(JOB, cfg.retry.tiers)
     declared = _declared_topics()
-    assert sorted(declared) == sorted(topics.all())
-    # The same partitions and configs that `batchline topics create JOB --partitions N` gives them.
-    for spec in _specs(topics, declared[topics.requests]["partitions"]):
+    api_specs = api_topic_specs(ApiTopics(), declared[ApiTopics().chunks]["partitions"])
+    assert sorted(declared) == sorted(topics.all() + ApiTopics().all())
+    # The same partitions and configs that `batchline topics create JOB --partitions N` (and `batchline api` for its
+    # own topics) gives them.
+    for spec in [*_specs(topics, declared[topics.requests]["partitions"]), *api_specs]:
         got = declared[spec.topic]
         assert got["partitions"] == spec.num_partitions, spec.topic
         assert {k: str(v) for k, v in got.get("config", {}).items()}.items() >= (spec.config or {}).items(), spec.topic
@@ -503,11 +508,12 @@ def test_scaled_object_scales_the_worker_on_the_lag_of_its_group() -> None:
 
 
 def _metrics_port(argv: list[str]) -> int:
-    assert "--metrics-port" in argv, f"`{' '.join(argv)}` serves no metrics or probes"
-    return int(argv[argv.index("--metrics-port") + 1])
+    flag = "--port" if argv[1] == "api" else "--metrics-port"  # the API serves the probes on its own port
+    assert flag in argv, f"`{' '.join(argv)}` serves no metrics or probes"
+    return int(argv[argv.index(flag) + 1])
 
 
-@pytest.mark.parametrize("command", ["worker", "streams"])
+@pytest.mark.parametrize("command", ["worker", "streams", "api"])
 def test_probes_ask_the_health_paths_on_the_metrics_port(command: str) -> None:
     dep, container = _deployment_of(command)
     port = _metrics_port(container["args"])
@@ -521,7 +527,7 @@ def test_probes_ask_the_health_paths_on_the_metrics_port(command: str) -> None:
     assert annotations["prometheus.io/port"] == str(port) and annotations["prometheus.io/path"] == METRICS_PATH
 
 
-@pytest.mark.parametrize("command", ["worker", "streams"])
+@pytest.mark.parametrize("command", ["worker", "streams", "api"])
 def test_probes_leave_time_to_start_and_never_restart_on_one_slow_answer(command: str) -> None:
     _, container = _deployment_of(command)
     startup = container["startupProbe"]
@@ -539,7 +545,7 @@ def test_compose_file_follows_the_compose_specification() -> None:
     parsed = PyOptions(apply_merge=True).from_yaml(text)  # strict: raises ValueError on anything off-spec
     parsed.validate()
     ComposeSpecification.model_validate(_compose())
-    assert set(parsed.service_names()) == {"kafka", "topics", "worker", "streams", "otel-collector", "jaeger"}
+    assert set(parsed.service_names()) == {"kafka", "topics", "worker", "streams", "api", "otel-collector", "jaeger"}
 
 
 def test_compose_parser_rejects_a_misspelt_key() -> None:
@@ -566,7 +572,7 @@ def test_compose_kafka_is_a_single_kraft_node_that_supports_transactions() -> No
         assert env[f"KAFKA_{key}_REPLICATION_FACTOR"] == "1"
     assert env["KAFKA_TRANSACTION_STATE_LOG_MIN_ISR"] == "1"
     advertised = dict(reversed(item.split("://")) for item in env["KAFKA_ADVERTISED_LISTENERS"].split(","))
-    for name in ("topics", "worker", "streams"):
+    for name in ("topics", "worker", "streams", "api"):
         assert _env(services[name])["BATCHLINE_BOOTSTRAP"] in advertised
     assert "healthcheck" in kafka
 
@@ -574,7 +580,7 @@ def test_compose_kafka_is_a_single_kraft_node_that_supports_transactions() -> No
 def test_compose_starts_topics_then_worker_and_streams() -> None:
     services = _compose()["services"]
     assert services["topics"]["depends_on"]["kafka"]["condition"] == "service_healthy"
-    for name in ("worker", "streams"):
+    for name in ("worker", "streams", "api"):
         assert services[name]["depends_on"]["topics"]["condition"] == "service_completed_successfully"
 
 
@@ -590,7 +596,7 @@ def test_compose_worker_reserves_a_gpu_and_drains_on_stop(tmp_path: Path) -> Non
     assert compose_duration(worker["stop_grace_period"]) >= drain_s
 
 
-@pytest.mark.parametrize("name", ["worker", "streams"])
+@pytest.mark.parametrize("name", ["worker", "streams", "api"])
 def test_compose_healthcheck_asks_health_and_readiness_on_the_metrics_port(name: str) -> None:
     service = _compose()["services"][name]
     port = _metrics_port(service["command"])
@@ -641,7 +647,7 @@ def _command_lines() -> list[tuple[str, list[str]]]:
     lines = [
         (f"compose:{name}", svc["command"])
         for name, svc in _compose()["services"].items()
-        if name in {"topics", "worker", "streams"}
+        if name in {"topics", "worker", "streams", "api"}
     ]
     lines += [(f"k8s:{dep['metadata']['name']}", c["args"]) for dep, c in _containers()]
     return lines
@@ -664,7 +670,11 @@ def test_command_line_parses_with_the_cli(argv: list[str]) -> None:
         assert sub is not None, f"`{' '.join(argv)}`: no command {name!r}"
         command = sub
     parsed = command.make_context(name, list(words), parent=ctx)  # raises on unknown options or bad values
-    assert parsed.params.get("job") == JOB
+    if name == "api":  # every model routes to the job, whose config is given
+        assert {m.split("=", 1)[1] for m in parsed.params["model"]} == {JOB}
+        assert [c.split("=", 1)[0] for c in parsed.params["config"]] == [JOB]
+    else:
+        assert parsed.params.get("job") == JOB
 
 
 def _batchline_env() -> list[tuple[str, str]]:
@@ -676,8 +686,9 @@ def _batchline_env() -> list[tuple[str, str]]:
 def test_every_batchline_variable_is_a_kafka_setting(monkeypatch: pytest.MonkeyPatch) -> None:
     pairs = _batchline_env()
     assert any(k == "BATCHLINE_BOOTSTRAP" for k, _ in pairs)
+    assert {k for k, _ in pairs} & API_VARIABLES, "the API's keys come from BATCHLINE_API_KEYS(_FILE)"
     prefix = KafkaSettings.model_config["env_prefix"]
-    for key, value in pairs:
+    for key, value in [(k, v) for k, v in pairs if k not in API_VARIABLES]:
         field = key.removeprefix(prefix).lower()
         assert field in KafkaSettings.model_fields, f"{key} is not a KafkaSettings field"
         monkeypatch.setenv(key, value)
@@ -686,6 +697,22 @@ def test_every_batchline_variable_is_a_kafka_setting(monkeypatch: pytest.MonkeyP
 
 
 # ---------------------------------------------------------------------------------- image and job configs
+
+
+def test_api_reads_the_job_config_the_worker_reads_and_its_keys_from_a_secret() -> None:
+    dep, api = _deployment_of("api")
+    _, worker = _deployment_of("worker")
+    config_path = api["args"][api["args"].index("--config") + 1].split("=", 1)[1]
+    mounts = {m["mountPath"]: m["name"] for m in api["volumeMounts"]}
+    volumes = {v["name"]: v for v in dep["spec"]["template"]["spec"]["volumes"]}
+    worker_config = worker["args"][worker["args"].index("--config") + 1]
+    assert Path(config_path).parent == Path(worker_config).parent
+    assert volumes[mounts[str(Path(config_path).parent)]]["configMap"] == {"name": "batchline-job-demo"}
+    keys_file = {e["name"]: e.get("value") for e in api["env"]}[KEYS_FILE_ENV]
+    assert "secret" in volumes[mounts[str(Path(keys_file).parent)]], "API keys belong in a Secret"
+    service = _one("Service", metadata__name=dep["metadata"]["name"])
+    assert service["spec"]["selector"] == dep["spec"]["selector"]["matchLabels"]
+    assert service["spec"]["ports"][0]["targetPort"] in {p["name"] for p in api["ports"]}
 
 
 def test_job_configs_load(tmp_path: Path) -> None:

@@ -1,0 +1,116 @@
+"""What one ``batchline api`` process serves: its models (each a job with its config), its tenants' keys, its topics.
+
+- :class:`ModelRoute`: a model name clients ask for (``--model NAME=JOB``) and the job that serves it, with the
+  job's config (``--config JOB=PATH``; default: the job's defaults), so the API knows the job's task (which
+  endpoints fit it) and the fingerprint its runs are pinned to, computed as ``submit`` computes it.
+- :func:`load_keys`: API keys per tenant from ``BATCHLINE_API_KEYS`` (``tenant:key,...``) or the file named by
+  ``BATCHLINE_API_KEYS_FILE`` (one ``tenant:key`` a line: a mounted Kubernetes secret). Keys are compared in
+  constant time and never appear in a message.
+- :class:`ApiTopics`: the API's own topics (files, their content, batches), named from one prefix.
+"""
+
+from __future__ import annotations
+
+import os
+from collections.abc import Mapping
+from dataclasses import dataclass
+from pathlib import Path
+
+from batchline.config import JobConfig
+from batchline.exceptions import ConfigError
+from batchline.kafka.topics import JobTopics
+from batchline.runs.identity import Fingerprint, fingerprint_of
+
+CHAT = "/v1/chat/completions"
+COMPLETIONS = "/v1/completions"
+EMBEDDINGS = "/v1/embeddings"
+ENDPOINTS_BY_TASK: dict[str, tuple[str, ...]] = {
+    "generate": (CHAT, COMPLETIONS),
+    "classify": (CHAT, COMPLETIONS),  # the label is the completion
+    "embed": (EMBEDDINGS,),
+}
+KEYS_ENV = "BATCHLINE_API_KEYS"
+KEYS_FILE_ENV = "BATCHLINE_API_KEYS_FILE"
+DEFAULT_TOPIC_PREFIX = "batchline-api"
+
+
+@dataclass(frozen=True)
+class ModelRoute:
+    """Model ``name`` is served by job ``config.job``; its batches become runs pinned to ``fingerprint``."""
+
+    name: str
+    config: JobConfig
+    fingerprint: Fingerprint
+
+    @classmethod
+    def of(cls, name: str, config: JobConfig) -> ModelRoute:
+        return cls(name, config, fingerprint_of(config))
+
+    @property
+    def job(self) -> str:
+        return self.config.job
+
+    @property
+    def topics(self) -> JobTopics:
+        return JobTopics(self.config.job, self.config.retry.tiers)
+
+    @property
+    def endpoints(self) -> tuple[str, ...]:
+        return ENDPOINTS_BY_TASK[self.config.task]
+
+
+@dataclass(frozen=True)
+class ApiTopics:
+    """``P.files`` (compacted: file objects by id), ``P.file-chunks`` (compacted: content, keyed ``id/seq``) and
+    ``P.batches`` (compacted: batch records by id). A deletion is a tombstone under each key."""
+
+    prefix: str = DEFAULT_TOPIC_PREFIX
+
+    @property
+    def files(self) -> str:
+        return f"{self.prefix}.files"
+
+    @property
+    def chunks(self) -> str:
+        return f"{self.prefix}.file-chunks"
+
+    @property
+    def batches(self) -> str:
+        return f"{self.prefix}.batches"
+
+    def all(self) -> list[str]:
+        return [self.files, self.chunks, self.batches]
+
+
+def parse_keys(text: str, separator: str, where: str) -> dict[str, str]:
+    """``{key: tenant}`` from ``tenant:key`` entries split by ``separator``; blank entries and ``#`` lines skipped."""
+    keys: dict[str, str] = {}
+    for n, entry in enumerate(text.split(separator), 1):
+        entry = entry.strip()
+        if not entry or entry.startswith("#"):
+            continue
+        tenant, sep, key = entry.partition(":")
+        if not sep or not tenant.strip() or not key.strip():
+            raise ConfigError(f"{where}: entry {n} is not tenant:key")  # never quote it: it may hold a key
+        if key.strip() in keys and keys[key.strip()] != tenant.strip():
+            raise ConfigError(f"{where}: entry {n} gives a key already given to another tenant")
+        keys[key.strip()] = tenant.strip()
+    return keys
+
+
+def load_keys(env: Mapping[str, str] | None = None) -> dict[str, str]:
+    """The API keys (``{key: tenant}``) from ``BATCHLINE_API_KEYS`` and ``BATCHLINE_API_KEYS_FILE`` together."""
+    env = os.environ if env is None else env
+    keys = parse_keys(env.get(KEYS_ENV, ""), ",", KEYS_ENV)
+    path = env.get(KEYS_FILE_ENV)
+    if path:
+        try:
+            text = Path(path).read_text()
+        except OSError as exc:
+            raise ConfigError(f"{KEYS_FILE_ENV}: cannot read {path} ({exc.strerror or exc})") from None
+        for key, tenant in parse_keys(text, "\n", f"{KEYS_FILE_ENV} {path}").items():
+            if keys.setdefault(key, tenant) != tenant:
+                raise ConfigError(f"{KEYS_FILE_ENV} {path}: gives a key of {KEYS_ENV} to another tenant")
+    if not keys:
+        raise ConfigError(f"no API keys: set {KEYS_ENV}=tenant:key,... or {KEYS_FILE_ENV}=PATH (one tenant:key a line)")
+    return keys

@@ -1,0 +1,172 @@
+"""Validation of a batch input file, and its lines turned into batchline Requests.
+
+A file passes when every non-blank line is a JSON object with a ``custom_id`` (a string, unique in the file),
+``method`` ``POST``, ``url`` equal to the batch's endpoint, and a ``body`` that converts to a Request for that
+endpoint with the same ``model`` as the other lines, a model this server routes. Every failing line is named
+(``line``, 1-based) as OpenAI names them; the first :data:`MAX_ERRORS` are kept. A file that passes is published
+whole; one that fails publishes nothing (the batch is ``failed``).
+
+The custom ids seen are kept in a SQLite file in a temporary directory, so memory does not grow with the file.
+"""
+
+from __future__ import annotations
+
+import json
+import sqlite3
+import tempfile
+from collections.abc import Iterable, Iterator, Mapping
+from dataclasses import dataclass, field
+from pathlib import Path
+from typing import Any
+
+from pydantic import ValidationError
+
+from batchline.api.records import BatchError
+from batchline.api.settings import CHAT, COMPLETIONS, EMBEDDINGS, ModelRoute
+from schemas import Request
+
+MAX_ERRORS = 100
+SAMPLING = ("temperature", "top_p", "max_tokens", "seed")
+
+
+@dataclass
+class Validation:
+    model: str | None = None
+    count: int = 0
+    errors: list[BatchError] = field(default_factory=list)
+    more_errors: int = 0  # failing lines beyond MAX_ERRORS
+
+    def fail(self, code: str, message: str, line: int | None = None, param: str | None = None) -> None:
+        if len(self.errors) < MAX_ERRORS:
+            self.errors.append(BatchError(code=code, message=message, line=line, param=param))
+        else:
+            self.more_errors += 1
+
+
+def _content(value: Any) -> str:
+    """A chat message's content: a string, or a list of text parts (joined)."""
+    if isinstance(value, str):
+        return value
+    if isinstance(value, list) and all(isinstance(p, dict) and p.get("type") == "text" for p in value):
+        return "".join(str(p.get("text", "")) for p in value)
+    raise ValueError("message content must be a string or a list of text parts")
+
+
+def to_request(custom_id: str, body: Mapping[str, Any], endpoint: str) -> dict[str, Any]:
+    """The Request fields of one line's ``body`` for ``endpoint``; ValueError says what does not fit."""
+    out: dict[str, Any] = {"id": custom_id}
+    if endpoint == CHAT:
+        messages = body.get("messages")
+        if not isinstance(messages, list) or not messages:
+            raise ValueError("body.messages must be a non-empty list")
+        out["messages"] = [{"role": m.get("role"), "content": _content(m.get("content"))} for m in messages]
+    elif endpoint == COMPLETIONS:
+        if not isinstance(body.get("prompt"), str):
+            raise ValueError("body.prompt must be a string (one prompt per line)")
+        out["prompt"] = body["prompt"]
+    elif endpoint == EMBEDDINGS:
+        if not isinstance(body.get("input"), str):
+            raise ValueError("body.input must be a string (one input per line)")
+        out["text"] = body["input"]
+    sampling = {k: body[k] for k in SAMPLING if body.get(k) is not None}
+    if body.get("max_completion_tokens") is not None:
+        sampling["max_tokens"] = body["max_completion_tokens"]
+    if sampling:
+        out["sampling"] = sampling
+    Request.model_validate(out)  # raises ValidationError (a ValueError) naming the field
+    return out
+
+
+class _Seen:
+    def __init__(self, directory: str) -> None:
+        self.db = sqlite3.connect(Path(directory) / "ids.sqlite")
+        self.db.execute("PRAGMA journal_mode=OFF")
+        self.db.execute("CREATE TABLE ids (id TEXT PRIMARY KEY, line INTEGER) WITHOUT ROWID")
+
+    def first_line(self, custom_id: str, line: int) -> int | None:
+        """None if ``custom_id`` is new, else the line it was first seen on."""
+        row = self.db.execute("SELECT line FROM ids WHERE id = ?", (custom_id,)).fetchone()
+        if row is not None:
+            return int(row[0])
+        self.db.execute("INSERT INTO ids VALUES (?, ?)", (custom_id, line))
+        return None
+
+
+def validate(lines: Iterable[tuple[int, bytes]], endpoint: str, routes: Mapping[str, ModelRoute]) -> Validation:
+    """Check every line of a batch input file for ``endpoint``."""
+    result = Validation()
+    with tempfile.TemporaryDirectory(prefix="batchline-validate-") as tmp:
+        seen = _Seen(tmp)
+        try:
+            for n, raw in lines:
+                result.count += 1
+                _check_line(n, raw, endpoint, routes, seen, result)
+        finally:
+            seen.db.close()
+    if result.count == 0:
+        result.fail("empty_file", "The input file has no requests.", param="input_file_id")
+    elif result.model is not None and result.model in routes and endpoint not in routes[result.model].endpoints:
+        allowed = ", ".join(routes[result.model].endpoints)
+        result.fail("invalid_endpoint", f"Model {result.model} serves {allowed}, not {endpoint}.", param="endpoint")
+    if result.more_errors:
+        result.errors.append(BatchError(code="too_many_errors", message=f"{result.more_errors} more lines failed."))
+    return result
+
+
+def _check_line(
+    n: int, raw: bytes, endpoint: str, routes: Mapping[str, ModelRoute], seen: _Seen, result: Validation
+) -> None:
+    try:
+        obj = json.loads(raw)
+    except (json.JSONDecodeError, UnicodeDecodeError):
+        result.fail("invalid_json_line", f"Line {n} is not valid JSON.", line=n)
+        return
+    if not isinstance(obj, dict):
+        result.fail("invalid_json_line", f"Line {n} is not a JSON object.", line=n)
+        return
+    custom_id = obj.get("custom_id")
+    if not isinstance(custom_id, str) or not custom_id:
+        result.fail("missing_required_parameter", f"Line {n} has no custom_id.", line=n, param="custom_id")
+        return
+    first = seen.first_line(custom_id, n)
+    if first is not None:
+        msg = f"Line {n} repeats custom_id {custom_id!r} of line {first}."
+        result.fail("duplicate_custom_id", msg, line=n, param="custom_id")
+        return
+    if obj.get("method", "POST") != "POST":
+        result.fail("invalid_method", f"Line {n}: method must be POST.", line=n, param="method")
+        return
+    if obj.get("url") != endpoint:
+        msg = f"Line {n}: url {obj.get('url')!r} is not the batch's endpoint {endpoint}."
+        result.fail("mismatched_endpoint", msg, line=n, param="url")
+        return
+    body = obj.get("body")
+    if not isinstance(body, dict):
+        result.fail("missing_required_parameter", f"Line {n} has no body object.", line=n, param="body")
+        return
+    _check_model(n, body.get("model"), routes, result)
+    try:
+        to_request(custom_id, body, endpoint)
+    except (ValueError, ValidationError) as exc:
+        reason = exc.errors()[0]["msg"] if isinstance(exc, ValidationError) else str(exc)
+        result.fail("invalid_body", f"Line {n}: {reason}.", line=n, param="body")
+
+
+def _check_model(n: int, model: Any, routes: Mapping[str, ModelRoute], result: Validation) -> None:
+    if not isinstance(model, str) or not model:
+        result.fail("missing_required_parameter", f"Line {n} has no body.model.", line=n, param="body.model")
+    elif result.model is None:
+        result.model = model
+        if model not in routes:
+            known = ", ".join(sorted(routes))
+            result.fail("model_not_found", f"Line {n}: model {model!r} is not served here ({known}).", n, "body.model")
+    elif model != result.model:
+        msg = f"Line {n}: model {model!r} differs from the batch's model {result.model!r}."
+        result.fail("mismatched_model", msg, line=n, param="body.model")
+
+
+def requests(lines: Iterable[tuple[int, bytes]], endpoint: str) -> Iterator[tuple[str, dict[str, Any]]]:
+    """(custom id, Request fields) of every line of a file that passed :func:`validate`."""
+    for _, raw in lines:
+        obj = json.loads(raw)
+        yield obj["custom_id"], to_request(obj["custom_id"], obj["body"], endpoint)
