@@ -2,14 +2,14 @@
 
 from __future__ import annotations
 
-import logging
 from pathlib import Path
 from typing import Annotated
 
 import typer
 
-from batchline.cli.common import Bootstrap, check_model, connect, console, fail, job_config
-from batchline.config import DEFAULT_BOOTSTRAP, TelemetryConfig
+from batchline.cli.common import check_model, connect, console, fail, job_config
+from batchline.cli.options import LogLevel, uses
+from batchline.config import TelemetryConfig
 
 
 def _pairs(items: list[str], flag: str, form: str) -> list[tuple[str, str]]:
@@ -22,6 +22,7 @@ def _pairs(items: list[str], flag: str, form: str) -> list[tuple[str, str]]:
     return pairs
 
 
+@uses
 def api(
     model: Annotated[
         list[str], typer.Option("--model", help="NAME=JOB: batches for model NAME run on JOB (repeatable).")
@@ -35,8 +36,9 @@ def api(
     topic_prefix: Annotated[str, typer.Option(help="Prefix of the API's topics (files, chunks, batches).")] = (
         "batchline-api"
     ),
-    log_level: Annotated[str, typer.Option(help="Logging level.")] = "INFO",
-    bootstrap: Bootstrap = DEFAULT_BOOTSTRAP,
+    *,
+    log_level: LogLevel,
+    bootstrap: str,
 ) -> None:
     """Serve OpenAI's Files and Batches API over JOB runs; keys in BATCHLINE_API_KEYS or BATCHLINE_API_KEYS_FILE."""
     import uvicorn
@@ -44,7 +46,6 @@ def api(
     from batchline.api import ApiService, ApiTopics, ModelRoute, create_app, load_keys
     from batchline.telemetry import setup_telemetry
 
-    logging.basicConfig(level=log_level.upper(), format="%(asctime)s %(levelname)s %(name)s: %(message)s")
     keys = load_keys()
     paths = {job: Path(path) for job, path in _pairs(config or [], "--config", "JOB=PATH")}
     routes = {}
@@ -65,7 +66,7 @@ def api(
         f"batchline api on {host}:{port}: models {', '.join(sorted(routes))}; {len(set(keys.values()))} tenants"
     )
     try:
-        uvicorn.run(create_app(service), host=host, port=port, log_level=log_level.lower(), access_log=False)
+        uvicorn.run(create_app(service), host=host, port=port, log_level=log_level.value.lower(), access_log=False)
     finally:
         service.stop()
 
