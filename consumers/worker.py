@@ -17,8 +17,6 @@ from __future__ import annotations
 
 import gc
 import logging
-import os
-import socket
 import threading
 import time
 import uuid
@@ -31,6 +29,7 @@ from batchline.config import JobConfig, KafkaSettings
 from batchline.exceptions import BatchlineError, ConfigError
 from batchline.kafka.client import make_consumer
 from batchline.kafka.liveness import BrokerLiveness
+from batchline.kafka.slots import SlotSweeper, claim_slot
 from batchline.kafka.topics import (
     MESSAGE_HEADROOM,
     JobTopics,
@@ -38,6 +37,7 @@ from batchline.kafka.topics import (
     sized_topics,
     topic_message_bytes,
 )
+from batchline.kafka.transactions import TransactionalIdTaken
 from batchline.runs.identity import Fingerprint, fingerprint_of
 from batchline.telemetry import Health, WorkerMetrics
 from consumers.batcher import Batcher
@@ -99,8 +99,14 @@ class Worker:
         self.health = health or Health.for_worker(config)  # /healthz, /readyz (batchline.telemetry.health)
         self.kafka = kafka
         self.topics = JobTopics(config.job, config.retry.tiers)
-        self.worker_id = worker_id or f"{socket.gethostname()}-{os.getpid()}-{uuid.uuid4().hex[:4]}"
         self.fingerprint: Fingerprint = fingerprint_of(config)
+        self.group = self.topics.worker_group(self.fingerprint.value)
+        # The slot names this worker and its transactional id: a restart takes it back and fences what the dead
+        # process left open (batchline.kafka.slots); the sweeper fences slots of the group whose process is gone.
+        self.slot = claim_slot(kafka, self.group, worker_id)
+        self.worker_id = self.slot.slot
+        self.sweeper = SlotSweeper(kafka, self.group, self.slot.slot)
+        self._incarnation = uuid.uuid4().hex[:6]  # batch ids stay unique across restarts of one slot
         self.engine = engine or create_engine(config)
         self.health.set_engine_loaded()  # readiness
         self.intake = Intake(config, self.engine.count_tokens)
@@ -108,11 +114,10 @@ class Worker:
         self.wake = threading.Event()
         self.feeder = Feeder(self.engine, config, self.wake.set)
         self.router = Router(config, self.fingerprint, self.topics, self.worker_id)
-        self.group = self.topics.worker_group(self.fingerprint.value)
         self.pinning = Pinning(kafka, self.topics, self.fingerprint)
         limits = message_limits(kafka, self.topics, config.max_request_bytes)
         self.sink = TransactionalSink(
-            kafka, f"{self.group}.{self.worker_id}", sink_fail_batches, limits, self.router.replacement
+            kafka, self.slot.transactional_id, sink_fail_batches, limits, self.router.replacement
         )
         self.sink_thread = SinkThread(self.sink, self.wake.set)
         watched = [self.topics.requests, self.topics.results, self.topics.dlq]
@@ -179,6 +184,7 @@ class Worker:
         self.feeder.start()
         self.sink_thread.start()
         self.liveness.start()
+        self.sweeper.start()
         self.consumer.subscribe(
             [self.topics.requests], on_assign=self._on_assign, on_revoke=self._on_revoke, on_lost=self._on_lost
         )
@@ -224,6 +230,8 @@ class Worker:
             self.consumer.close()
         finally:
             self.sink.close(ABANDON_WAIT_S if self._abandoned else 30.0)
+            self.sweeper.close()
+            self.slot.release()
             self.engine.close()
 
     def _idle_done(self) -> bool:
@@ -337,7 +345,7 @@ class Worker:
 
     def _launch(self, batch: list[WorkItem]) -> None:
         self._seq += 1
-        flight = Flight(f"{self.worker_id}-{self._seq}", batch)
+        flight = Flight(f"{self.worker_id}-{self._incarnation}-{self._seq}", batch)
         self.in_flight.append(flight)
         self.feeder.submit(flight)
 
@@ -350,6 +358,8 @@ class Worker:
         if self.stats.transactions > committed:
             self.liveness.ok()  # a round trip to the broker
         if error is not None:
+            if isinstance(error.__cause__, TransactionalIdTaken):
+                raise error.__cause__  # another live process holds our slot: stop, never fence it back
             self.liveness.failed(str(error))
             log.warning("rewinding after a failed transaction (fatal=%s)", error.fatal)
             self._rewind(in_callback=in_callback)

@@ -30,10 +30,7 @@ client (librdkafka, KIP-447 transactions) is the one seen working there, so the 
 from __future__ import annotations
 
 import logging
-import os
-import socket
 import time
-import uuid
 from collections import deque
 from collections.abc import Iterable
 from dataclasses import dataclass, field
@@ -42,7 +39,9 @@ from confluent_kafka import Consumer, KafkaError, KafkaException, TopicPartition
 
 from batchline.config import JobConfig, KafkaSettings
 from batchline.kafka.client import make_consumer
+from batchline.kafka.slots import SlotSweeper, claim_slot
 from batchline.kafka.topics import JobTopics, effective_max_message_bytes
+from batchline.kafka.transactions import TransactionalIdTaken
 from streams.exceptions import RepublishError
 from streams.republish import OVERSIZE, RETRIED_AT, Held, Republisher, held_of, now_ms, republished_headers
 
@@ -123,11 +122,15 @@ class RetryScheduler:
     def __init__(self, config: JobConfig, kafka: KafkaSettings, instance_id: str | None = None) -> None:
         self.topics = JobTopics(config.job, config.retry.tiers)
         self.group = scheduler_group(config.job)
-        self.instance_id = instance_id or f"{socket.gethostname()}-{os.getpid()}-{uuid.uuid4().hex[:6]}"
+        # A slot, not a random id: a restarted scheduler fences the transaction its predecessor left open, and the
+        # sweeper fences the slots of schedulers that never come back (batchline.kafka.slots).
+        self.slot = claim_slot(kafka, self.group, instance_id)
+        self.instance_id = self.slot.slot
+        self.sweeper = SlotSweeper(kafka, self.group, self.slot.slot)
         # A small prefetch: paused partitions are not fetched, but a due tier should not flood memory.
         self.consumer: Consumer = make_consumer(kafka, self.group, **{"queued.max.messages.kbytes": 16384})
         limits = effective_max_message_bytes(kafka, [self.topics.requests, self.topics.dlq])
-        self.republisher = Republisher(kafka, self.topics, f"{self.group}.{self.instance_id}", limits)
+        self.republisher = Republisher(kafka, self.topics, self.slot.transactional_id, limits)
         self.queues: dict[TP, PartitionQueue] = {}
         self.paused: set[TP] = set()  # what this member asked librdkafka to pause: partitions with a held head
         self.assigned: set[TP] = set()
@@ -139,6 +142,7 @@ class RetryScheduler:
 
     def start(self) -> None:
         log.info("retry scheduler %s: tiers %s -> %s", self.instance_id, self.topics.retries, self.topics.requests)
+        self.sweeper.start()
         self.consumer.subscribe(
             self.topics.retries, on_assign=self._on_assign, on_revoke=self._on_revoke, on_lost=self._on_lost
         )
@@ -198,6 +202,8 @@ class RetryScheduler:
         try:
             self.republisher.publish(batch, offsets, self.consumer.consumer_group_metadata())
         except RepublishError as exc:
+            if isinstance(exc.__cause__, TransactionalIdTaken):
+                raise exc.__cause__ from None  # another live scheduler holds our slot: stop, never fence it back
             self.stats.failures += 1
             self._backoff_until = time.monotonic() + FAILURE_BACKOFF_S
             if exc.ambiguous or exc.fatal:  # the broker may have committed: learn it before re-publishing
@@ -313,6 +319,8 @@ class RetryScheduler:
             self.consumer.close()
         finally:
             self.republisher.close()
+            self.sweeper.close()
+            self.slot.release()
         log.info(
             "retry scheduler %s stopped: %d held, %d re-published in %d transactions, %d failed attempts, "
             "%d dead-lettered as %s",

@@ -198,6 +198,14 @@ def worker(
     ] = "",
     log_level: Annotated[str, typer.Option(help="Logging level.")] = "INFO",
     metrics_port: MetricsPort = None,
+    worker_id: Annotated[
+        str | None,
+        typer.Option(
+            envvar="BATCHLINE_WORKER_ID",
+            help="This worker's slot: its transactional id is <group>.<id>, so a restart with the same id fences "
+            "what the last one left open. Default: <hostname>-<lowest free index on this host>.",
+        ),
+    ] = None,
     bootstrap: Bootstrap = DEFAULT_BOOTSTRAP,
 ) -> None:
     """Run a GPU consumer-group worker for JOB until SIGTERM/Ctrl-C (then drains and commits)."""
@@ -216,7 +224,7 @@ def worker(
     health = Health.for_worker(cfg)
     serve_probes(metrics_port, health)  # before the engine loads: live, not ready
     fails = [int(x) for x in fail_transactions.split(",") if x.strip()]
-    w = Worker(cfg, kafka, sink_fail_batches=fails, idle_exit_s=idle_exit, health=health)
+    w = Worker(cfg, kafka, worker_id=worker_id, sink_fail_batches=fails, idle_exit_s=idle_exit, health=health)
     signal.signal(signal.SIGTERM, lambda *_: w.stop())
     signal.signal(signal.SIGINT, lambda *_: w.stop())
     stats = w.run()
