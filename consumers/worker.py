@@ -27,7 +27,8 @@ from confluent_kafka import Consumer, KafkaError, KafkaException, TopicPartition
 
 from batchline.config import JobConfig, KafkaSettings
 from batchline.exceptions import BatchlineError, ConfigError
-from batchline.kafka.client import make_consumer
+from batchline.kafka.client import make_admin, make_consumer
+from batchline.kafka.groups import close_member
 from batchline.kafka.liveness import BrokerLiveness
 from batchline.kafka.slots import SlotSweeper, claim_slot
 from batchline.kafka.topics import (
@@ -60,6 +61,7 @@ WAIT_FETCHING_S = 0.05  # longest wait on a finished inference while records may
 WAIT_PAUSED_S = 0.5  # longest wait while every partition is paused (callbacks are served between waits)
 WAIT_IDLE_S = 0.5  # longest wait in consume() with nothing in flight
 ABANDON_WAIT_S = 2.0  # how long a worker that lost its broker waits for its sink before it exits
+LEAVE_S = 30.0  # longest wait for a stable group before leaving it (batchline.kafka.groups.close_member)
 REVOKE_GRACE_S = 20.0  # how long a revocation waits for in-flight micro-batches before rewinding them
 TP = tuple[str, int]
 # Young-generation collections every 700 allocations cost the loop about a third of its throughput: it allocates
@@ -227,7 +229,9 @@ class Worker:
         self.liveness.close()
         self.pinning.stop()
         try:
-            self.consumer.close()
+            # Leave once the group is stable: a leader leaving a re-forming group jams the embedded broker
+            # (batchline.kafka.groups). After an abandon (the broker is lost) there is nothing to wait for.
+            close_member(self.consumer, make_admin(self.kafka), self.group, 0.0 if self._abandoned else LEAVE_S)
         finally:
             self.sink.close(ABANDON_WAIT_S if self._abandoned else 30.0)
             self.sweeper.close()

@@ -37,7 +37,8 @@ from pydantic import Field
 from pydantic_settings import BaseSettings, SettingsConfigDict
 
 from batchline.config import JobConfig, KafkaSettings
-from batchline.kafka.client import make_consumer, make_producer, make_reader
+from batchline.kafka.client import make_admin, make_consumer, make_producer, make_reader
+from batchline.kafka.groups import close_member
 from batchline.kafka.topics import JobTopics
 from batchline.runs.status import TOP_QUARANTINED
 from schemas import codec_for
@@ -114,7 +115,9 @@ class Ledger:
         self.settings = settings or LedgerSettings()
         self.snapshot_interval_s = snapshot_interval_s
         self.reader: Consumer = make_reader(kafka, **READER_LIMITS)
-        self.members: Consumer = make_consumer(kafka, f"{config.job}.ledger")
+        self.kafka = kafka
+        self.group = f"{config.job}.ledger"
+        self.members: Consumer = make_consumer(kafka, self.group)
         self.producer = make_producer(kafka)
         self.store: LedgerStore | None = None
         self.cluster = ""
@@ -416,7 +419,9 @@ class Ledger:
                 log.error("ledger: %d snapshots not delivered at shutdown", undelivered)
         finally:
             try:
-                self.members.close()  # leaves the group: the others take over at once
+                # leaves the group once it is stable (the others take over at once): a leader leaving a re-forming
+                # group jams the embedded broker (batchline.kafka.groups)
+                close_member(self.members, make_admin(self.kafka), self.group)
             finally:
                 if self.store is not None:
                     self._checkpoint()

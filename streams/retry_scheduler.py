@@ -38,7 +38,8 @@ from dataclasses import dataclass, field
 from confluent_kafka import Consumer, KafkaError, KafkaException, TopicPartition
 
 from batchline.config import JobConfig, KafkaSettings
-from batchline.kafka.client import make_consumer
+from batchline.kafka.client import make_admin, make_consumer
+from batchline.kafka.groups import close_member
 from batchline.kafka.slots import SlotSweeper, claim_slot
 from batchline.kafka.topics import JobTopics, effective_max_message_bytes
 from batchline.kafka.transactions import TransactionalIdTaken
@@ -121,6 +122,7 @@ class RetryScheduler:
 
     def __init__(self, config: JobConfig, kafka: KafkaSettings, instance_id: str | None = None) -> None:
         self.topics = JobTopics(config.job, config.retry.tiers)
+        self.kafka = kafka
         self.group = scheduler_group(config.job)
         # A slot, not a random id: a restarted scheduler fences the transaction its predecessor left open, and the
         # sweeper fences the slots of schedulers that never come back (batchline.kafka.slots).
@@ -316,7 +318,8 @@ class RetryScheduler:
 
     def close(self) -> None:
         try:
-            self.consumer.close()
+            # once the group is stable: a leader leaving a re-forming group jams the embedded broker
+            close_member(self.consumer, make_admin(self.kafka), self.group)
         finally:
             self.republisher.close()
             self.sweeper.close()
