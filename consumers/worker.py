@@ -28,7 +28,7 @@ from confluent_kafka import Consumer, KafkaError, KafkaException, TopicPartition
 from batchline.config import JobConfig, KafkaSettings
 from batchline.exceptions import BatchlineError, ConfigError
 from batchline.kafka.client import make_admin, make_consumer
-from batchline.kafka.groups import close_member
+from batchline.kafka.groups import close_member, watch_member
 from batchline.kafka.liveness import BrokerLiveness
 from batchline.kafka.slots import SlotSweeper, claim_slot
 from batchline.kafka.topics import (
@@ -146,6 +146,9 @@ class Worker:
         }
         self.consumer: Consumer = make_consumer(kafka, self.group, **prefetch)
         self.pauses = PauseBook(self.consumer)
+        # subscribed without partitions past the rebalance timeout while the group re-forms: not ready, one line
+        self.group_watch, self.group_sampler = watch_member(kafka, self.group)
+        self.health.watch_problem("group", self.group_watch.stuck)
         self.rewinder = Rewinder(self.consumer)
         self.in_flight: deque[Flight] = deque()
         self.metrics = WorkerMetrics(config.job, self.topics.requests, self.group)
@@ -187,6 +190,7 @@ class Worker:
         self.sink_thread.start()
         self.liveness.start()
         self.sweeper.start()
+        self.group_sampler.start()
         self.consumer.subscribe(
             [self.topics.requests], on_assign=self._on_assign, on_revoke=self._on_revoke, on_lost=self._on_lost
         )
@@ -226,6 +230,7 @@ class Worker:
         # After an abandon (the broker is lost) nothing is waited for: exit within the bound, not a timeout later.
         self.sink_thread.close(ABANDON_WAIT_S if self._abandoned else 60.0)
         self.lanes.stop()
+        self.group_sampler.close()
         self.liveness.close()
         self.pinning.stop()
         try:
@@ -429,6 +434,7 @@ class Worker:
         self.pauses.assigned_now(partitions)
         self._last_record = time.monotonic()
         self.health.set_assigned(len(self.pauses.assigned))  # readiness
+        self.group_watch.assigned(len(self.pauses.assigned))
         log.info("assigned %s", [f"{p.topic}[{p.partition}]" for p in partitions])
 
     def _on_revoke(self, consumer: Consumer, partitions: list[TopicPartition]) -> None:
@@ -448,6 +454,7 @@ class Worker:
         dropped = self.batcher.drop(revoked)
         self.pauses.gone(partitions)
         self.health.set_assigned(len(self.pauses.assigned))  # readiness
+        self.group_watch.assigned(len(self.pauses.assigned))
         log.info("revoked %s (dropped %d buffered)", sorted(revoked), dropped)
 
     def _on_lost(self, consumer: Consumer, partitions: list[TopicPartition]) -> None:
@@ -458,3 +465,4 @@ class Worker:
         self._rewind(self.pauses.assigned - lost, in_callback=True)
         self.pauses.gone(partitions)
         self.health.set_assigned(len(self.pauses.assigned))
+        self.group_watch.assigned(len(self.pauses.assigned))

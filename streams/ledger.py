@@ -38,7 +38,7 @@ from pydantic_settings import BaseSettings, SettingsConfigDict
 
 from batchline.config import JobConfig, KafkaSettings
 from batchline.kafka.client import make_admin, make_consumer, make_producer, make_reader
-from batchline.kafka.groups import close_member
+from batchline.kafka.groups import close_member, watch_member
 from batchline.kafka.topics import JobTopics
 from batchline.runs.status import TOP_QUARANTINED
 from schemas import codec_for
@@ -118,6 +118,7 @@ class Ledger:
         self.kafka = kafka
         self.group = f"{config.job}.ledger"
         self.members: Consumer = make_consumer(kafka, self.group)
+        self.group_watch, self.group_sampler = watch_member(kafka, self.group)  # stuck without partitions?
         self.producer = make_producer(kafka)
         self.store: LedgerStore | None = None
         self.cluster = ""
@@ -168,6 +169,7 @@ class Ledger:
             described,
             resumed or "none",
         )
+        self.group_sampler.start()
         self.members.subscribe(
             [self.topics.results], on_assign=self._on_assign, on_revoke=self._on_revoke, on_lost=self._on_revoke
         )
@@ -380,6 +382,7 @@ class Ledger:
             if slot is not None:
                 self.owned.add(slot)
                 self._start_slot(slot)
+        self.group_watch.assigned(len(self.owned))
         self._confirm()
 
     def _on_revoke(self, consumer: Consumer, partitions: list[TopicPartition]) -> None:
@@ -388,6 +391,7 @@ class Ledger:
             if slot is not None:
                 self.owned.discard(slot)
                 self._stop_slot(slot)
+        self.group_watch.assigned(len(self.owned))
         self._confirm()
 
     def _confirm(self) -> None:
@@ -411,6 +415,7 @@ class Ledger:
             self._start_slot(slot)
 
     def close(self) -> None:
+        self.group_sampler.close()
         try:
             if any(p.caught_up for p in self.reading.values()):
                 self.publish()

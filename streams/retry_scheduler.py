@@ -39,7 +39,7 @@ from confluent_kafka import Consumer, KafkaError, KafkaException, TopicPartition
 
 from batchline.config import JobConfig, KafkaSettings
 from batchline.kafka.client import make_admin, make_consumer
-from batchline.kafka.groups import close_member
+from batchline.kafka.groups import close_member, watch_member
 from batchline.kafka.slots import SlotSweeper, claim_slot
 from batchline.kafka.topics import JobTopics, effective_max_message_bytes
 from batchline.kafka.transactions import TransactionalIdTaken
@@ -129,6 +129,7 @@ class RetryScheduler:
         self.slot = claim_slot(kafka, self.group, instance_id)
         self.instance_id = self.slot.slot
         self.sweeper = SlotSweeper(kafka, self.group, self.slot.slot)
+        self.group_watch, self.group_sampler = watch_member(kafka, self.group)  # stuck without partitions?
         # A small prefetch: paused partitions are not fetched, but a due tier should not flood memory.
         self.consumer: Consumer = make_consumer(kafka, self.group, **{"queued.max.messages.kbytes": 16384})
         limits = effective_max_message_bytes(kafka, [self.topics.requests, self.topics.dlq])
@@ -145,6 +146,7 @@ class RetryScheduler:
     def start(self) -> None:
         log.info("retry scheduler %s: tiers %s -> %s", self.instance_id, self.topics.retries, self.topics.requests)
         self.sweeper.start()
+        self.group_sampler.start()
         self.consumer.subscribe(
             self.topics.retries, on_assign=self._on_assign, on_revoke=self._on_revoke, on_lost=self._on_lost
         )
@@ -294,6 +296,7 @@ class RetryScheduler:
         keys = {(tp.topic, tp.partition) for tp in partitions}
         self.assigned |= keys
         self.paused -= keys
+        self.group_watch.assigned(len(self.assigned))
         self.last_activity = time.monotonic()
         log.info("retry scheduler assigned %s", _names(partitions))
 
@@ -315,6 +318,7 @@ class RetryScheduler:
             self.paused.discard(key)
             self.assigned.discard(key)
             self.unsettled.discard(key)
+        self.group_watch.assigned(len(self.assigned))
 
     def close(self) -> None:
         try:
@@ -322,6 +326,7 @@ class RetryScheduler:
             close_member(self.consumer, make_admin(self.kafka), self.group)
         finally:
             self.republisher.close()
+            self.group_sampler.close()
             self.sweeper.close()
             self.slot.release()
         log.info(

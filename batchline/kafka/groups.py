@@ -33,6 +33,9 @@ from typing import Any
 
 from confluent_kafka import Consumer, ConsumerGroupState, KafkaException
 
+from batchline.kafka.client import consumer_conf, make_admin
+from batchline.kafka.settings import KafkaSettings
+
 log = logging.getLogger(__name__)
 LEAVE_TIMEOUT_S = 30.0
 DESCRIBE_TIMEOUT_S = 5.0
@@ -122,6 +125,12 @@ class AssignmentWatch:
         self._view: GroupView | None = None
         self._reported = False
 
+    def restart(self) -> None:
+        """Subscribed now: the wait for partitions starts here."""
+        with self._lock:
+            self._without_since = self._clock()
+            self._reported = False
+
     def assigned(self, partitions: int) -> None:
         with self._lock:
             if partitions > 0:
@@ -156,6 +165,17 @@ class AssignmentWatch:
         return reason
 
 
+def rebalance_timeout_s(kafka: KafkaSettings) -> float:
+    """The rebalance timeout batchline's members send with JoinGroup (their ``max.poll.interval.ms``)."""
+    return float(consumer_conf(kafka, "-")["max.poll.interval.ms"]) / 1000.0
+
+
+def watch_member(kafka: KafkaSettings, group: str) -> tuple[AssignmentWatch, GroupSampler]:
+    """A member's watch and the sampler that feeds it (start the sampler once subscribed, close it on close)."""
+    watch = AssignmentWatch(group, rebalance_timeout_s(kafka))
+    return watch, GroupSampler(make_admin(kafka), watch)
+
+
 class GroupSampler:
     """Feeds an :class:`AssignmentWatch` with the group's state every ``interval_s`` on its own thread."""
 
@@ -167,6 +187,7 @@ class GroupSampler:
         self._thread = threading.Thread(target=self._loop, name=f"group-sampler-{watch.group}", daemon=True)
 
     def start(self) -> GroupSampler:
+        self.watch.restart()
         self._thread.start()
         return self
 
