@@ -27,7 +27,7 @@ from __future__ import annotations
 import logging
 import threading
 import time
-from collections.abc import Callable
+from collections.abc import Callable, Iterable
 from dataclasses import dataclass
 from typing import Any
 
@@ -80,6 +80,53 @@ def describe_group(admin: Any, group: str, timeout_s: float = DESCRIBE_TIMEOUT_S
     members = list(desc.members or [])
     assigned = sum(len(m.assignment.topic_partitions) for m in members if m.assignment is not None)
     return GroupView(group, desc.state.name, len(members), assigned)
+
+
+def job_groups(
+    admin: Any, job: str, known: Iterable[str] = (), timeout_s: float = DESCRIBE_TIMEOUT_S
+) -> list[GroupView]:
+    """The consumer groups of ``job`` that exist, and their states: ``known`` (the embedded broker lists no
+    groups, so the caller names them: workers of each fingerprint, retry scheduler, ledger) and any other group
+    named ``<job>.*`` the broker lists."""
+    names = set(known)
+    try:
+        listed = admin.list_consumer_groups(request_timeout=timeout_s).result(timeout_s)
+        names |= {g.group_id for g in listed.valid if g.group_id.startswith(f"{job}.")}
+    except Exception as exc:  # status shows what it can
+        log.debug("list groups: %s", exc)
+    views = [describe_group(admin, name, timeout_s) for name in sorted(names)]
+    return [v for v in views if v is not None and v.state != ConsumerGroupState.DEAD.name]
+
+
+class UnstableSince:
+    """Since when each group has been seen not stable, across looks (``batchline status --watch``): a group not
+    stable for longer than the rebalance timeout is reported stuck, with its likely cause."""
+
+    def __init__(self, rebalance_timeout_s: float, clock: Callable[[], float] = time.monotonic) -> None:
+        self.rebalance_timeout_s = rebalance_timeout_s
+        self._clock = clock
+        self._since: dict[str, float] = {}
+
+    def look(self, views: list[GroupView]) -> dict[str, dict[str, Any]]:
+        """Each group as ``status --json`` shows it: state, members, stable, seconds seen unstable, stuck, cause."""
+        now = self._clock()
+        out: dict[str, dict[str, Any]] = {}
+        for view in views:
+            if view.stable:
+                self._since.pop(view.group, None)
+                unstable = None
+            else:
+                unstable = now - self._since.setdefault(view.group, now)
+            stuck = unstable is not None and unstable > self.rebalance_timeout_s
+            out[view.group] = {
+                "state": view.state,
+                "members": view.members,
+                "stable": view.stable,
+                "unstable_for_s": None if unstable is None else round(unstable, 1),
+                "stuck": stuck,
+                "cause": None if view.stable else likely_cause(view),
+            }
+        return out
 
 
 def close_member(

@@ -9,6 +9,7 @@ then c2 gets every partition. The first test pins the broker's fault, so a fixed
 
 from __future__ import annotations
 
+import json
 import os
 import threading
 import time
@@ -24,6 +25,7 @@ from batchline.kafka.groups import AssignmentWatch, close_member, describe_group
 from batchline.kafka.topics import JobTopics
 from batchline.runs.identity import fingerprint_of
 from batchline.runs.submit import submit_file
+from tests.support.cli import run_cli
 from tests.support.jobs import job_toml, requests_file
 from tests.support.kafka import wait_for
 from tests.support.oracle import assert_exactly_once
@@ -82,7 +84,7 @@ def test_a_leader_closing_while_its_group_reforms_jams_the_embedded_broker(
 ) -> None:
     """confluent-kafka alone: the broker's fault. If this fails, the broker was fixed (see groups.py)."""
     topic = make_job(job_name, partitions=PARTITIONS).requests
-    group = f"{job_name}.raw"
+    group = f"{job_name}.retry-scheduler"  # a group `batchline status` knows
     c1, c2 = _c1_owns_all_then_c2_joins(kafka, group, topic)
     watch = AssignmentWatch(group, rebalance_timeout_s=JAM_WINDOW_S / 2)  # c2's, from about when it subscribed
     c1.consumer.close()  # a LeaveGroup while the group re-forms
@@ -92,6 +94,8 @@ def test_a_leader_closing_while_its_group_reforms_jams_the_embedded_broker(
         assert view is not None and not view.stable  # what `batchline status` and the members' watch see
         watch.observe(view)
         assert "ghost leader" in (watch.stuck() or "")
+        shown = json.loads(run_cli(kafka.bootstrap, "status", job_name, "--json").stdout)["groups"][group]
+        assert not shown["stable"] and "ghost leader" in shown["cause"]
     finally:
         c2.consumer.close()
 

@@ -94,3 +94,28 @@ def test_readyz_names_the_stuck_group() -> None:
     clock.now += TIMEOUT_S + 1
     verdict = health.ready()
     assert not verdict.ok and "J.workers.x" in verdict.reason and "ghost leader" in verdict.reason
+
+
+def test_status_reports_a_group_stuck_once_seen_unstable_past_the_rebalance_timeout() -> None:
+    from batchline.cli.ops import _group_lines
+    from batchline.kafka.groups import UnstableSince
+
+    clock = Clock()
+    seen = UnstableSince(TIMEOUT_S, clock)
+    first = seen.look([REFORMING_TANSU, GroupView("J.ledger", "STABLE", 1, 1)])
+    assert first["J.workers.x"]["stable"] is False and first["J.workers.x"]["stuck"] is False
+    assert first["J.ledger"] == {
+        "state": "STABLE",
+        "members": 1,
+        "stable": True,
+        "unstable_for_s": None,
+        "stuck": False,
+        "cause": None,
+    }
+    clock.now += TIMEOUT_S + 5
+    later = seen.look([REFORMING_TANSU])["J.workers.x"]
+    assert later["stuck"] and later["unstable_for_s"] == TIMEOUT_S + 5 and "ghost leader" in later["cause"]
+    (line,) = _group_lines(seen.look([REFORMING_TANSU]))
+    assert line.startswith("group J.workers.x: STUCK rebalancing for 65s (state UNKNOWN)")
+    assert seen.look([STABLE])["J.workers.x"]["unstable_for_s"] is None  # stable again: the count starts over
+    assert seen.look([REFORMING_TANSU])["J.workers.x"]["stuck"] is False
