@@ -22,9 +22,10 @@ from confluent_kafka import TopicPartition
 
 from batchline.config import JobConfig, KafkaSettings, load_job_config
 from batchline.kafka.broker import die_with_parent
-from batchline.kafka.client import make_reader
+from batchline.kafka.client import make_consumer, make_reader
 from batchline.kafka.slots import SLOT_DIR_ENV, SlotTaken, claim_slot
 from batchline.kafka.topics import JobTopics
+from batchline.kafka.transactions import TransactionalIdTaken, TransactionalProducer
 from batchline.runs.identity import fingerprint_of
 from batchline.runs.submit import submit_file
 from tests.support.jobs import job_toml, requests_file
@@ -154,3 +155,27 @@ def test_two_live_workers_never_share_a_slot(kafka: KafkaSettings, job_name: str
     again = claim_slot(kafka, group)  # released: the lowest index is free again
     assert again.slot == first.slot
     again.release()
+
+
+def test_a_producer_whose_id_a_newer_one_took_stops_instead_of_fencing_back(
+    kafka: KafkaSettings, job_name: str, make_job: Callable[..., JobTopics]
+) -> None:
+    """Two processes given one --worker-id on two hosts (no shared lock): the older is fenced and must stop; were
+    it to recreate its producer, each would fence the other for ever."""
+    topics = make_job(job_name, partitions=1)
+    group = f"{job_name}.workers"
+    older = TransactionalProducer(kafka, f"{group}.shared")
+    newer = TransactionalProducer(kafka, f"{group}.shared")  # fences the older one's epoch
+    consumer = make_consumer(kafka, group)
+    try:
+        metadata = consumer.consumer_group_metadata()
+        with pytest.raises(TransactionalIdTaken, match="taken by a newer producer"):
+            older.commit([(topics.results, b"stale", b"a", [])], [], metadata)
+        assert older.recreated == 0  # it did not fence back
+        newer.commit([(topics.results, b"fresh", b"b", [])], [], metadata)
+    finally:
+        consumer.close()
+        older.close(5)
+        newer.close()
+    log = settle_topics(kafka.bootstrap, [topics.results])
+    assert [r.value for r in log.committed] == [b"fresh"] and not log.open
