@@ -8,10 +8,12 @@ Measured with confluent-kafka alone (the sequence is in tests/integration/test_g
 after a second member subscribed jams; so do ``unsubscribe()`` then close, and static membership
 (``group.instance.id``: close sends no LeaveGroup, the broker expires the member after the session timeout; no
 member got partitions within 45 s either, also when the close came 10 s after the join). Keeping the member polling
-until the group is stable, then closing, never jammed. So :func:`close_member` does that: while the group's state is
-not Stable it keeps serving the consumer (rebalance callbacks run, records fetched meanwhile are dropped
-uncommitted: their partitions' next owner reads them), for at most ``leave_timeout_s``, then closes. On Apache Kafka
-a group is Stable at once outside a rebalance, so this costs one DescribeGroups.
+until the group is stable, then closing, never jammed. So :func:`close_member` does that: until the group has read
+Stable three times a second apart it keeps serving the consumer (rebalance callbacks run, records fetched meanwhile
+are dropped uncommitted: their partitions' next owner reads them), for at most ``leave_timeout_s``, then closes. On
+Apache Kafka a group is Stable outside a rebalance, so this costs three DescribeGroups and two seconds. A member
+SIGKILLed while its group re-forms does not jam it (its session expires; the others got every partition about 10 s
+later, measured).
 
 **Stuck groups.** :class:`AssignmentWatch` decides, on any clock, when a subscribed member has gone without an
 assignment for longer than the rebalance timeout while its group is not stable - the ghost leader's signature
@@ -40,6 +42,8 @@ log = logging.getLogger(__name__)
 LEAVE_TIMEOUT_S = 30.0
 DESCRIBE_TIMEOUT_S = 5.0
 LEAVE_POLL_S = 0.2
+STABLE_LOOKS = 3  # consecutive Stable answers before a member leaves
+LOOK_EVERY_S = 1.0  # between them: about a heartbeat (librdkafka learns of a new rebalance from one)
 STABLE_STATES = frozenset({ConsumerGroupState.STABLE, ConsumerGroupState.EMPTY, ConsumerGroupState.DEAD})
 
 
@@ -136,19 +140,29 @@ def close_member(
     leave_timeout_s: float = LEAVE_TIMEOUT_S,
     clock: Callable[[], float] = time.monotonic,
 ) -> bool:
-    """Close ``consumer`` once its group is stable (see the module docstring), at most ``leave_timeout_s`` later.
-    True if it left a stable group."""
+    """Close ``consumer`` once its group has stayed stable for :data:`STABLE_LOOKS` looks :data:`LOOK_EVERY_S`
+    apart (see the module docstring), at most ``leave_timeout_s`` later. True if it left a stable group.
+
+    One look is not enough: a cooperative rebalance has two rounds, and between them the group reads Stable while
+    the members that gave partitions up are about to rejoin (a chaos run left it that way and jammed). Polling
+    between the looks lets this member take part in the second round. A broker that answers no DescribeGroups
+    :data:`STABLE_LOOKS` times in a row is not waited for."""
+    if leave_timeout_s <= 0:
+        consumer.close()
+        return False
     deadline = clock() + leave_timeout_s
-    stable = False
-    while True:
+    streak = silent = 0
+    while streak < STABLE_LOOKS and silent < STABLE_LOOKS and clock() < deadline:
         view = describe_group(admin, group, min(DESCRIBE_TIMEOUT_S, max(0.5, deadline - clock())))
-        stable = view is None or view.stable  # no answer: nothing to wait for that we could see
-        if stable or clock() >= deadline:
+        silent = silent + 1 if view is None else 0
+        streak = streak + 1 if view is not None and view.stable else 0
+        if streak >= STABLE_LOOKS or silent >= STABLE_LOOKS:
             break
-        end = min(deadline, clock() + LEAVE_POLL_S * 5)
+        end = min(deadline, clock() + LOOK_EVERY_S)
         while clock() < end:
             consumer.poll(LEAVE_POLL_S)  # serve the rebalance: the group re-forms with us, then we leave it
-    if not stable:
+    stable = streak >= STABLE_LOOKS
+    if not stable and silent < STABLE_LOOKS:
         log.warning("group %s still rebalancing after %.0fs: leaving anyway", group, leave_timeout_s)
     consumer.close()
     return stable
