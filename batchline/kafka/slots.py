@@ -138,7 +138,7 @@ def fence_dead_slots(kafka: KafkaSettings, group: str, keep: str | None = None) 
             producer.flush(FENCE_TIMEOUT_S)
             path.unlink(missing_ok=True)  # under the lock: a claimer re-checks the inode it locked
             fenced.append(slot)
-            log.warning("fenced %s: its worker is gone (an open transaction of it is aborted)", slot)
+            log.warning("fenced slot %s of %s: its process is gone (what it left open is aborted)", slot, group)
         except Exception as exc:  # the broker may be down: the next sweep tries again
             log.warning("could not fence dead slot %s of %s: %s", slot, group, exc)
         finally:
