@@ -179,3 +179,22 @@ def test_a_producer_whose_id_a_newer_one_took_stops_instead_of_fencing_back(
         newer.close()
     log = settle_topics(kafka.bootstrap, [topics.results])
     assert [r.value for r in log.committed] == [b"fresh"] and not log.open
+
+
+def test_a_restarted_retry_scheduler_fences_what_its_slot_left_open_on_the_requests_topic(
+    kafka: KafkaSettings, job_name: str, make_job: Callable[..., JobTopics], tmp_path: Path
+) -> None:
+    """The scheduler re-publishes to J.requests in transactions: one left open there would stop every worker's
+    read_committed fetch of that partition on the embedded broker."""
+    from streams.retry_scheduler import RetryScheduler, scheduler_group
+
+    topics = make_job(job_name, partitions=1, tiers=("1s", "2s"))
+    slot = _die_mid_transaction(kafka, scheduler_group(job_name), topics.requests)
+    assert len(open_transactions(kafka.bootstrap, [topics.requests])) == 1
+    scheduler = RetryScheduler(_config(tmp_path, job_name), kafka)  # its producer's init_transactions fences
+    try:
+        assert scheduler.instance_id == slot
+    finally:
+        scheduler.close()
+    log = settle_topics(kafka.bootstrap, [topics.requests])
+    assert not log.open and sorted(r.key for r in log.aborted) == [f"zombie-{i}".encode() for i in range(ZOMBIES)]
