@@ -163,9 +163,12 @@ class SlotSweeper:
         return self
 
     def close(self) -> None:
+        """Stop, after one last sweep: a process that stops may be the last of its group on this host, and a slot
+        that died since the previous sweep would otherwise stay unfenced."""
         self._stop.set()
         if self._thread.is_alive():
             self._thread.join(FENCE_TIMEOUT_S)
+            self.fenced += fence_dead_slots(self.kafka, self.group, self.keep)
 
     def _loop(self) -> None:
         while not self._stop.is_set():
