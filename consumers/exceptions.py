@@ -21,6 +21,12 @@ class EngineStartError(WorkerError):
     """The engine could not be created (bad model path, missing extra). Fatal for the worker."""
 
 
+class MissingOutcome(WorkerError):
+    """A runnable record reached routing without an outcome: a bug in the engine loop. The worker stops without
+    committing the batch (its records are re-read by the partitions' next owner), so the bug cannot pass for a
+    transient inference failure."""
+
+
 class SinkError(WorkerError):
     """Producing or committing a batch failed; nothing of the batch was committed."""
 

@@ -14,6 +14,11 @@ times, then becomes an ``invalid_output`` failure carrying the last output.
 
 Only the engine thread touches the engine. The worker's thread hands flights over with :meth:`Feeder.submit`
 and is woken (``wake``) when one is done.
+
+Run control: right before a record joins the engine (the last moment it has not started), a record of a run that
+was cancelled, or is past its completion window, settles as a ``cancelled`` / ``expired`` failure instead
+(``stops``: the worker's :attr:`RunsView.stops <batchline.runs.manifests.RunsView.stops>`, read-only here). With no
+such run the check is one falsy test per record.
 """
 
 from __future__ import annotations
@@ -24,25 +29,24 @@ import logging
 import threading
 import time
 from collections import deque
-from collections.abc import Callable, Iterable
+from collections.abc import Callable, Iterable, Mapping
 from dataclasses import dataclass, field, replace
 
 from batchline.config import JobConfig
+from batchline.runs.control import CANCELLED, stop_message
 from consumers.engines.base import (
     Engine,
     EngineInput,
-    EngineOutput,
-    RecordFailure,
+    Outcome,
     Sampling,
     StreamingEngine,
 )
 from consumers.exceptions import EngineOOM
-from consumers.isolate import GROW_AFTER, IsolatingRunner
+from consumers.isolate import AdaptiveLimit, IsolatingRunner
 from consumers.validate import OutputValidator
 from consumers.work import Failure, WorkItem
 
 log = logging.getLogger(__name__)
-Outcome = EngineOutput | Failure
 RETRY_TEMPERATURE = 0.7
 
 
@@ -76,10 +80,6 @@ def engine_input(config: JobConfig, item: WorkItem, greedy: Sampling | None = No
     return EngineInput(
         item.request_id, item.prompt, messages, Sampling(temperature, top_p, max_tokens, seed), item.attempt
     )
-
-
-def is_streaming(engine: Engine) -> bool:
-    return isinstance(engine, StreamingEngine) and bool(getattr(engine, "streaming", True))
 
 
 @dataclass(eq=False)
@@ -117,18 +117,28 @@ class FeederStats:
 
 
 class Feeder:
-    def __init__(self, engine: Engine, config: JobConfig, wake: Callable[[], None]) -> None:
+    def __init__(
+        self,
+        engine: Engine,
+        config: JobConfig,
+        wake: Callable[[], None],
+        stops: Mapping[str, tuple[float, str]] | None = None,
+    ) -> None:
         self.engine = engine
+        self._stops: Mapping[str, tuple[float, str]] = stops if stops is not None else {}
         self.config = config
-        self.streaming = is_streaming(engine)
+        # What the engine declares; only a StreamingEngine has a running batch to drive.
+        self.stream: StreamingEngine | None = (
+            engine if engine.streaming and isinstance(engine, StreamingEngine) else None
+        )
+        self.streaming = self.stream is not None
         self.runner = IsolatingRunner(engine, config.batching.max_records)
         self.validator = OutputValidator(config)
         self.retries = config.retry.invalid_output_retries
         job = config.engine.sampling
         # shared by the records without overrides of a greedy job; never mutated (re-tries build a new one)
         self._greedy = Sampling(job.temperature, job.top_p, job.max_tokens, None)
-        self.max_admitted = config.batching.max_in_flight_records
-        self.limit = self.max_admitted  # records allowed in the running batch at once; OOM halves it
+        self.limit = AdaptiveLimit(config.batching.max_in_flight_records)  # records in the running batch at once
         self.stats = FeederStats()
         self.error: BaseException | None = None
         self._wake = wake
@@ -140,7 +150,6 @@ class Feeder:
         self._slots: dict[int, _Slot] = {}
         self._backlog: deque[int] = deque()  # keys waiting to join the running batch (or the next call)
         self._running: set[int] = set()  # keys in the engine's running batch
-        self._good_steps = 0
         self._thread = threading.Thread(target=self._run, name="engine", daemon=True)
 
     # -- the worker's side -----------------------------------------------------------------------
@@ -213,8 +222,8 @@ class Feeder:
 
     def _drop_cancelled(self) -> None:
         gone = [k for k, slot in self._slots.items() if slot.flight.cancelled]
-        if self.streaming and gone:
-            self.engine.abort(gone)  # type: ignore[attr-defined]
+        if self.stream is not None and gone:
+            self.stream.abort(gone)
             self._running.difference_update(gone)
         for key in gone:
             del self._slots[key]
@@ -223,11 +232,16 @@ class Feeder:
     # -- continuous batching -------------------------------------------------------------------------
     def _fill(self) -> None:
         """Move backlog records into the running batch, up to ``limit``."""
-        engine: StreamingEngine = self.engine  # type: ignore[assignment]
-        while self._backlog and len(self._running) < self.limit:
+        engine = self.stream
+        assert engine is not None
+        now = time.time() if self._stops else 0.0
+        while self._backlog and len(self._running) < self.limit.value:
             key = self._backlog.popleft()
             slot = self._slots.get(key)
             if slot is None:
+                continue
+            if self._stops and (stopped := self._stopped(slot, now)) is not None:
+                self._settle(key, stopped)
                 continue
             failure = engine.add(key, slot.inp)
             if failure is not None:
@@ -235,8 +249,18 @@ class Feeder:
             else:
                 self._running.add(key)
 
+    def _stopped(self, slot: _Slot, now: float) -> Failure | None:
+        """A ``cancelled`` / ``expired`` failure for a record whose run stopped before ``now``, else None."""
+        run_id = slot.flight.items[slot.index].run_id
+        stop = self._stops.get(run_id or "")
+        if stop is None or now < stop[0]:
+            return None
+        kind = "RunCancelled" if stop[1] == CANCELLED else "RunExpired"
+        return Failure(stop[1], kind, stop_message(stop[1], run_id))  # type: ignore[arg-type]
+
     def _step(self) -> None:
-        engine: StreamingEngine = self.engine  # type: ignore[assignment]
+        engine = self.stream
+        assert engine is not None
         self.stats.steps += 1
         try:
             finished = engine.step()
@@ -246,10 +270,7 @@ class Feeder:
             keys, self._running = sorted(self._running), set()
             self._isolate(keys, exc)
             return
-        self._good_steps += 1
-        if self._good_steps >= GROW_AFTER and self.limit < self.max_admitted:
-            self.limit = min(self.max_admitted, self.limit * 2)
-            self._good_steps = 0
+        self.limit.succeeded()
         for key, outcome in finished:
             self._running.discard(key)
             self._settle(key, outcome)
@@ -257,13 +278,13 @@ class Feeder:
     def _isolate(self, keys: list[int], exc: Exception) -> None:
         """The running batch failed as a whole: shrink it after OOM, else isolate its records call by call."""
         keys = [k for k in keys if k in self._slots]
-        self._good_steps = 0
         if isinstance(exc, EngineOOM) and len(keys) > 1:
             self.stats.oom_events += 1
-            self.limit = max(1, len(keys) // 2)
-            log.warning("engine OOM with %d records running; running batch limit now %d", len(keys), self.limit)
+            limit = self.limit.shrink(len(keys))
+            log.warning("engine OOM with %d records running; running batch limit now %d", len(keys), limit)
             self._backlog.extendleft(reversed(keys))
             return
+        self.limit.failed()
         log.warning("engine step failed with %d records running (%s); isolating them", len(keys), exc)
         outcomes = self.runner.run([self._slots[k].inp for k in keys])
         for key, outcome in zip(keys, outcomes, strict=True):
@@ -273,19 +294,25 @@ class Feeder:
     def _call(self) -> None:
         keys = [self._backlog.popleft() for _ in range(min(len(self._backlog), self.config.batching.max_records))]
         keys = [k for k in keys if k in self._slots]
+        if self._stops:
+            now = time.time()
+            for key in keys:
+                if (stopped := self._stopped(self._slots[key], now)) is not None:
+                    self._settle(key, stopped)
+            keys = [k for k in keys if k in self._slots]
         if keys:
             outcomes = self.runner.run([self._slots[k].inp for k in keys])
             for key, outcome in zip(keys, outcomes, strict=True):
                 self._settle(key, outcome)
 
     # -- outcomes -----------------------------------------------------------------------------------
-    def _settle(self, key: int, outcome: EngineOutput | RecordFailure) -> None:
+    def _settle(self, key: int, outcome: Outcome) -> None:
         slot = self._slots.pop(key, None)
         if slot is None or slot.flight.cancelled:
             return
         final: Outcome
-        if isinstance(outcome, RecordFailure):
-            final = Failure(outcome.failure_class, outcome.error_type, outcome.message)
+        if isinstance(outcome, Failure):
+            final = outcome
         else:
             problem = self.validator.problem(outcome)
             if problem is None:

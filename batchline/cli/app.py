@@ -1,13 +1,13 @@
 """The ``batchline`` command line (typer + rich). Nothing else imports this module.
 
-Every command takes ``--bootstrap`` (env ``BATCHLINE_BOOTSTRAP``) and probes the broker before it touches Kafka.
+Every command that talks to Kafka takes ``--bootstrap`` (or the root command's, env ``BATCHLINE_BOOTSTRAP``) and
+probes the broker before it touches Kafka. Options shared by commands are declared once (``batchline.cli.options``).
 Errors are one line and a documented exit code (``batchline.exceptions.ExitCode``), through the one handler in
 :func:`main` (``batchline.cli.failures``).
 """
 
 from __future__ import annotations
 
-import logging
 import signal
 import sys
 from collections.abc import Sequence
@@ -18,20 +18,14 @@ import typer
 
 from batchline.cli import ops as cli_ops
 from batchline.cli.common import (
-    Bootstrap,
-    ConfigOpt,
-    EngineArgs,
-    EngineOpt,
-    ModelOpt,
-    SetOpt,
     check_model,
     connect,
     console,
     current_bootstrap,
     fail,
-    job_config,
     out,
 )
+from batchline.cli.options import FileFormat, JobOptions, LogLevel, root, uses
 from batchline.config import DEFAULT_BOOTSTRAP, JobConfig, KafkaSettings
 from batchline.exceptions import InputFileError
 
@@ -43,6 +37,27 @@ app = typer.Typer(
 )
 topics_app = typer.Typer(no_args_is_help=True, help="Create and inspect a job's topics.")
 app.add_typer(topics_app, name="topics")
+
+
+@app.callback()
+def main_options(
+    bootstrap: Annotated[
+        str | None,
+        typer.Option(
+            "--bootstrap",
+            envvar="BATCHLINE_BOOTSTRAP",
+            help=f"Kafka bootstrap servers for every command (default {DEFAULT_BOOTSTRAP}); a command's own wins.",
+        ),
+    ] = None,
+    log_level: Annotated[
+        LogLevel | None,
+        typer.Option("--log-level", envvar="BATCHLINE_LOG_LEVEL", help="Logging level of long-running commands."),
+    ] = None,
+) -> None:
+    """High-volume batch inference on Kafka."""
+    root.bootstrap, root.log_level = bootstrap, log_level
+
+
 MetricsPort = Annotated[
     int | None,
     typer.Option(
@@ -73,17 +88,19 @@ def broker(port: Annotated[int, typer.Option(help="Port to listen on.")] = 9092)
 
 
 @topics_app.command("create")
+@uses
 def topics_create(
     job: str,
     partitions: Annotated[int, typer.Option(min=1, help="Partitions of J.requests (= parallelism).")] = 4,
-    config: ConfigOpt = None,
     pin: Annotated[bool, typer.Option(help="Pin the open stream to this config's fingerprint if unpinned.")] = False,
-    bootstrap: Bootstrap = DEFAULT_BOOTSTRAP,
+    *,
+    opts: JobOptions,
+    bootstrap: str,
 ) -> None:
     """Create every topic of JOB (idempotent)."""
     from batchline.kafka.topics import JobTopics, create_job_topics
 
-    cfg = job_config(job, config)
+    cfg = opts.load(job)
     if pin:
         check_model(cfg)
     topics = JobTopics(job, cfg.retry.tiers)
@@ -110,22 +127,20 @@ def _pin_if_unpinned(kafka: KafkaSettings, topics: Any, cfg: JobConfig) -> None:
 
 
 @app.command()
+@uses
 def pin(
     job: str,
-    config: ConfigOpt = None,
-    engine: EngineOpt = None,
-    model: ModelOpt = None,
-    engine_arg: EngineArgs = None,
-    set_: SetOpt = None,
     reason: Annotated[str, typer.Option(help="Recorded with the pin.")] = "re-pinned by operator",
-    bootstrap: Bootstrap = DEFAULT_BOOTSTRAP,
+    *,
+    opts: JobOptions,
+    bootstrap: str,
 ) -> None:
     """Re-pin JOB's open stream (records without a run id) to this config's fingerprint: a recorded action."""
     from batchline.kafka.topics import JobTopics
     from batchline.runs.identity import fingerprint_of
     from batchline.runs.manifests import pin_stream
 
-    cfg = job_config(job, config, engine, model, engine_arg, set_)
+    cfg = opts.load(job)
     check_model(cfg)
     topics = JobTopics(job, cfg.retry.tiers)
     m = pin_stream(connect(bootstrap, topics, [topics.runs]), topics, fingerprint_of(cfg), reason)
@@ -133,30 +148,41 @@ def pin(
 
 
 @app.command()
+@uses
 def submit(
     job: str,
     file: Path,
-    format: Annotated[str, typer.Option("--format", help="jsonl, openai or parquet.")] = "jsonl",
+    format: Annotated[FileFormat, typer.Option("--format", help="The file's format.")] = FileFormat.jsonl,
     run_id: Annotated[str | None, typer.Option("--run-id", help="Run id (default: generated).")] = None,
-    config: ConfigOpt = None,
-    engine: EngineOpt = None,
-    model: ModelOpt = None,
-    engine_arg: EngineArgs = None,
-    set_: SetOpt = None,
     json_out: Annotated[bool, typer.Option("--json", help="Print the report as JSON.")] = False,
-    bootstrap: Bootstrap = DEFAULT_BOOTSTRAP,
+    completion_window: Annotated[
+        str | None,
+        typer.Option("--completion-window", help="Nh, Nm or Ns (e.g. 24h): records not finished by then end expired."),
+    ] = None,
+    idempotency_key: Annotated[
+        str | None,
+        typer.Option("--idempotency-key", help="Submitting again with the same key returns the same run."),
+    ] = None,
+    *,
+    opts: JobOptions,
+    bootstrap: str,
 ) -> None:
     """Publish FILE to JOB as one run, pinned to the given config; prints the run id."""
     from batchline.cli.progress import bar
     from batchline.kafka.topics import JobTopics
+    from batchline.runs.control import parse_window
     from batchline.runs.identity import fingerprint_of
     from batchline.runs.submit import submit_file
 
-    if format not in ("jsonl", "openai", "parquet"):
-        raise fail(f"--format must be jsonl, openai or parquet, not {format!r}")
+    try:
+        window_s = parse_window(completion_window) if completion_window is not None else None
+    except ValueError as exc:
+        raise fail(f"--completion-window: {exc}") from None
+    if idempotency_key is not None and not idempotency_key.strip():
+        raise fail("--idempotency-key must not be empty")
     if not file.is_file():
         raise InputFileError(f"no such file: {file}")
-    cfg = job_config(job, config, engine, model, engine_arg, set_)
+    cfg = opts.load(job)
     check_model(cfg)
     topics = JobTopics(job, cfg.retry.tiers)
     kafka = connect(bootstrap, topics, [topics.requests, topics.runs])
@@ -166,9 +192,11 @@ def submit(
             topics,
             file,
             fingerprint_of(cfg),
-            format,  # type: ignore[arg-type]
+            format.value,
             run_id,
             progress=advance,
+            completion_window_s=window_s,
+            idempotency_key=idempotency_key,
         )
     if json_out:
         out.print_json(
@@ -177,26 +205,25 @@ def submit(
                 "records": report.records,
                 "invalid": report.invalid,
                 "value_total": report.value_total,
+                "existing": report.existing,
             }
         )
         return
-    console.print(f"{report.records} records submitted ({report.invalid} unparseable, published for the DLQ)")
+    if report.existing:
+        console.print(f"idempotency key {idempotency_key!r} already submitted as this run: nothing published")
+    else:
+        console.print(f"{report.records} records submitted ({report.invalid} unparseable, published for the DLQ)")
     out.print(report.run_id)
 
 
 @app.command()
+@uses
 def worker(
     job: str,
-    config: ConfigOpt = None,
-    engine: EngineOpt = None,
-    model: ModelOpt = None,
-    engine_arg: EngineArgs = None,
-    set_: SetOpt = None,
     idle_exit: Annotated[float | None, typer.Option(help="Exit after this many idle seconds.")] = None,
     fail_transactions: Annotated[
         str, typer.Option(help="Fault injection: abort these transaction numbers, e.g. 3,7.", hidden=True)
     ] = "",
-    log_level: Annotated[str, typer.Option(help="Logging level.")] = "INFO",
     metrics_port: MetricsPort = None,
     worker_id: Annotated[
         str | None,
@@ -206,15 +233,17 @@ def worker(
             "what the last one left open. Default: <hostname>-<lowest free index on this host>.",
         ),
     ] = None,
-    bootstrap: Bootstrap = DEFAULT_BOOTSTRAP,
+    *,
+    opts: JobOptions,
+    log_level: LogLevel,
+    bootstrap: str,
 ) -> None:
     """Run a GPU consumer-group worker for JOB until SIGTERM/Ctrl-C (then drains and commits)."""
     from batchline.kafka.topics import JobTopics
     from batchline.telemetry import Health, serve_probes, setup_telemetry
     from consumers.worker import Worker
 
-    logging.basicConfig(level=log_level.upper(), format="%(asctime)s %(levelname)s %(name)s: %(message)s")
-    cfg = job_config(job, config, engine, model, engine_arg, set_)
+    cfg = opts.load(job)
     check_model(cfg)  # before anything heavy loads
     topics = JobTopics(job, cfg.retry.tiers)
     # Retry tiers are not required here: where the broker auto-creates topics, the first retry creates its tier.
@@ -236,18 +265,19 @@ def worker(
 
 
 @app.command("streams")
+@uses
 def streams_cmd(
     job: str,
-    config: ConfigOpt = None,
-    set_: SetOpt = None,
     idle_exit: Annotated[float | None, typer.Option(help="Exit after this many idle seconds.")] = None,
     snapshot_interval: Annotated[float, typer.Option(min=0.05, help="Seconds between ledger snapshots.")] = 1.0,
     ledger_dir: Annotated[
         Path | None, typer.Option(help="Root of the ledger's store (env BATCHLINE_LEDGER_DIR; default: temp dir).")
     ] = None,
-    log_level: Annotated[str, typer.Option(help="Logging level.")] = "INFO",
     metrics_port: MetricsPort = None,
-    bootstrap: Bootstrap = DEFAULT_BOOTSTRAP,
+    *,
+    opts: JobOptions,
+    log_level: LogLevel,
+    bootstrap: str,
 ) -> None:
     """Run JOB's retry scheduler and completion ledger until SIGTERM/Ctrl-C (retry tiers from the config)."""
     from batchline.kafka.topics import JobTopics
@@ -255,8 +285,7 @@ def streams_cmd(
     from streams import StreamsApp
     from streams.ledger import LedgerSettings
 
-    logging.basicConfig(level=log_level.upper(), format="%(asctime)s %(levelname)s %(name)s: %(message)s")
-    cfg = job_config(job, config, sets=set_)
+    cfg = opts.load(job)
     topics = JobTopics(job, cfg.retry.tiers)
     kafka = connect(bootstrap, topics, topics.all())
     ledger = LedgerSettings(dir=ledger_dir) if ledger_dir else LedgerSettings()
@@ -320,14 +349,12 @@ def demo(
 
 
 @app.command()
+@uses
 def fingerprint(
     job: str,
-    config: ConfigOpt = None,
-    engine: EngineOpt = None,
-    model: ModelOpt = None,
-    engine_arg: EngineArgs = None,
-    set_: SetOpt = None,
     json_out: Annotated[bool, typer.Option("--json", help="All digests as JSON.")] = False,
+    *,
+    opts: JobOptions,
 ) -> None:
     """Print the fingerprint a worker with this config would have, and its consumer group (for autoscaling)."""
     import json
@@ -335,7 +362,7 @@ def fingerprint(
     from batchline.kafka.topics import JobTopics
     from batchline.runs.identity import fingerprint_of
 
-    cfg = job_config(job, config, engine, model, engine_arg, set_)
+    cfg = opts.load(job)
     check_model(cfg)
     fp = fingerprint_of(cfg)
     group = JobTopics(job, cfg.retry.tiers).worker_group(fp.value)

@@ -4,9 +4,8 @@ from __future__ import annotations
 
 import json
 from pathlib import Path
-from typing import Annotated, Any
+from typing import Any
 
-import typer
 from pydantic import ValidationError
 from rich.console import Console
 
@@ -19,12 +18,6 @@ out = Console()
 # The address the running command talks to, so a Kafka error that escapes a library call still names it.
 current_bootstrap: list[str] = []
 
-Bootstrap = Annotated[str, typer.Option("--bootstrap", envvar="BATCHLINE_BOOTSTRAP", help="Kafka bootstrap servers.")]
-ConfigOpt = Annotated[Path | None, typer.Option("--config", help="Job config (TOML).")]
-EngineOpt = Annotated[str | None, typer.Option("--engine", help="vllm or deterministic.")]
-ModelOpt = Annotated[str | None, typer.Option("--model", help="Local model path.")]
-EngineArgs = Annotated[list[str] | None, typer.Option("--engine-arg", help="key=value passed to the engine.")]
-SetOpt = Annotated[list[str] | None, typer.Option("--set", help="dotted.key=value config override.")]
 _WEIGHT_SUFFIXES = (".safetensors", ".bin", ".pt", ".gguf")
 
 

@@ -1,4 +1,5 @@
-"""Operations commands: ``status``, ``dlq JOB list|replay`` and ``replay`` (registered by ``batchline.cli.app``)."""
+"""Operations commands: ``status``, ``cancel``, ``dlq list|replay JOB``, ``replay`` and ``export`` (registered by
+``batchline.cli.app``)."""
 
 from __future__ import annotations
 
@@ -7,31 +8,21 @@ from typing import Annotated, Any
 
 import typer
 
-from batchline.cli.common import (
-    Bootstrap,
-    ConfigOpt,
-    EngineArgs,
-    EngineOpt,
-    ModelOpt,
-    SetOpt,
-    check_model,
-    connect,
-    console,
-    fail,
-    job_config,
-    out,
-)
-from batchline.config import DEFAULT_BOOTSTRAP, JobConfig
+from batchline.cli.common import check_model, connect, console, fail, out
+from batchline.cli.options import FileFormat, JobOptions, ReplaySource, uses
+from batchline.config import JobConfig
 from batchline.exceptions import NotFoundError
 
 
+@uses
 def status(
     job: str,
     run: Annotated[str | None, typer.Option("--run", help="One run and its replays.")] = None,
     json_out: Annotated[bool, typer.Option("--json", help="Stable JSON (see README).")] = False,
     watch: Annotated[bool, typer.Option("--watch", help="Refresh every 2 s until Ctrl-C.")] = False,
-    config: ConfigOpt = None,
-    bootstrap: Bootstrap = DEFAULT_BOOTSTRAP,
+    *,
+    opts: JobOptions,
+    bootstrap: str,
 ) -> None:
     """Per-run completion: counts, value-weighted completion, quarantined records, waiting fingerprints; with
     --config, whether the job yields to another (schedule.yield_to)."""
@@ -50,7 +41,7 @@ def status(
 
     topics = JobTopics(job)
     kafka = connect(bootstrap, topics, [topics.runs, topics.ledger, topics.requests])
-    schedule = job_config(job, config).schedule if config is not None else None
+    schedule = opts.load(job).schedule if opts.config is not None else None
 
     def snapshot() -> list[dict[str, Any]]:
         runs = [r.as_json() for r in collect(kafka, topics, run)]
@@ -113,12 +104,18 @@ def _lanes_lines(state: dict[str, Any] | None) -> list[str]:
     return [f"yielding to {target} (backlog {state['backlogs'][target]} > {state['threshold']})"]
 
 
+dlq_app = typer.Typer(no_args_is_help=True, help="A job's quarantined records: list them, replay them.")
+
+
+@dlq_app.command("list")
+@uses
 def dlq_list(
     job: str,
     run: Annotated[str | None, typer.Option("--run", help="Only this run.")] = None,
     failure_class: Annotated[str | None, typer.Option("--class", help="Only this failure class.")] = None,
     json_out: Annotated[bool, typer.Option("--json", help="Stable JSON.")] = False,
-    bootstrap: Bootstrap = DEFAULT_BOOTSTRAP,
+    *,
+    bootstrap: str,
 ) -> None:
     """Quarantined records (dead letters without a later result): counts per class and sample errors."""
     import json
@@ -136,44 +133,45 @@ def dlq_list(
         out.print(dlq_table(summary))
 
 
+@dlq_app.command("replay")
+@uses
 def dlq_replay(
     job: str,
     run: Annotated[str | None, typer.Option("--run", help="Only this run's dead letters.")] = None,
     failure_class: Annotated[str | None, typer.Option("--class", help="Only this failure class.")] = None,
-    config: ConfigOpt = None,
-    engine: EngineOpt = None,
-    model: ModelOpt = None,
-    engine_arg: EngineArgs = None,
-    set_: SetOpt = None,
-    bootstrap: Bootstrap = DEFAULT_BOOTSTRAP,
+    *,
+    opts: JobOptions,
+    bootstrap: str,
 ) -> None:
     """Re-inject quarantined records with a fresh attempt count, as a new run naming its parent."""
-    _replay(job, "dlq", run, None, failure_class, job_config(job, config, engine, model, engine_arg, set_), bootstrap)
+    _replay(job, ReplaySource.dlq, run, None, failure_class, opts.load(job), bootstrap)
 
 
+@uses
 def replay(
     job: str,
     run: Annotated[str, typer.Option("--run", help="The run to reseed.")],
-    source: Annotated[str, typer.Option("--from", help="archive, offsets or dlq.")] = "offsets",
+    source: Annotated[ReplaySource, typer.Option("--from", help="Where the records come from.")] = ReplaySource.offsets,
     file: Annotated[Path | None, typer.Option("--file", help="Archive file (--from archive).")] = None,
     failure_class: Annotated[str | None, typer.Option("--class", help="DLQ class (--from dlq).")] = None,
-    config: ConfigOpt = None,
-    engine: EngineOpt = None,
-    model: ModelOpt = None,
-    engine_arg: EngineArgs = None,
-    set_: SetOpt = None,
-    bootstrap: Bootstrap = DEFAULT_BOOTSTRAP,
+    *,
+    opts: JobOptions,
+    bootstrap: str,
 ) -> None:
     """Reseed run RUN as a new run that names it as parent (from its archive, offsets, or dead letters)."""
-    if source not in ("archive", "offsets", "dlq"):
-        raise fail(f"--from must be archive, offsets or dlq, not {source!r}")
-    if source == "archive" and (file is None or not file.is_file()):
+    if source == ReplaySource.archive and (file is None or not file.is_file()):
         raise fail("--from archive needs --file pointing at the run's archive")
-    _replay(job, source, run, file, failure_class, job_config(job, config, engine, model, engine_arg, set_), bootstrap)
+    _replay(job, source, run, file, failure_class, opts.load(job), bootstrap)
 
 
 def _replay(
-    job: str, source: str, run: str | None, file: Path | None, failure_class: str | None, cfg: JobConfig, bootstrap: str
+    job: str,
+    source: ReplaySource,
+    run: str | None,
+    file: Path | None,
+    failure_class: str | None,
+    cfg: JobConfig,
+    bootstrap: str,
 ) -> None:
     from batchline.kafka.topics import JobTopics
     from batchline.runs import replay as rp
@@ -181,66 +179,44 @@ def _replay(
 
     check_model(cfg)
     topics, fp = JobTopics(job, cfg.retry.tiers), fingerprint_of(cfg)
-    need = [topics.requests, topics.runs] + ([topics.dlq, topics.results] if source == "dlq" else [])
+    need = [topics.requests, topics.runs] + ([topics.dlq, topics.results] if source == ReplaySource.dlq else [])
     kafka = connect(bootstrap, topics, need)
-    if source == "dlq":
+    if source == ReplaySource.dlq:
         report = rp.replay_dlq(kafka, topics, fp, run, failure_class)
-    elif source == "archive":
+    elif source == ReplaySource.archive:
         assert file is not None and run is not None
         report = rp.replay_archive(kafka, topics, fp, run, file)
     else:
         assert run is not None
         report = rp.replay_offsets(kafka, topics, fp, run)
-    console.print(f"replayed {report.records} records of {run or 'all runs'} from {source}")
+    console.print(f"replayed {report.records} records of {run or 'all runs'} from {source.value}")
     out.print(report.run_id)
 
 
-def dlq(
-    job: str,
-    action: Annotated[str, typer.Argument(help="list or replay.")],
-    run: Annotated[str | None, typer.Option("--run", help="Only this run.")] = None,
-    failure_class: Annotated[str | None, typer.Option("--class", help="Only this failure class.")] = None,
-    json_out: Annotated[bool, typer.Option("--json", help="Stable JSON (list).")] = False,
-    config: ConfigOpt = None,
-    engine: EngineOpt = None,
-    model: ModelOpt = None,
-    engine_arg: EngineArgs = None,
-    set_: SetOpt = None,
-    bootstrap: Bootstrap = DEFAULT_BOOTSTRAP,
-) -> None:
-    """list: quarantined records by class with sample errors. replay: re-inject them as a new run."""
-    if action == "list":
-        dlq_list(job, run, failure_class, json_out, bootstrap)
-    elif action == "replay":
-        dlq_replay(job, run, failure_class, config, engine, model, engine_arg, set_, bootstrap)
-    else:
-        raise fail(f"dlq action must be list or replay, not {action!r}")
-
-
+@uses
 def export(
     job: str,
     run: Annotated[str, typer.Option("--run", help="The run to export.")],
     out_path: Annotated[Path, typer.Option("--out", help="Output file; dead letters go to OUT.errors.jsonl.")],
-    format: Annotated[str, typer.Option("--format", help="jsonl, openai or parquet.")] = "jsonl",
+    format: Annotated[FileFormat, typer.Option("--format", help="The output's format.")] = FileFormat.jsonl,
     json_out: Annotated[bool, typer.Option("--json", help="Print the report as JSON.")] = False,
-    bootstrap: Bootstrap = DEFAULT_BOOTSTRAP,
+    *,
+    bootstrap: str,
 ) -> None:
     """Write run RUN's results (one per request id, with lineage) to OUT and its dead letters beside them."""
     import json
 
     from batchline.cli.progress import bar
     from batchline.kafka.topics import JobTopics
-    from batchline.runs.export import FORMATS, export_run, find_run
+    from batchline.runs.export import export_run, find_run
 
-    if format not in FORMATS:
-        raise fail(f"--format must be jsonl, openai or parquet, not {format!r}")
     if not out_path.parent.is_dir() or out_path.is_dir():
         raise fail(f"cannot write {out_path}: " + ("it is a directory" if out_path.is_dir() else "no such directory"))
     topics = JobTopics(job)
     kafka = connect(bootstrap, topics, [topics.runs, topics.results, topics.dlq])
     manifest = find_run(kafka, topics, run)
     with bar(console, f"exporting {run}", total=manifest.record_count, quiet=json_out) as advance:
-        report = export_run(kafka, topics, run, format, out_path, advance, manifest)  # type: ignore[arg-type]
+        report = export_run(kafka, topics, run, format.value, out_path, advance, manifest)
     if json_out:
         print(json.dumps(report.as_json(), indent=2))
         return
@@ -253,8 +229,36 @@ def export(
     )
 
 
+ENDED = ("complete", "incomplete-with-quarantine", "complete-via-replay", "expired")  # states cancel leaves alone
+
+
+@uses
+def cancel(
+    job: str,
+    run: Annotated[str, typer.Option("--run", help="The run to cancel.")],
+    *,
+    bootstrap: str,
+) -> None:
+    """Cancel run RUN: its records no worker has started end cancelled (no engine time); in-flight ones finish.
+    A run that already ended (complete, with quarantine, expired) is left as it is."""
+    from batchline.kafka.topics import JobTopics
+    from batchline.runs.control import cancel_run
+    from batchline.runs.status import collect
+
+    topics = JobTopics(job)
+    kafka = connect(bootstrap, topics, [topics.runs, topics.ledger])
+    ended = [st.state for st in collect(kafka, topics, run) if st.run_id == run and st.state in ENDED]
+    if ended:
+        out.print(f"run {run} is already {ended[0]}: not cancelled", highlight=False)
+        return
+    manifest = cancel_run(kafka, topics, run)
+    assert manifest.cancelled_at is not None
+    out.print(f"run {run} cancelled at {manifest.cancelled_at.isoformat(timespec='seconds')}", highlight=False)
+
+
 def register(app: typer.Typer) -> None:
     app.command()(status)
-    app.command()(dlq)
+    app.command()(cancel)
+    app.add_typer(dlq_app, name="dlq")
     app.command()(replay)
     app.command()(export)

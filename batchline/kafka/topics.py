@@ -1,4 +1,4 @@
-"""The topics of a job (DESIGN.md §2), their idempotent creation, and the message sizes they accept.
+"""The topics of a job (docs/architecture.md#topics), their idempotent creation, and the message sizes they accept.
 
 Sizes: librdkafka rejects a message over the producer's ``message.max.bytes`` (default 1,000,000), a broker
 rejects a record batch over the topic's ``max.message.bytes`` (Apache Kafka's default 1,048,588). A request

@@ -119,6 +119,8 @@ class Fingerprint:
         return digest(asdict(self))
 
     def as_dict(self) -> dict[str, Any]:
+        """The fields and the fingerprint, named as every record that carries them names them (Lineage, RunManifest):
+        the one place those fields are listed."""
         return {f: getattr(self, f) for f in self.__dataclass_fields__} | {"fingerprint": self.value}
 
 

@@ -12,6 +12,12 @@ The stream's pin has one winner, decided once, even when workers of several fing
   ``_stream.claim.<id>``, so compaction never drops a claim. ``J.runs`` has one partition, so the claims are
   totally ordered and the earliest one wins. The view reads from offset 0 in order, so the first claim it reads
   is the earliest there is: a claim read back decides the stream for good.
+
+Run control (:mod:`batchline.runs.control`) rides on the same topic: a cancel is the run's manifest again with
+``cancelled_at`` (the view keeps it once read, even if a later manifest of the run lacks it: submit's final
+manifest racing a cancel), and idempotency claims are manifests keyed ``_idempotency.<key>#<run id>``, decided
+like the stream's claims: the earliest read wins. :attr:`RunsView.stops` holds, per run that has one, from when
+its records stop and why; the view's thread updates it, other threads only read it.
 """
 
 from __future__ import annotations
@@ -20,6 +26,7 @@ import logging
 import threading
 import time
 from datetime import UTC, datetime
+from typing import Any
 
 from confluent_kafka import KafkaError, Message, TopicPartition
 
@@ -34,21 +41,30 @@ from schemas.codec import DecodeError
 log = logging.getLogger(__name__)
 STREAM_RUN = "_stream"
 CLAIM_PREFIX = f"{STREAM_RUN}.claim."  # key prefix of the stream's claims in J.runs
+IDEMPOTENCY_PREFIX = "_idempotency."  # key prefix of idempotency claims: _idempotency.<key>#<run id>
+CANCELLED = "cancelled"  # why a run's records stop: it was cancelled ...
+EXPIRED = "expired"  # ... or its completion window passed
 SYNC_TIMEOUT_S = 10.0
 
 
 class RunsView:
-    def __init__(self, kafka: KafkaSettings, topics: JobTopics) -> None:
+    def __init__(self, kafka: KafkaSettings, topics: JobTopics, start: int = 0) -> None:
+        """``start``: the offset of J.runs to read from (0: everything; later: only what was written since)."""
         self.kafka = kafka
         self.topics = topics
         self._runs: dict[str, RunManifest] = {}
         self._claims: list[tuple[int, str, RunManifest]] = []  # (offset, claim key, manifest), in offset order
+        self._idempotency: dict[str, tuple[int, str]] = {}  # key -> (offset, run id) of its earliest claim
+        # run id -> (epoch s from which its records stop, why). Written by the view's thread only (whole entries),
+        # read without the lock by the worker's and the scheduler's threads: a dict lookup on their hot path.
+        self.stops: dict[str, tuple[float, str]] = {}
         self._lock = threading.Lock()
-        self._position = 0
+        self._position = start
         self._stop = threading.Event()
         self._thread: threading.Thread | None = None
-        self._consumer = make_reader(kafka)
-        self._consumer.assign([TopicPartition(topics.runs, 0, 0)])
+        # J.runs is small and a worker may wait on it (the open stream's claim read back): short fetch waits.
+        self._consumer = make_reader(kafka, **{"fetch.wait.max.ms": 20, "fetch.error.backoff.ms": 20})
+        self._consumer.assign([TopicPartition(topics.runs, 0, start)])
         # A second handle for watermark queries: the first is busy in consume() on the view's thread.
         self._meta = make_reader(kafka)
 
@@ -66,6 +82,12 @@ class RunsView:
             if STREAM_RUN not in runs and self._claims:
                 runs[STREAM_RUN] = self._claims[0][2]
             return runs
+
+    def idempotency_owner(self, key: str) -> str | None:
+        """The run id of the earliest claim of idempotency ``key`` read so far."""
+        with self._lock:
+            found = self._idempotency.get(key)
+            return found[1] if found else None
 
     def stream_claims(self) -> list[tuple[int, str, str]]:
         """The stream's claims read so far, in order: (offset, claim key, fingerprint)."""
@@ -115,8 +137,19 @@ class RunsView:
                 if all(offset != msg.offset() for offset, _, _ in self._claims):
                     self._claims.append((msg.offset(), key, manifest))
                     self._claims.sort(key=lambda c: c[0])
+            elif key.startswith(IDEMPOTENCY_PREFIX):
+                claimed = manifest.idempotency_key or ""
+                earlier = self._idempotency.get(claimed)
+                if earlier is None or msg.offset() < earlier[0]:
+                    self._idempotency[claimed] = (msg.offset(), manifest.run_id)
             else:
+                before = self._runs.get(manifest.run_id)
+                if before is not None and before.cancelled_at is not None and manifest.cancelled_at is None:
+                    manifest = manifest.model_copy(update={"cancelled_at": before.cancelled_at})
                 self._runs[manifest.run_id] = manifest
+                stop = stop_of(manifest)
+                if stop is not None:
+                    self.stops[manifest.run_id] = stop
 
     def sync(self, timeout: float = SYNC_TIMEOUT_S) -> bool:
         """Wait until the view holds every manifest written before this call."""
@@ -132,9 +165,26 @@ class RunsView:
         return True
 
 
+def stop_of(manifest: RunManifest) -> tuple[float, str] | None:
+    """(epoch seconds from which the run's records stop, why: ``cancelled`` | ``expired``), or None: the earlier of
+    its cancel and the end of its completion window."""
+    stops: list[tuple[float, str]] = []
+    if manifest.cancelled_at is not None:
+        stops.append((manifest.cancelled_at.timestamp(), CANCELLED))
+    if manifest.expires_at is not None:
+        stops.append((manifest.expires_at.timestamp(), EXPIRED))
+    return min(stops) if stops else None
+
+
 def write_manifest(kafka: KafkaSettings, topics: JobTopics, manifest: RunManifest, key: str | None = None) -> int:
-    """Write ``manifest`` to J.runs under ``key`` (default: its run id); returns the offset it was written at."""
-    producer = make_producer(kafka)
+    """Write ``manifest`` to J.runs under ``key`` (default: its run id); returns the offset it was written at.
+
+    A plain (not idempotent) producer: a manifest is one record under its key on a compacted topic, so a retried
+    duplicate is the same record again, and the idempotent producer's start-up (its InitProducerId before the first
+    send: 0.5 s measured on the embedded broker) would delay the first record of an unpinned open stream, whose
+    claim a worker writes while that record waits."""
+    plain: dict[str, Any] = {"enable.idempotence": False}
+    producer = make_producer(kafka, **plain)
     delivered: list[tuple[KafkaError | None, int]] = []
     producer.produce(
         topics.runs,
@@ -152,14 +202,7 @@ def manifest_for(job: str, run_id: str, fp: Fingerprint, **fields: object) -> Ru
         "run_id": run_id,
         "job": job,
         "created_at": datetime.now(UTC),
-        "fingerprint": fp.value,
-        "model_id": fp.model_id,
-        "model_revision": fp.model_revision,
-        "model_digest": fp.model_digest,
-        "engine": fp.engine,
-        "engine_version": fp.engine_version,
-        "config_digest": fp.config_digest,
-        "prompt_template_digest": fp.prompt_template_digest,
+        **fp.as_dict(),
         "record_count": 0,
         "value_total": 0.0,
     }

@@ -3,10 +3,11 @@
 from __future__ import annotations
 
 from batchline.config import JobConfig
-from consumers.engines.base import Engine, EngineInput, EngineOutput, Outcome, RecordFailure, Sampling
+from consumers.engines.base import Engine, EngineInput, EngineOutput, Outcome, Sampling
 from consumers.exceptions import EngineStartError
+from consumers.work import Failure
 
-__all__ = ["Engine", "EngineInput", "EngineOutput", "Outcome", "RecordFailure", "Sampling", "create_engine"]
+__all__ = ["Engine", "EngineInput", "EngineOutput", "Failure", "Outcome", "Sampling", "create_engine"]
 
 
 def create_engine(config: JobConfig) -> Engine:

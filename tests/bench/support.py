@@ -93,6 +93,79 @@ def run_measured_worker(
     return stats, first[0]
 
 
+@dataclass(frozen=True)
+class EndToEnd:
+    """A short job measured from outside: the worker ready (engine loaded, partitions assigned) before the first
+    record is published; times are epoch seconds."""
+
+    stats: Any
+    first_record: float  # the first request's broker timestamp
+    first_engine: float  # when the first micro-batch reached the engine
+    first_result: float  # broker timestamps of the results
+    last_result: float
+    last_inference: float  # when the engine finished the last micro-batch
+
+    @property
+    def publish_to_engine_s(self) -> float:
+        return self.first_engine - self.first_record
+
+    @property
+    def publish_to_first_result_s(self) -> float:
+        return self.first_result - self.first_record
+
+    @property
+    def last_inference_to_commit_s(self) -> float:
+        return self.last_result - self.last_inference
+
+    @property
+    def span_s(self) -> float:
+        return self.last_result - self.first_record
+
+
+def warm_producer(kafka: KafkaSettings, scratch_topic: str) -> Any:
+    """A producer that has sent once (to ``scratch_topic``): an idempotent producer's first send waits for its
+    producer id (0.5 s on the embedded broker), which is the upstream's cost, not the pipeline's."""
+    producer = make_producer(kafka)
+    producer.produce(scratch_topic, b"warm-up")
+    assert producer.flush(30) == 0
+    return producer
+
+
+def run_end_to_end(
+    config: JobConfig, kafka: KafkaSettings, topics: JobTopics, records: list[tuple[bytes, bytes]]
+) -> EndToEnd:
+    """Start a worker in this process, wait until it is ready, publish ``records`` with a warm producer, and run
+    the worker until it is idle; every time is read from the broker (record timestamps) or the engine's flights."""
+    from consumers.worker import Worker
+
+    worker = Worker(config, kafka, idle_exit_s=3.0)
+    flights: list[Any] = []
+    submit = worker.feeder.submit
+
+    def tracked(flight: Any) -> None:
+        flights.append(flight)
+        submit(flight)
+
+    worker.feeder.submit = tracked  # type: ignore[method-assign]
+    producer = warm_producer(kafka, f"{topics.job}.warm-up")
+    done: list[Any] = []
+    thread = threading.Thread(target=lambda: done.append(worker.run()), name="measured-worker")
+    thread.start()
+    deadline = time.monotonic() + 120
+    while len(worker.pauses.assigned) < 1 and time.monotonic() < deadline:
+        time.sleep(0.05)
+    time.sleep(1.0)  # let the rest of the group's assignment settle
+    for key, value in records:
+        producer.produce(topics.requests, value, key)
+    assert producer.flush(60) == 0
+    thread.join()
+    first_record = min(m.timestamp()[1] for m in scan(kafka, topics.requests)) / 1000
+    stamps = [m.timestamp()[1] / 1000 for m in scan(kafka, topics.results)]
+    first_engine = min(f.started_ns for f in flights) / 1e9
+    last_inference = max(f.ended_ns for f in flights) / 1e9
+    return EndToEnd(done[0], first_record, first_engine, min(stamps), max(stamps), last_inference)
+
+
 class PeakRss:
     """Samples a process's peak resident set (VmHWM) until it exits."""
 

@@ -3,6 +3,9 @@
 (c) Engine-free throughput: the deterministic engine at zero latency, 50,000 JSON records of ~230 bytes, the
     default job config, one in-process worker - against a bare confluent-kafka transactional consume -> produce
     loop on the same broker and the same records (the least any exactly-once Kafka pipeline must do).
+(e) A short job's fixed latency: 384 records published to a worker that is already ready, deterministic engine
+    at zero latency: publish -> first micro-batch in the engine, publish -> first committed result, last inference ->
+    its committed result (broker timestamps).
 (d) Worker memory: peak RSS of a ``batchline worker`` process at 20,000 and 200,000 records (it must be flat:
     nothing may grow with topic size).
 
@@ -27,11 +30,12 @@ from batchline.kafka.client import make_consumer, make_producer
 from batchline.kafka.topics import JobTopics
 from batchline.telemetry.setup import setup_telemetry
 from tests.bench.conftest import record
-from tests.bench.support import PeakRss, json_records, outputs, publish, run_measured_worker
+from tests.bench.support import PeakRss, json_records, outputs, publish, run_end_to_end, run_measured_worker
 
 RECORDS = int(os.environ.get("BENCH_ENGINE_FREE_RECORDS", "50000"))
 PARTITIONS = 4
 RSS_SIZES = (20_000, 200_000)
+SHORT_JOB = 384
 
 
 def _bare_loop(kafka: KafkaSettings, topics: JobTopics, n: int) -> float:
@@ -122,10 +126,28 @@ def test_worker_memory_is_flat_in_topic_size(
 ) -> None:
     peaks = {n: _worker_peak_rss_kb(kafka, make_job, f"{job_name}-{n}", n) for n in RSS_SIZES}
     small, large = (peaks[n] for n in RSS_SIZES)
+    assert small > 0 and large > 0, f"no peak RSS read: {peaks}"  # each run's outputs were counted in the helper
     record(
         "worker_rss",
         {
             **{f"peak_rss_mb_{n}": round(kb / 1024, 1) for n, kb in peaks.items()},
             "growth": round(large / small - 1, 3),
+        },
+    )
+
+
+def test_short_job_fixed_latency(kafka: KafkaSettings, make_job: Callable[..., JobTopics], job_name: str) -> None:
+    topics = make_job(job_name, partitions=PARTITIONS)
+    config = load_job_config(job_name, None, {})
+    run = run_end_to_end(config, kafka, topics, json_records(SHORT_JOB))
+    assert outputs(kafka, topics).count == SHORT_JOB == run.stats.results
+    record(
+        "short_job_latency",
+        {
+            "records": SHORT_JOB,
+            "publish_to_engine_s": round(run.publish_to_engine_s, 3),
+            "publish_to_first_result_s": round(run.publish_to_first_result_s, 3),
+            "last_inference_to_commit_s": round(run.last_inference_to_commit_s, 3),
+            "span_s": round(run.span_s, 3),
         },
     )

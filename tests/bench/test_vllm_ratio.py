@@ -26,7 +26,7 @@ from batchline.cli.sample_data import LABEL_TEXTS, LABELS, tickets
 from batchline.config import KafkaSettings, load_job_config
 from batchline.kafka.topics import JobTopics
 from tests.bench.conftest import record
-from tests.bench.support import outputs, publish, run_measured_worker
+from tests.bench.support import outputs, publish, run_end_to_end, run_measured_worker
 from tests.support.models import build_tiny_llama, minilm_path
 
 pytest.importorskip("vllm")
@@ -34,6 +34,7 @@ pytest.importorskip("vllm")
 GENERATE_CASES = [(384, 64), (768, 256)]  # (prompts, max_records)
 EMBED_TEXTS = int(os.environ.get("BENCH_EMBED_TEXTS", "1000"))
 MAX_MODEL_LEN = 512
+END_TO_END_PROMPTS = int(os.environ.get("BENCH_END_TO_END_PROMPTS", "384"))
 
 
 def _device() -> str:
@@ -119,6 +120,64 @@ def test_generate_against_llm_generate(
             "ratio": round(pipeline_rate / alone_rate, 3),
             "tokens_alone": alone_tokens,
             "tokens_batchline": out.completion_tokens,
+        },
+    )
+
+
+def test_generate_end_to_end(
+    kafka: KafkaSettings, make_job: Callable[..., JobTopics], job_name: str, tiny_llama: Path
+) -> None:
+    """(a'') A short job measured from outside: the worker ready first, the span from the first request's broker
+    timestamp to the last result's, against ``LLM.generate(all prompts)``; and the pipeline's fixed latencies:
+    publish -> the first micro-batch in the engine, last inference -> its committed result. (Publish -> first
+    result is reported too: it includes the first micro-batch's inference, which ends with its longest record.)"""
+    import vllm
+
+    n = END_TO_END_PROMPTS
+    prompts, budgets = _prompts(n), _max_tokens(n)
+    llm = vllm.LLM(model=str(tiny_llama), max_model_len=MAX_MODEL_LEN, enforce_eager=True, seed=0)
+    params = [vllm.SamplingParams(temperature=0.0, max_tokens=m) for m in budgets]
+    llm.generate(prompts[:8], params[:8], use_tqdm=False)  # warm, as the worker's engine is when records arrive
+    started = time.perf_counter()
+    outs = llm.generate(prompts, params, use_tqdm=False)
+    alone_s = time.perf_counter() - started
+    alone_tokens = sum(len(o.outputs[0].token_ids) for o in outs)
+    _shutdown(llm)
+
+    topics = make_job(job_name, partitions=4)
+    rows = [
+        (f"e-{i}".encode(), f'{{"id": "e-{i}", "prompt": "{p}", "sampling": {{"max_tokens": {m}}}}}'.encode())
+        for i, (p, m) in enumerate(zip(prompts, budgets, strict=True))
+    ]
+    config = load_job_config(
+        job_name,
+        None,
+        {
+            "engine.name": "vllm",
+            "engine.model": str(tiny_llama),
+            "engine.max_model_len": MAX_MODEL_LEN,
+            "engine.engine_kwargs": {"enforce_eager": True},
+            "batching.max_records": 64,
+        },
+    )
+    run = run_end_to_end(config, kafka, topics, rows)
+    out = outputs(kafka, topics)
+    assert out.count == n == run.stats.results
+    pipeline_rate = out.completion_tokens / run.span_s
+    alone_rate = alone_tokens / alone_s
+    record(
+        f"generate_end_to_end_{n}",
+        {
+            "device": _device(),
+            "prompts": n,
+            "llm_generate_out_tokens_per_s": round(alone_rate),
+            "batchline_out_tokens_per_s": round(pipeline_rate),
+            "ratio": round(pipeline_rate / alone_rate, 3),
+            "publish_to_engine_s": round(run.publish_to_engine_s, 3),
+            "publish_to_first_result_s": round(run.publish_to_first_result_s, 3),
+            "last_inference_to_commit_s": round(run.last_inference_to_commit_s, 3),
+            "span_s": round(run.span_s, 2),
+            "llm_generate_s": round(alone_s, 2),
         },
     )
 

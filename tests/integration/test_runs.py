@@ -132,11 +132,11 @@ def test_quarantined_high_value_records_are_listed_first_and_a_dlq_replay_comple
         assert status["value_completion"] < 0.8  # 300 of ~1,300 value units are quarantined
         screen = run_cli(kafka.bootstrap, "status", job_name, "--run", run).stdout
         assert "incomplete-with-quarantine" in screen and "q-00900" in screen
-        listing = json.loads(run_cli(kafka.bootstrap, "dlq", job_name, "list", "--run", run, "--json").stdout)
+        listing = json.loads(run_cli(kafka.bootstrap, "dlq", "list", job_name, "--run", run, "--json").stdout)
         assert listing["by_class"] == {"poison": 3}
 
         # The fix: the engine no longer crashes on the marker. Replay the DLQ as a child run.
-        out = run_cli(kafka.bootstrap, "dlq", job_name, "replay", "--run", run, "--config", str(fixed)).stdout
+        out = run_cli(kafka.bootstrap, "dlq", "replay", job_name, "--run", run, "--config", str(fixed)).stdout
         child = out.strip().splitlines()[-1]
         worker = _proc("worker", job_name, fixed, kafka, logs_dir / "fixed.log")
         try:
@@ -153,7 +153,7 @@ def test_quarantined_high_value_records_are_listed_first_and_a_dlq_replay_comple
     assert runs[child]["state"] == "complete" and runs[child]["succeeded"] == 3
     assert runs[child]["parent_run_id"] == run
     assert poisoned <= set(results(kafka, topics))
-    listing = json.loads(run_cli(kafka.bootstrap, "dlq", job_name, "list", "--json").stdout)
+    listing = json.loads(run_cli(kafka.bootstrap, "dlq", "list", job_name, "--json").stdout)
     assert listing["total"] == 0
 
 

@@ -1,6 +1,6 @@
 """vLLM CPU through the whole pipeline on the real broker: generate, chat, structured output, constrained labels.
 
-The model is a tiny Llama built in the test (DESIGN.md §11): its outputs are noise, so the tests assert what a
+The model is a tiny Llama built in the test (docs/architecture.md#engines): its outputs are noise; tests assert what a
 random model must still honour - one result per record, seeds, JSON schemas, label sets, lineage, limits.
 """
 
@@ -23,7 +23,8 @@ from batchline.kafka import headers as h
 from batchline.kafka.topics import JobTopics
 from batchline.runs.identity import fingerprint_of, model_digest
 from batchline.runs.submit import submit_file
-from consumers.engines.base import EngineInput, EngineOutput, RecordFailure, Sampling
+from consumers.engines.base import EngineInput, EngineOutput, Sampling
+from consumers.work import Failure
 from schemas import ChatMessage
 from tests.support.kafka import dead_letters, results
 from tests.support.models import build_tiny_llama, run_worker
@@ -145,7 +146,7 @@ def test_the_engine_fails_an_overlong_chat_record_alone(engine: Any) -> None:
     ]
     out = engine.infer(inputs)
     assert isinstance(out[0], EngineOutput) and isinstance(out[2], EngineOutput)
-    assert isinstance(out[1], RecordFailure) and out[1].failure_class == "invalid_input"
+    assert isinstance(out[1], Failure) and out[1].failure_class == "invalid_input"
     assert out[1].error_type == "PromptTooLong"
 
 

@@ -1,4 +1,4 @@
-"""Models for the vLLM tests, all local: a tiny Llama built on the spot, and the packaged MiniLM (DESIGN.md §11)."""
+"""Models for the vLLM tests, all local: a tiny Llama built on the spot, MiniLM (docs/architecture.md#engines)."""
 
 from __future__ import annotations
 
@@ -7,7 +7,8 @@ from pathlib import Path
 from typing import Any
 
 from batchline.config import JobConfig, KafkaSettings
-from consumers.engines.base import EngineInput, Outcome, RecordFailure
+from consumers.engines.base import EngineInput, Outcome
+from consumers.work import Failure
 
 # A chat template in the tokenizer, so chat records go through the model's own template as in production.
 CHAT_TEMPLATE = (
@@ -81,8 +82,8 @@ class SharedEngine:
     def infer(self, inputs: Sequence[EngineInput]) -> list[Outcome]:
         return list(self.inner.infer(inputs))
 
-    def add(self, key: int, inp: EngineInput) -> RecordFailure | None:
-        failure: RecordFailure | None = self.inner.add(key, inp)
+    def add(self, key: int, inp: EngineInput) -> Failure | None:
+        failure: Failure | None = self.inner.add(key, inp)
         return failure
 
     def step(self) -> list[tuple[int, Outcome]]:

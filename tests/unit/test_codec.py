@@ -128,7 +128,7 @@ def test_the_tests_canonical_form_matches_the_specs_examples() -> None:
 
 
 def test_result_header_is_the_one_the_java_reference_expects() -> None:
-    # DESIGN.md's vector is the header of result.avsc before `value` was added (now schemas/previous/result.v1)
+    # The Java reference's vector (docs/architecture.md#wire-format): result.avsc before `value` (previous/result.v1)
     previous = json.loads((Path(__file__).parents[2] / "schemas" / "previous" / "result.v1.avsc").read_text())
     v1 = b"\xc3\x01" + rabin64(canonical_form(previous).encode("utf-8")).to_bytes(8, "little")
     assert v1.hex() == "c301b2e5099766bfe6e3"

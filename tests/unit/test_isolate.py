@@ -7,10 +7,10 @@ import threading
 
 import pytest
 
-from consumers.engines.base import EngineOutput, RecordFailure
+from consumers.engines.base import EngineOutput
 from consumers.engines.deterministic import DeterministicEngine
 from consumers.infer import Feeder, Flight, engine_input
-from consumers.isolate import GROW_AFTER, IsolatingRunner
+from consumers.isolate import GROW_AFTER, AdaptiveLimit, IsolatingRunner
 from consumers.work import Failure
 from tests.unit.helpers import config, item, run_stage
 
@@ -38,11 +38,11 @@ def test_oom_shrinks_the_batch_then_it_grows_back_call_by_call() -> None:
     inputs = [engine_input(config(task="embed"), item(f"r{i}")) for i in range(32)]
     out = runner.run(inputs)
     assert all(isinstance(o, EngineOutput) for o in out) and len(out) == 32
-    assert runner.oom_events >= 1 and runner.limit <= 8
+    assert runner.oom_events >= 1 and runner.limit.value <= 8
     engine.oom_above = None
     for _ in range(GROW_AFTER * 3):
         runner.run(inputs[:8])
-    assert runner.limit == 32
+    assert runner.limit.value == 32
 
 
 def test_oom_shrinks_the_running_batch_then_it_grows_back() -> None:
@@ -56,14 +56,14 @@ def test_oom_shrinks_the_running_batch_then_it_grows_back() -> None:
         feeder.submit(first)
         assert woken.wait(10) and first.done
         assert all(isinstance(o, EngineOutput) for o in first.outcomes.values()) and len(first.outcomes) == 32
-        assert feeder.stats.oom_events >= 1 and feeder.limit <= 8
+        assert feeder.stats.oom_events >= 1 and feeder.limit.value <= 8
         engine.oom_above = None
         for n in range(GROW_AFTER * 3):
             flight = Flight(f"g{n}", [item(f"g{n}-{i}") for i in range(8)])
             woken.clear()
             feeder.submit(flight)
             assert woken.wait(10) and flight.done
-        assert feeder.limit == 32
+        assert feeder.limit.value == 32
     finally:
         feeder.close()
 
@@ -129,5 +129,18 @@ def test_greedy_records_carry_no_seed_and_sampled_ones_a_stable_one() -> None:
     assert sampled.sampling.seed is not None and sampled.sampling.seed == again.sampling.seed
 
 
-def test_engine_record_failure_class_is_kept() -> None:
-    assert RecordFailure("X", "y").failure_class == "transient"
+def test_one_adaptive_limit_halves_on_oom_and_doubles_back_after_a_run_of_successes() -> None:
+    limit = AdaptiveLimit(64)
+    assert limit.shrink(64) == 32 and limit.shrink(10) == 5  # half of what was tried, never above the limit
+    for _ in range(GROW_AFTER - 1):
+        limit.succeeded()
+    limit.failed()  # a failure that is not OOM restarts the run of successes
+    for _ in range(GROW_AFTER - 1):
+        limit.succeeded()
+    assert limit.value == 5
+    limit.succeeded()
+    assert limit.value == 10
+    for _ in range(GROW_AFTER * 4):
+        limit.succeeded()
+    assert (limit.value, limit.oom_events) == (64, 2)
+    assert AdaptiveLimit(4).shrink(1) == 1  # never below one record

@@ -199,9 +199,10 @@ def test_every_client_role_carries_the_security_settings_and_keeps_its_guarantee
 def test_librdkafka_accepts_the_rendered_settings_for_every_client_kind(pki: Pki, extra: dict[str, object]) -> None:
     s = _mtls(pki, **extra)
     consumers = [make_consumer(s, "g"), make_reader(s)]
-    make_producer(s)
-    make_producer(s, "txn-1")
-    make_admin(s)
+    clients = [*consumers, make_producer(s), make_producer(s, "txn-1"), make_admin(s)]
+    # librdkafka built every kind (it raises on a setting it refuses), each with the same security settings
+    assert [type(c).__name__ for c in clients] == ["Consumer", "Consumer", "Producer", "Producer", "AdminClient"]
+    assert s.librdkafka()["security.protocol"] == extra.get("security_protocol", "SSL")
     for consumer in consumers:
         consumer.close()
 
