@@ -17,8 +17,6 @@ from __future__ import annotations
 
 import gc
 import logging
-import os
-import socket
 import threading
 import time
 import uuid
@@ -30,8 +28,10 @@ from confluent_kafka import Consumer, KafkaError, KafkaException, TopicPartition
 from batchline.config import JobConfig, KafkaSettings
 from batchline.exceptions import BatchlineError, ConfigError
 from batchline.kafka.aborted import AbortedIndex
-from batchline.kafka.client import make_consumer
+from batchline.kafka.client import make_admin, make_consumer
+from batchline.kafka.groups import close_member, watch_member
 from batchline.kafka.liveness import BrokerLiveness
+from batchline.kafka.slots import SlotSweeper, claim_slot
 from batchline.kafka.topics import (
     MESSAGE_HEADROOM,
     JobTopics,
@@ -39,6 +39,7 @@ from batchline.kafka.topics import (
     sized_topics,
     topic_message_bytes,
 )
+from batchline.kafka.transactions import TransactionalIdTaken
 from batchline.runs.control import CANCELLED, stop_message
 from batchline.runs.identity import Fingerprint, fingerprint_of
 from batchline.telemetry import Health, WorkerMetrics
@@ -62,6 +63,7 @@ WAIT_FETCHING_S = 0.05  # longest wait on a finished inference while records may
 WAIT_PAUSED_S = 0.5  # longest wait while every partition is paused (callbacks are served between waits)
 WAIT_IDLE_S = 0.5  # longest wait in consume() with nothing in flight
 ABANDON_WAIT_S = 2.0  # how long a worker that lost its broker waits for its sink before it exits
+LEAVE_S = 30.0  # longest wait for a stable group before leaving it (batchline.kafka.groups.close_member)
 REVOKE_GRACE_S = 20.0  # how long a revocation waits for in-flight micro-batches before rewinding them
 TP = tuple[str, int]
 # Young-generation collections every 700 allocations cost the loop about a third of its throughput: it allocates
@@ -101,8 +103,14 @@ class Worker:
         self.health = health or Health.for_worker(config)  # /healthz, /readyz (batchline.telemetry.health)
         self.kafka = kafka
         self.topics = JobTopics(config.job, config.retry.tiers)
-        self.worker_id = worker_id or f"{socket.gethostname()}-{os.getpid()}-{uuid.uuid4().hex[:4]}"
         self.fingerprint: Fingerprint = fingerprint_of(config)
+        self.group = self.topics.worker_group(self.fingerprint.value)
+        # The slot names this worker and its transactional id: a restart takes it back and fences what the dead
+        # process left open (batchline.kafka.slots); the sweeper fences slots of the group whose process is gone.
+        self.slot = claim_slot(kafka, self.group, worker_id)
+        self.worker_id = self.slot.slot
+        self.sweeper = SlotSweeper(kafka, self.group, self.slot.slot)
+        self._incarnation = uuid.uuid4().hex[:6]  # batch ids stay unique across restarts of one slot
         self.engine = engine or create_engine(config)
         self.health.set_engine_loaded()  # readiness
         self.intake = Intake(config, self.engine.count_tokens)
@@ -112,13 +120,12 @@ class Worker:
         # Cancels and completion windows reach the engine thread through the runs view's stops (read-only there).
         self.feeder = Feeder(self.engine, config, self.wake.set, self.pinning.view.stops)
         self.router = Router(config, self.fingerprint, self.topics, self.worker_id)
-        self.group = self.topics.worker_group(self.fingerprint.value)
         # requests of aborted transactions (a scheduler's failed re-publish) are passed over: the embedded broker's
         # read_committed shows them (batchline/kafka/aborted.py); asked on this thread, in _poll
         self.aborted = AbortedIndex(kafka)
         limits = message_limits(kafka, self.topics, config.max_request_bytes)
         self.sink = TransactionalSink(
-            kafka, f"{self.group}.{self.worker_id}", sink_fail_batches, limits, self.router.replacement
+            kafka, self.slot.transactional_id, sink_fail_batches, limits, self.router.replacement
         )
         self.sink_thread = SinkThread(self.sink, self.wake.set)
         watched = [self.topics.requests, self.topics.results, self.topics.dlq]
@@ -145,6 +152,9 @@ class Worker:
         }
         self.consumer: Consumer = make_consumer(kafka, self.group, **prefetch)
         self.pauses = PauseBook(self.consumer)
+        # subscribed without partitions past the rebalance timeout while the group re-forms: not ready, one line
+        self.group_watch, self.group_sampler = watch_member(kafka, self.group)
+        self.health.watch_problem("group", self.group_watch.stuck)
         self.rewinder = Rewinder(self.consumer)
         self.in_flight: deque[Flight] = deque()
         self.metrics = WorkerMetrics(config.job, self.topics.requests, self.group)
@@ -185,6 +195,8 @@ class Worker:
         self.feeder.start()
         self.sink_thread.start()
         self.liveness.start()
+        self.sweeper.start()
+        self.group_sampler.start()
         self.consumer.subscribe(
             [self.topics.requests], on_assign=self._on_assign, on_revoke=self._on_revoke, on_lost=self._on_lost
         )
@@ -224,13 +236,18 @@ class Worker:
         # After an abandon (the broker is lost) nothing is waited for: exit within the bound, not a timeout later.
         self.sink_thread.close(ABANDON_WAIT_S if self._abandoned else 60.0)
         self.lanes.stop()
+        self.group_sampler.close()
         self.liveness.close()
         self.pinning.stop()
         self.aborted.close()
         try:
-            self.consumer.close()
+            # Leave once the group is stable: a leader leaving a re-forming group jams the embedded broker
+            # (batchline.kafka.groups). After an abandon (the broker is lost) there is nothing to wait for.
+            close_member(self.consumer, make_admin(self.kafka), self.group, 0.0 if self._abandoned else LEAVE_S)
         finally:
             self.sink.close(ABANDON_WAIT_S if self._abandoned else 30.0)
+            self.sweeper.close()
+            self.slot.release()
             self.engine.close()
 
     def _idle_done(self) -> bool:
@@ -349,7 +366,7 @@ class Worker:
         if self.pinning.view.stops:  # some run of the job is cancelled or has a completion window
             self._stop_records(batch)
         self._seq += 1
-        flight = Flight(f"{self.worker_id}-{self._seq}", batch)
+        flight = Flight(f"{self.worker_id}-{self._incarnation}-{self._seq}", batch)
         self.in_flight.append(flight)
         self.feeder.submit(flight)
 
@@ -374,6 +391,8 @@ class Worker:
         if self.stats.transactions > committed:
             self.liveness.ok()  # a round trip to the broker
         if error is not None:
+            if isinstance(error.__cause__, TransactionalIdTaken):
+                raise error.__cause__  # another live process holds our slot: stop, never fence it back
             self.liveness.failed(str(error))
             log.warning("rewinding after a failed transaction (fatal=%s)", error.fatal)
             self._rewind(in_callback=in_callback)
@@ -439,6 +458,7 @@ class Worker:
         self.pauses.assigned_now(partitions)
         self._last_record = time.monotonic()
         self.health.set_assigned(len(self.pauses.assigned))  # readiness
+        self.group_watch.assigned(len(self.pauses.assigned))
         log.info("assigned %s", [f"{p.topic}[{p.partition}]" for p in partitions])
 
     def _on_revoke(self, consumer: Consumer, partitions: list[TopicPartition]) -> None:
@@ -458,6 +478,7 @@ class Worker:
         dropped = self.batcher.drop(revoked)
         self.pauses.gone(partitions)
         self.health.set_assigned(len(self.pauses.assigned))  # readiness
+        self.group_watch.assigned(len(self.pauses.assigned))
         log.info("revoked %s (dropped %d buffered)", sorted(revoked), dropped)
 
     def _on_lost(self, consumer: Consumer, partitions: list[TopicPartition]) -> None:
@@ -468,3 +489,4 @@ class Worker:
         self._rewind(self.pauses.assigned - lost, in_callback=True)
         self.pauses.gone(partitions)
         self.health.set_assigned(len(self.pauses.assigned))
+        self.group_watch.assigned(len(self.pauses.assigned))

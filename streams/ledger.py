@@ -42,7 +42,8 @@ from pydantic_settings import BaseSettings, SettingsConfigDict
 
 from batchline.config import JobConfig, KafkaSettings
 from batchline.kafka.aborted import AbortedIndex
-from batchline.kafka.client import make_consumer, make_producer, make_reader
+from batchline.kafka.client import make_admin, make_consumer, make_producer, make_reader
+from batchline.kafka.groups import close_member, watch_member
 from batchline.kafka.topics import JobTopics
 from batchline.runs.status import TOP_QUARANTINED
 from schemas import codec_for
@@ -120,7 +121,10 @@ class Ledger:
         self.snapshot_interval_s = snapshot_interval_s
         self.reader: Consumer = make_reader(kafka, **READER_LIMITS)
         self.aborted = AbortedIndex(kafka)  # read with the reader, on the ledger's one thread
-        self.members: Consumer = make_consumer(kafka, f"{config.job}.ledger")
+        self.kafka = kafka
+        self.group = f"{config.job}.ledger"
+        self.members: Consumer = make_consumer(kafka, self.group)
+        self.group_watch, self.group_sampler = watch_member(kafka, self.group)  # stuck without partitions?
         self.producer = make_producer(kafka)
         self.store: LedgerStore | None = None
         self.cluster = ""
@@ -171,6 +175,7 @@ class Ledger:
             described,
             resumed or "none",
         )
+        self.group_sampler.start()
         self.members.subscribe(
             [self.topics.results], on_assign=self._on_assign, on_revoke=self._on_revoke, on_lost=self._on_revoke
         )
@@ -386,6 +391,7 @@ class Ledger:
             if slot is not None:
                 self.owned.add(slot)
                 self._start_slot(slot)
+        self.group_watch.assigned(len(self.owned))
         self._confirm()
 
     def _on_revoke(self, consumer: Consumer, partitions: list[TopicPartition]) -> None:
@@ -394,6 +400,7 @@ class Ledger:
             if slot is not None:
                 self.owned.discard(slot)
                 self._stop_slot(slot)
+        self.group_watch.assigned(len(self.owned))
         self._confirm()
 
     def _confirm(self) -> None:
@@ -417,6 +424,7 @@ class Ledger:
             self._start_slot(slot)
 
     def close(self) -> None:
+        self.group_sampler.close()
         try:
             if any(p.caught_up for p in self.reading.values()):
                 self.publish()
@@ -425,7 +433,9 @@ class Ledger:
                 log.error("ledger: %d snapshots not delivered at shutdown", undelivered)
         finally:
             try:
-                self.members.close()  # leaves the group: the others take over at once
+                # leaves the group once it is stable (the others take over at once): a leader leaving a re-forming
+                # group jams the embedded broker (batchline.kafka.groups)
+                close_member(self.members, make_admin(self.kafka), self.group)
             finally:
                 if self.store is not None:
                     self._checkpoint()

@@ -35,10 +35,7 @@ client (librdkafka, KIP-447 transactions) is the one seen working there, so the 
 from __future__ import annotations
 
 import logging
-import os
-import socket
 import time
-import uuid
 from collections import deque
 from collections.abc import Callable, Iterable
 from dataclasses import dataclass, field
@@ -48,8 +45,11 @@ from confluent_kafka import Consumer, KafkaError, KafkaException, TopicPartition
 from batchline.config import JobConfig, KafkaSettings
 from batchline.kafka import headers as h
 from batchline.kafka.aborted import AbortedIndex
-from batchline.kafka.client import make_consumer
+from batchline.kafka.client import make_admin, make_consumer
+from batchline.kafka.groups import close_member, watch_member
+from batchline.kafka.slots import SlotSweeper, claim_slot
 from batchline.kafka.topics import JobTopics, effective_max_message_bytes
+from batchline.kafka.transactions import TransactionalIdTaken
 from batchline.runs.manifests import RunsView
 from streams.exceptions import RepublishError
 from streams.republish import OVERSIZE, RETRIED_AT, Held, Republisher, held_of, now_ms, republished_headers
@@ -133,13 +133,19 @@ class RetryScheduler:
 
     def __init__(self, config: JobConfig, kafka: KafkaSettings, instance_id: str | None = None) -> None:
         self.topics = JobTopics(config.job, config.retry.tiers)
+        self.kafka = kafka
         self.group = scheduler_group(config.job)
-        self.instance_id = instance_id or f"{socket.gethostname()}-{os.getpid()}-{uuid.uuid4().hex[:6]}"
+        # A slot, not a random id: a restarted scheduler fences the transaction its predecessor left open, and the
+        # sweeper fences the slots of schedulers that never come back (batchline.kafka.slots).
+        self.slot = claim_slot(kafka, self.group, instance_id)
+        self.instance_id = self.slot.slot
+        self.sweeper = SlotSweeper(kafka, self.group, self.slot.slot)
+        self.group_watch, self.group_sampler = watch_member(kafka, self.group)  # stuck without partitions?
         # A small prefetch: paused partitions are not fetched, but a due tier should not flood memory.
         self.consumer: Consumer = make_consumer(kafka, self.group, **{"queued.max.messages.kbytes": 16384})
         self.aborted = AbortedIndex(kafka)  # asked on the scheduler's thread, in step()
         limits = effective_max_message_bytes(kafka, [self.topics.requests, self.topics.dlq])
-        self.republisher = Republisher(kafka, self.topics, f"{self.group}.{self.instance_id}", limits)
+        self.republisher = Republisher(kafka, self.topics, self.slot.transactional_id, limits)
         self.runs = RunsView(kafka, self.topics)  # cancels and completion windows (RunsView.stops)
         self.queues: dict[TP, PartitionQueue] = {}
         self.paused: set[TP] = set()  # what this member asked librdkafka to pause: partitions with a held head
@@ -153,6 +159,8 @@ class RetryScheduler:
     def start(self) -> None:
         log.info("retry scheduler %s: tiers %s -> %s", self.instance_id, self.topics.retries, self.topics.requests)
         self.runs.start()
+        self.sweeper.start()
+        self.group_sampler.start()
         self.consumer.subscribe(
             self.topics.retries, on_assign=self._on_assign, on_revoke=self._on_revoke, on_lost=self._on_lost
         )
@@ -220,6 +228,8 @@ class RetryScheduler:
         try:
             self.republisher.publish(batch, offsets, self.consumer.consumer_group_metadata(), stops)
         except RepublishError as exc:
+            if isinstance(exc.__cause__, TransactionalIdTaken):
+                raise exc.__cause__ from None  # another live scheduler holds our slot: stop, never fence it back
             self.stats.failures += 1
             self._backoff_until = time.monotonic() + FAILURE_BACKOFF_S
             if exc.ambiguous or exc.fatal:  # the broker may have committed: learn it before re-publishing
@@ -315,6 +325,7 @@ class RetryScheduler:
         keys = {(tp.topic, tp.partition) for tp in partitions}
         self.assigned |= keys
         self.paused -= keys
+        self.group_watch.assigned(len(self.assigned))
         self.last_activity = time.monotonic()
         log.info("retry scheduler assigned %s", _names(partitions))
 
@@ -336,14 +347,19 @@ class RetryScheduler:
             self.paused.discard(key)
             self.assigned.discard(key)
             self.unsettled.discard(key)
+        self.group_watch.assigned(len(self.assigned))
 
     def close(self) -> None:
         self.aborted.close()
         try:
-            self.consumer.close()
+            # once the group is stable: a leader leaving a re-forming group jams the embedded broker
+            close_member(self.consumer, make_admin(self.kafka), self.group)
         finally:
             self.runs.stop()
             self.republisher.close()
+            self.group_sampler.close()
+            self.sweeper.close()
+            self.slot.release()
         log.info(
             "retry scheduler %s stopped: %d held, %d re-published in %d transactions, %d failed attempts, "
             "%d dead-lettered as %s, %d of cancelled or expired runs dead-lettered",

@@ -226,6 +226,14 @@ def worker(
         str, typer.Option(help="Fault injection: abort these transaction numbers, e.g. 3,7.", hidden=True)
     ] = "",
     metrics_port: MetricsPort = None,
+    worker_id: Annotated[
+        str | None,
+        typer.Option(
+            envvar="BATCHLINE_WORKER_ID",
+            help="This worker's slot: its transactional id is <group>.<id>, so a restart with the same id fences "
+            "what the last one left open. Default: <hostname>-<lowest free index on this host>.",
+        ),
+    ] = None,
     *,
     opts: JobOptions,
     log_level: LogLevel,
@@ -246,7 +254,7 @@ def worker(
     health = Health.for_worker(cfg)
     serve_probes(metrics_port, health)  # before the engine loads: live, not ready
     fails = [int(x) for x in fail_transactions.split(",") if x.strip()]
-    w = Worker(cfg, kafka, sink_fail_batches=fails, idle_exit_s=idle_exit, health=health)
+    w = Worker(cfg, kafka, worker_id=worker_id, sink_fail_batches=fails, idle_exit_s=idle_exit, health=health)
     signal.signal(signal.SIGTERM, lambda *_: w.stop())
     signal.signal(signal.SIGINT, lambda *_: w.stop())
     stats = w.run()

@@ -33,6 +33,8 @@ def status(
     from rich.live import Live
 
     from batchline.cli.render import run_panel
+    from batchline.kafka.client import make_admin
+    from batchline.kafka.groups import UnstableSince, job_groups, rebalance_timeout_s
     from batchline.kafka.topics import JobTopics
     from batchline.runs.backlog import lanes_state
     from batchline.runs.status import collect
@@ -47,22 +49,50 @@ def status(
             raise NotFoundError(f"no run {run!r} in {topics.runs} at {kafka.bootstrap}")
         return runs
 
+    admin = make_admin(kafka)
+    unstable = UnstableSince(rebalance_timeout_s(kafka))
+
+    def groups(runs: list[dict[str, Any]]) -> dict[str, dict[str, Any]]:
+        """The job's consumer groups; a group not stable past the rebalance timeout (seen across --watch
+        refreshes) is stuck: the embedded broker's ghost leader, or a member that never rejoins."""
+        known = topics.groups(r["fingerprint"] for r in runs if r.get("fingerprint"))
+        return unstable.look(job_groups(admin, job, known))
+
     def lanes() -> dict[str, Any] | None:
         if schedule is None or not schedule.yield_to:
             return None
         return lanes_state(kafka, schedule.yield_to, schedule.yield_threshold)
 
     if json_out:
-        print(json.dumps({"job": job, "lanes": lanes(), "runs": snapshot()}, indent=2))
+        runs = snapshot()
+        print(json.dumps({"job": job, "lanes": lanes(), "groups": groups(runs), "runs": runs}, indent=2))
         return
     if not watch:
         runs = snapshot()
-        out.print(Group(*_lanes_lines(lanes()), *(run_panel(r) for r in runs)) if runs else f"no runs in {topics.runs}")
+        lines = [*_lanes_lines(lanes()), *_group_lines(groups(runs))]
+        out.print(Group(*lines, *(run_panel(r) for r in runs)) if runs else Group(*lines, f"no runs in {topics.runs}"))
         return
     with Live(console=out, refresh_per_second=1) as live:
         while True:
-            live.update(Group(*_lanes_lines(lanes()), *(run_panel(r) for r in snapshot())))
+            runs = snapshot()
+            live.update(Group(*_lanes_lines(lanes()), *_group_lines(groups(runs)), *(run_panel(r) for r in runs)))
             time.sleep(2)
+
+
+def _group_lines(groups: dict[str, dict[str, Any]]) -> list[str]:
+    """One line per group that is not stable (stable groups are the normal case and say nothing)."""
+    lines = []
+    for name, g in groups.items():
+        if g["stable"]:
+            continue
+        seen = f" for {g['unstable_for_s']:.0f}s" if g["unstable_for_s"] else ""
+        if g["stuck"]:
+            lines.append(f"group {name}: STUCK rebalancing{seen} (state {g['state']}): {g['cause']}")
+        else:
+            lines.append(
+                f"group {name}: rebalancing{seen} (state {g['state']}); past the rebalance timeout: {g['cause']}"
+            )
+    return lines
 
 
 def _lanes_lines(state: dict[str, Any] | None) -> list[str]:

@@ -13,6 +13,7 @@ whose payload is replaced by its size and digest), never a stalled partition.
 from __future__ import annotations
 
 import logging
+from collections.abc import Iterable
 from dataclasses import dataclass
 
 from confluent_kafka import KafkaError, KafkaException
@@ -64,6 +65,10 @@ class JobTopics:
 
     def worker_group(self, fingerprint: str | None = None) -> str:
         return f"{self.job}.workers" + (f".{fingerprint}" if fingerprint else "")
+
+    def groups(self, fingerprints: Iterable[str] = ()) -> list[str]:
+        """The job's consumer groups: its workers' (one per fingerprint), the retry scheduler's, the ledger's."""
+        return [*(self.worker_group(f) for f in sorted(set(fingerprints))), f"{self.job}.retry-scheduler", self.ledger]
 
     def all(self) -> list[str]:
         return [self.requests, self.results, *self.retries, self.dlq, self.runs, self.ledger]

@@ -108,6 +108,22 @@ class CommitReport:
 Fit = Callable[[int, Outgoing, RecordError], Outgoing]
 
 
+class TransactionalIdTaken(TransactionFailed):
+    """Another producer with our ``transactional.id`` started after us (the broker says PRODUCER_FENCED): a second
+    live process holds our slot (:mod:`batchline.kafka.slots`), or we are a zombie that was replaced. Fencing back
+    (recreating the producer) would make both fence each other for ever: the caller stops instead."""
+
+    def __init__(self, transactional_id: str, reason: str) -> None:
+        super().__init__(
+            f"transactional id {transactional_id} was taken by a newer producer ({reason}): another live process "
+            "holds this slot, or this one was replaced; stopping without committing anything more",
+            fatal=True,
+        )
+
+
+FENCED_CODES = frozenset({KafkaError._FENCED, KafkaError.PRODUCER_FENCED})
+
+
 class ReplacementTooLarge(TransactionFailed):
     """``fit`` returned a replacement that does not fit either: a bug of the caller's ``fit``."""
 
@@ -257,6 +273,8 @@ class TransactionalProducer:
             return {}
         except KafkaException as exc:
             err: KafkaError = exc.args[0]
+            if err.code() in FENCED_CODES:  # a newer producer holds our id: never fence it back
+                raise TransactionalIdTaken(self.transactional_id, err.str()) from exc
             # A message rejected by produce() alone leaves the transaction abortable (no fit was given).
             abortable = err.txn_requires_abort() or err.code() in PER_RECORD_ERRORS
             aborted = abortable and not err.fatal() and self._abort()

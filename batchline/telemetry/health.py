@@ -7,7 +7,9 @@ loops first go round (the model is loading) a process is live for ``startup_boun
 
 **Ready** (``/readyz``): every readiness condition holds - a worker's engine is loaded and it has partitions, the
 streams' retry scheduler has partitions and the ledger has caught up. Conditions are pushed (``set_engine_loaded``,
-``set_assigned``) or read when asked (``watch``).
+``set_assigned``) or read when asked (``watch``). A member whose group has not assigned it anything for longer
+than the rebalance timeout while the group is not stable is not ready either, and /readyz says why
+(``watch_problem``: the embedded broker's ghost leader, or a group stuck rebalancing).
 
 The loop calls :meth:`Health.beat` once per round (``waiting``: records are on the engine or in the sink) and
 :meth:`Health.progressed` when a batch completes. Everything here is thread-safe: the probe server reads it from
@@ -64,6 +66,7 @@ class Health:
         self._waiting_since: dict[str, float] = {}
         self._pushed: dict[str, bool] = dict.fromkeys(conditions, False)
         self._watched: dict[str, Callable[[], bool]] = {}
+        self._problems: dict[str, Callable[[], str | None]] = {}
 
     @classmethod
     def for_worker(cls, config: JobConfig) -> Health:
@@ -109,6 +112,12 @@ class Health:
             self._pushed.pop(condition, None)
             self._watched[condition] = check
 
+    def watch_problem(self, name: str, check: Callable[[], str | None]) -> None:
+        """Not ready while ``check()`` names a problem (its line is the reason /readyz gives), e.g. a consumer group
+        stuck without assigning (:class:`batchline.kafka.groups.AssignmentWatch`)."""
+        with self._lock:
+            self._problems[name] = check
+
     # -- what the probes read -------------------------------------------------------------------
     def live(self) -> Verdict:
         now = self._clock()
@@ -137,13 +146,24 @@ class Health:
         with self._lock:
             pushed = dict(self._pushed)
             watched = dict(self._watched)
+            checks = dict(self._problems)
         states = pushed | {name: _safe(check) for name, check in watched.items()}
         missing = [name for name, ok in states.items() if not ok]
+        problems = [p for p in (_problem(check) for check in checks.values()) if p]
         if not states:
             return Verdict(False, "starting")
+        if problems:
+            return Verdict(False, "; ".join(problems))
         if missing:
             return Verdict(False, "waiting for: " + ", ".join(missing))
         return Verdict(True, "ok")
+
+
+def _problem(check: Callable[[], str | None]) -> str | None:
+    try:
+        return check()
+    except Exception as exc:  # a component mid-restart: not a stuck group
+        return f"{type(exc).__name__}: {exc}"
 
 
 def _safe(check: Callable[[], bool]) -> bool:

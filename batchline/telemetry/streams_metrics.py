@@ -26,6 +26,12 @@ class SchedulerCounters(Protocol):
     def failures(self) -> int: ...
 
 
+class GroupWatchView(Protocol):
+    """What is read of a member's ``batchline.kafka.groups.AssignmentWatch``."""
+
+    def stuck(self) -> str | None: ...
+
+
 class SchedulerView(Protocol):
     """What is read of ``streams.retry_scheduler.RetryScheduler``."""
 
@@ -34,6 +40,8 @@ class SchedulerView(Protocol):
     @property
     def assigned(self) -> Collection[tuple[str, int]]: ...
     def held(self) -> int: ...
+    @property
+    def group_watch(self) -> GroupWatchView: ...
 
 
 class LedgerView(Protocol):
@@ -45,6 +53,8 @@ class LedgerView(Protocol):
     def snapshots(self) -> int: ...
     @property
     def caught_up(self) -> bool: ...
+    @property
+    def group_watch(self) -> GroupWatchView: ...
 
 
 class StreamsMetrics:
@@ -107,4 +117,6 @@ def watch_streams(job: str, health: Health, scheduler: SchedulerView, ledger: Le
     """The streams' metrics, and their readiness: the scheduler has partitions and the ledger has caught up."""
     health.watch(SCHEDULER_ASSIGNED, lambda: bool(scheduler.assigned))
     health.watch(LEDGER_CAUGHT_UP, lambda: ledger.caught_up)
+    health.watch_problem("scheduler group", scheduler.group_watch.stuck)
+    health.watch_problem("ledger group", ledger.group_watch.stuck)
     return StreamsMetrics(job, scheduler, ledger)
