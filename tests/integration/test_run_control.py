@@ -10,7 +10,6 @@ from __future__ import annotations
 import json
 import threading
 from collections.abc import Callable, Iterator
-from contextlib import contextmanager
 from pathlib import Path
 from typing import Any
 
@@ -24,50 +23,20 @@ from batchline.runs.control import cancel_run
 from batchline.runs.identity import fingerprint_of
 from batchline.runs.manifests import RunsView
 from batchline.runs.submit import SubmitReport, publish_run, submit_file
-from consumers.engines.base import EngineInput, Outcome
-from consumers.engines.deterministic import DeterministicEngine
-from consumers.worker import Worker
 from schemas import codec_for
 from tests.support.cli import run_cli, status_json
+from tests.support.counting import CountingEngine, worker_thread
 from tests.support.jobs import job_toml, requests_file
 from tests.support.kafka import dead_letters, read_topic, results, wait_for
 from tests.support.procs import CliProcess
 
-JOIN_TIMEOUT_S = 30.0
 RUN_TIMEOUT_S = 120.0
-
-
-class CountingEngine(DeterministicEngine):
-    """The deterministic engine, recording each record it ran (a record reaches ``_one`` only when a step ran it)."""
-
-    def __init__(self, config: JobConfig) -> None:
-        eng = config.engine
-        super().__init__(config.task, eng.labels, eng.json_schema, eng.engine_kwargs)
-        self.ran: list[str] = []
-
-    def _one(self, inp: EngineInput) -> Outcome:
-        self.ran.append(inp.request_id)
-        return super()._one(inp)
 
 
 def _config(job: str, path: Path, kwargs: str, tiers: str = '"1s", "2s"', in_flight: int = 8) -> tuple[Path, JobConfig]:
     cfg = job_toml(path, kwargs=kwargs, max_records=4, tiers=tiers)
     cfg.write_text(cfg.read_text().replace("linger_ms = 50", f"linger_ms = 20\nmax_in_flight_records = {in_flight}"))
     return cfg, load_job_config(job, cfg)
-
-
-@contextmanager
-def _worker(config: JobConfig, kafka: KafkaSettings, engine: CountingEngine) -> Iterator[Worker]:
-    worker = Worker(config, kafka, engine=engine)
-    thread = threading.Thread(target=worker.run, name="test-worker", daemon=True)
-    thread.start()
-    try:
-        wait_for(lambda: worker.pauses.assigned, JOIN_TIMEOUT_S, "the worker assigned")
-        yield worker
-    finally:
-        worker.stop()
-        thread.join(60)
-        assert not thread.is_alive(), "the worker did not stop"
 
 
 def _streams(job: str, cfg: Path, kafka: KafkaSettings, tmp: Path) -> CliProcess:
@@ -105,7 +74,7 @@ def test_cancel_mid_run_starts_nothing_more_and_every_record_ends(
     engine = CountingEngine(config)
     streams = _streams(job_name, cfg_path, kafka, tmp_path)
     try:
-        with _worker(config, kafka, engine):
+        with worker_thread(config, kafka, engine):
             run = submit_file(kafka, topics, tmp_path / "in.jsonl", fingerprint_of(config)).run_id
             wait_for(lambda: len(engine.ran) >= 12, RUN_TIMEOUT_S, "a dozen records run")
             cancelled_at = cancel_run(kafka, topics, run).cancelled_at  # in-process: the CLI's start-up is seconds
@@ -152,7 +121,7 @@ def test_a_cancelled_runs_held_retries_are_dead_lettered_not_republished(
     engine = CountingEngine(config)
     streams = _streams(job_name, cfg_path, kafka, tmp_path)
     try:
-        with _worker(config, kafka, engine):
+        with worker_thread(config, kafka, engine):
             run = submit_file(kafka, topics, tmp_path / "in.jsonl", fingerprint_of(config)).run_id
             retries = wait_for(
                 lambda: r if len(r := read_topic(kafka, topics.retry("30s"))) >= 20 else None,
@@ -192,7 +161,7 @@ def test_records_not_finished_within_the_completion_window_expire_and_partial_re
     engine = CountingEngine(config)
     streams = _streams(job_name, cfg_path, kafka, tmp_path)
     try:
-        with _worker(config, kafka, engine):  # joined first: the window is short
+        with worker_thread(config, kafka, engine):  # joined first: the window is short
             fp = fingerprint_of(config)
             run = submit_file(kafka, topics, tmp_path / "in.jsonl", fp, completion_window_s=3.0).run_id
             wait_for(
@@ -320,7 +289,7 @@ def test_runs_cancelled_or_expired_before_any_worker_reached_them_end_without_en
         assert (before[run_a]["state"], before[run_a]["pending"], before[run_a]["cancelled"]) == ("cancelling", 30, 0)
         assert (before[run_b]["pending"], before[run_b]["expired"], before[run_b]["total"]) == (0, 30, 30)
         engine = CountingEngine(config)
-        with _worker(config, kafka, engine):
+        with worker_thread(config, kafka, engine):
             st_a = _settled(kafka, job_name, run_a, [], "cancelled")
             wait_for(lambda: len(_letters(kafka, topics)) >= 60, RUN_TIMEOUT_S, "every record dead-lettered")
             st_b = _settled(kafka, job_name, run_b, [], "expired")

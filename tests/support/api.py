@@ -3,18 +3,11 @@
 from __future__ import annotations
 
 import json
-import threading
-from collections.abc import Iterator
-from contextlib import contextmanager
 from pathlib import Path
 from typing import Any
 
 from openai import OpenAI
 
-from batchline.config import JobConfig, KafkaSettings
-from consumers.engines.base import EngineInput, Outcome
-from consumers.engines.deterministic import DeterministicEngine
-from consumers.worker import Worker
 from tests.support.kafka import wait_for
 from tests.support.probes import free_port, get
 from tests.support.procs import CliProcess
@@ -147,33 +140,3 @@ def round_trip_rss(api: ApiServer, model: str, n: int, tmp: Path, timeout: float
         "peak_after_create_mb": round(created_kb / 1024, 1),
         "peak_before_download_mb": round(finished_kb / 1024, 1),
     }
-
-
-class CountingEngine(DeterministicEngine):
-    """The deterministic engine, recording each record it ran (a record reaches ``_one`` only when a step ran it):
-    what the engine spent time on, for the cancel and expiry tests (tests/integration/test_run_control.py has
-    the same seam)."""
-
-    def __init__(self, config: JobConfig) -> None:
-        eng = config.engine
-        super().__init__(config.task, eng.labels, eng.json_schema, eng.engine_kwargs)
-        self.ran: list[str] = []
-
-    def _one(self, inp: EngineInput) -> Outcome:
-        self.ran.append(inp.request_id)
-        return super()._one(inp)
-
-
-@contextmanager
-def worker_thread(config: JobConfig, kafka: KafkaSettings, engine: CountingEngine) -> Iterator[Worker]:
-    """A worker of ``config`` on ``engine`` in this process, assigned before the block starts."""
-    worker = Worker(config, kafka, engine=engine)
-    thread = threading.Thread(target=worker.run, name="test-worker", daemon=True)
-    thread.start()
-    try:
-        wait_for(lambda: worker.pauses.assigned, READY_TIMEOUT_S, "the worker assigned")
-        yield worker
-    finally:
-        worker.stop()
-        thread.join(60)
-        assert not thread.is_alive(), "the worker did not stop"
