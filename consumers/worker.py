@@ -11,6 +11,9 @@ above ``max_in_flight_records``, outside a time window, yielding to another job)
 inference never costs group membership, and the book survives rebalances. A failed transaction, a lost partition
 or a revocation that outlasts its grace period rewinds: everything uncommitted is dropped and re-read from the
 committed offsets (or, if the broker cannot say, from the first record still held: a duplicate, never a loss).
+Partitions lost, or revoked past their grace, are fenced first (:class:`~batchline.kafka.ownership.Ownership`,
+written only here, in the rebalance callbacks): every transaction that holds their records is aborted by the sink
+thread, never committed, whatever the broker would accept.
 """
 
 from __future__ import annotations
@@ -31,6 +34,7 @@ from batchline.config import JobConfig, KafkaSettings
 from batchline.exceptions import BatchlineError, ConfigError
 from batchline.kafka.client import make_consumer
 from batchline.kafka.liveness import BrokerLiveness
+from batchline.kafka.ownership import Ownership
 from batchline.kafka.topics import (
     MESSAGE_HEADROOM,
     JobTopics,
@@ -139,6 +143,7 @@ class Worker:
         }
         self.consumer: Consumer = make_consumer(kafka, self.group, **prefetch)
         self.pauses = PauseBook(self.consumer)
+        self.ownership = Ownership(self.consumer)  # fenced by the rebalance callbacks, read by the sink thread
         self.rewinder = Rewinder(self.consumer)
         self.in_flight: deque[Flight] = deque()
         self.metrics = WorkerMetrics(config.job, self.topics.requests, self.group)
@@ -146,7 +151,7 @@ class Worker:
         self.committer = Committer(
             self.router,
             self.sink_thread,
-            self.consumer,
+            self.ownership,
             self.metrics,
             self.topics.requests,
             self.group,
@@ -350,8 +355,9 @@ class Worker:
         if self.stats.transactions > committed:
             self.liveness.ok()  # a round trip to the broker
         if error is not None:
-            self.liveness.failed(str(error))
-            log.warning("rewinding after a failed transaction (fatal=%s)", error.fatal)
+            if not error.fenced:  # a fenced transaction was aborted on purpose, the broker is fine
+                self.liveness.failed(str(error))
+            log.warning("rewinding after a failed transaction (fatal=%s, fenced=%s)", error.fatal, error.fenced)
             self._rewind(in_callback=in_callback)
             return False
         if not self.liveness.down:  # no new transaction while the broker is suspected down: it would only block
@@ -371,8 +377,9 @@ class Worker:
     def _rewind(self, partitions: set[TP] | None = None, in_callback: bool = False) -> None:
         """Drop everything uncommitted (in flight and buffered) and re-read it. ``partitions`` limits the seeks
         (the others were lost or revoked); by default every assigned partition. Transactions already queued are
-        let finish first: what they committed is not re-read. From a rebalance callback the seeks wait until
-        ``consume()`` has returned (:meth:`_after_callbacks`)."""
+        let finish first (what they committed is not re-read), except those holding fenced partitions: the sink
+        aborts them (or drops them unbegun), so this waits for an abort, never for a stale commit. From a rebalance
+        callback the seeks wait until ``consume()`` has returned (:meth:`_after_callbacks`)."""
         self.stats.rewinds += 1
         if self.committer.settle(self.in_flight) is not None:
             self.committer.settle(self.in_flight)  # the failed one's followers were dropped unstarted
@@ -429,6 +436,7 @@ class Worker:
                 self._check_engine()
                 self.wake.wait(min(WAIT_PAUSED_S, max(0.0, deadline - time.monotonic())))
                 self.wake.clear()
+        self.ownership.fence(revoked)  # no longer ours once this returns: nothing may commit for them after it
         if self.in_flight:  # out of time: give everything uncommitted back
             self._rewind(self.pauses.assigned - revoked, in_callback=True)
         dropped = self.batcher.drop(revoked)
@@ -441,6 +449,7 @@ class Worker:
         and re-read the partitions still ours."""
         lost = {(p.topic, p.partition) for p in partitions}
         log.warning("lost %s: dropping uncommitted work", sorted(lost))
+        self.ownership.fence(lost)  # the sink aborts what holds their records: their new owner re-reads them
         self._rewind(self.pauses.assigned - lost, in_callback=True)
         self.pauses.gone(partitions)
         self.health.set_assigned(len(self.pauses.assigned))

@@ -19,6 +19,7 @@ from confluent_kafka import Message, TopicPartition
 
 from batchline.config import KafkaSettings
 from batchline.kafka import headers as h
+from batchline.kafka.ownership import Claim
 from batchline.kafka.topics import JobTopics
 from batchline.kafka.transactions import Outgoing, RecordError, TransactionalProducer, TransactionFailed
 from schemas import DeadLetter, codec_for
@@ -90,9 +91,10 @@ class Republisher:
         self.txn = TransactionalProducer(kafka, transactional_id, topic_limits=limits, **overrides)
         self.oversize = 0
 
-    def publish(self, batch: list[Held], offsets: list[TopicPartition], group_metadata: Any) -> None:
-        """Re-publish ``batch`` and commit ``offsets`` atomically, or raise RepublishError with nothing committed
-        (``ambiguous``: the commit may have happened)."""
+    def publish(self, batch: list[Held], offsets: list[TopicPartition], claim: Claim) -> None:
+        """Re-publish ``batch`` and commit ``offsets`` atomically while ``claim`` holds (the scheduler still owns
+        their partitions), or raise RepublishError with nothing committed (``ambiguous``: the commit may have
+        happened)."""
         at = now_ms()
         outgoing = [(self.requests_topic, held.value, held.request_id, republished_headers(held, at)) for held in batch]
 
@@ -100,7 +102,7 @@ class Republisher:
             return self.dead_letter(batch[index], error)
 
         try:
-            report = self.txn.commit(outgoing, offsets, group_metadata, fit=fit)
+            report = self.txn.commit(outgoing, offsets, None, fit=fit, guard=claim)
         except TransactionFailed as exc:
             raise RepublishError(str(exc), len(batch), exc.fatal, exc.ambiguous) from exc
         for i, replaced in report.replaced.items():

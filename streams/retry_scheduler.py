@@ -21,6 +21,12 @@ never holds its partition. After a commit whose outcome is unknown (the broker m
 gave up, the producer was recreated) the held records of the batch are checked against the group's committed
 offsets before anything is re-published: records below the committed offset were re-published and are dropped.
 
+A re-publish transaction commits only while the scheduler owns its partitions
+(:class:`~batchline.kafka.ownership.Ownership`): cut off from the broker past its session timeout while a
+transaction was in progress, the scheduler aborts it after the heal instead of committing what the partitions'
+new owner re-publishes too (librdkafka resets the member id as soon as it sees the session time out; the
+rebalance callbacks, which run on this same thread between transactions, fence lost and revoked partitions).
+
 Why confluent-kafka and not faust: probed against the embedded tansu broker, a faust 0.15 app re-delivered the
 same records twice within one process after a restart (seek to committed offsets racing the fetcher), and its
 table recovery trusts high watermarks, which tansu reports as the last batch's base offset + 1. The worker's
@@ -42,6 +48,7 @@ from confluent_kafka import Consumer, KafkaError, KafkaException, TopicPartition
 
 from batchline.config import JobConfig, KafkaSettings
 from batchline.kafka.client import make_consumer
+from batchline.kafka.ownership import Ownership
 from batchline.kafka.topics import JobTopics, effective_max_message_bytes
 from streams.exceptions import RepublishError
 from streams.republish import OVERSIZE, RETRIED_AT, Held, Republisher, held_of, now_ms, republished_headers
@@ -126,6 +133,7 @@ class RetryScheduler:
         self.instance_id = instance_id or f"{socket.gethostname()}-{os.getpid()}-{uuid.uuid4().hex[:6]}"
         # A small prefetch: paused partitions are not fetched, but a due tier should not flood memory.
         self.consumer: Consumer = make_consumer(kafka, self.group, **{"queued.max.messages.kbytes": 16384})
+        self.ownership = Ownership(self.consumer)
         limits = effective_max_message_bytes(kafka, [self.topics.requests, self.topics.dlq])
         self.republisher = Republisher(kafka, self.topics, f"{self.group}.{self.instance_id}", limits)
         self.queues: dict[TP, PartitionQueue] = {}
@@ -196,7 +204,7 @@ class RetryScheduler:
             return
         offsets = [TopicPartition(t, p, self.queues[(t, p)].records[n - 1].offset + 1) for (t, p), n in taken.items()]
         try:
-            self.republisher.publish(batch, offsets, self.consumer.consumer_group_metadata())
+            self.republisher.publish(batch, offsets, self.ownership.claim(taken))
         except RepublishError as exc:
             self.stats.failures += 1
             self._backoff_until = time.monotonic() + FAILURE_BACKOFF_S
@@ -301,6 +309,7 @@ class RetryScheduler:
         log.warning("retry scheduler lost %s (session timed out)", _names(partitions))
 
     def _forget(self, partitions: list[TopicPartition]) -> None:
+        self.ownership.fence((tp.topic, tp.partition) for tp in partitions)
         for tp in partitions:
             key = (tp.topic, tp.partition)
             self.queues.pop(key, None)

@@ -1,0 +1,112 @@
+"""Which partitions a group member still owns, as the commit path sees it: the fence between the thread that serves
+a consumer's rebalance callbacks and the thread that commits its transactions.
+
+A transaction carrying a partition's results and offsets may commit only while this member still owns that
+partition. Apache Kafka (>= 2.5) refuses offsets sent under an old generation (``ILLEGAL_GENERATION``) and so
+forces an abort; the embedded broker accepts them, and a partitioned worker that commits after the heal commits
+records its partitions' new owner commits too. So batchline decides itself, whatever the broker checks:
+
+- :meth:`Ownership.claim` (the thread that builds the transaction, when it builds it) records the epoch of each
+  partition whose offsets the transaction carries, and the group member id the consumer had then;
+- :meth:`Ownership.fence` (the thread that serves the rebalance callbacks, its only writer) bumps the epochs of
+  partitions this member no longer owns: lost (its session timed out), or revoked past their grace period;
+- :meth:`Claim.stale` (the committing thread, before it begins the transaction, before it sends the offsets,
+  before it commits, and between the bounded slices of each blocking call) names why the claim no longer holds: a
+  partition whose epoch moved, or a member id the consumer no longer has. librdkafka resets its member id the
+  moment it sees its session time out, before the application's callback is served, so the committing thread
+  learns of a loss even while the callback's thread is busy. A stale transaction is aborted, never committed;
+- :meth:`Claim.group_metadata` is the consumer's group metadata *now*: a rebalance that left the partitions with
+  this member does not fail a transaction queued before it on a broker that checks generations.
+
+The epochs sit behind a lock; reading the consumer's group metadata is a request to librdkafka's own thread, safe
+from any thread. A closed consumer owns nothing: its claims are stale.
+"""
+
+from __future__ import annotations
+
+import struct
+import threading
+from collections.abc import Iterable
+from dataclasses import dataclass
+from typing import Any, Protocol
+
+TP = tuple[str, int]
+METADATA_MAGIC = b"CGMDv2:"  # librdkafka's serialized rd_kafka_consumer_group_metadata_t
+
+
+class GroupMember(Protocol):
+    """What ownership needs of a consumer (confluent_kafka.Consumer has it)."""
+
+    def consumer_group_metadata(self) -> Any: ...
+
+
+def member_of(metadata: Any) -> tuple[int, str] | None:
+    """(generation, member id) of a consumer's group metadata as confluent-kafka returns it (librdkafka's
+    ``rd_kafka_consumer_group_metadata_write``: magic, native int32 generation, then NUL-terminated group id and
+    member id); None for a form not known here."""
+    raw = bytes(metadata) if isinstance(metadata, bytes | bytearray) else b""
+    if not raw.startswith(METADATA_MAGIC) or len(raw) < len(METADATA_MAGIC) + 4:
+        return None
+    (generation,) = struct.unpack_from("=i", raw, len(METADATA_MAGIC))
+    fields = raw[len(METADATA_MAGIC) + 4 :].split(b"\0")
+    if len(fields) < 3:
+        return None
+    return int(generation), fields[1].decode("utf-8", "replace")
+
+
+@dataclass(frozen=True)
+class Claim:
+    """A transaction's hold on its partitions: their epochs and the member id when it was built."""
+
+    owner: Ownership
+    epochs: tuple[tuple[TP, int], ...]
+    member: str | None  # None: the metadata's form is unknown, only the epochs are checked
+
+    def stale(self) -> str | None:
+        """Why this transaction must not commit any more, or None while its partitions are still ours."""
+        return self.owner.why_stale(self)
+
+    def group_metadata(self) -> Any:
+        """The consumer's group metadata now, to send the offsets with."""
+        return self.owner.consumer.consumer_group_metadata()
+
+
+class Ownership:
+    """The epochs of one consumer's partitions. One writer (the thread serving the consumer's rebalance callbacks),
+    any number of readers (the committing thread)."""
+
+    def __init__(self, consumer: GroupMember) -> None:
+        self.consumer = consumer
+        self._epochs: dict[TP, int] = {}
+        self._lock = threading.Lock()
+        self.fenced = 0  # partitions fenced so far (a counter for logs and tests)
+
+    def claim(self, partitions: Iterable[TP]) -> Claim:
+        with self._lock:
+            epochs = tuple(sorted((tp, self._epochs.get(tp, 0)) for tp in set(partitions)))
+        found = member_of(self.consumer.consumer_group_metadata())
+        return Claim(self, epochs, None if found is None else found[1])
+
+    def fence(self, partitions: Iterable[TP]) -> None:
+        """``partitions`` are no longer ours: every claim on them is stale from now on."""
+        with self._lock:
+            for tp in partitions:
+                self._epochs[tp] = self._epochs.get(tp, 0) + 1
+                self.fenced += 1
+
+    def why_stale(self, claim: Claim) -> str | None:
+        with self._lock:
+            moved = [tp for tp, epoch in claim.epochs if self._epochs.get(tp, 0) != epoch]
+        if moved:
+            return "partitions " + ", ".join(f"{t}[{p}]" for t, p in moved) + " were lost or revoked"
+        if claim.member is None:
+            return None
+        if not claim.member:
+            return "built while the consumer was not a group member"
+        try:
+            now = member_of(self.consumer.consumer_group_metadata())
+        except RuntimeError:  # confluent-kafka: the consumer is closed
+            return "the consumer is closed"
+        if now is not None and now[1] != claim.member:
+            return f"group member {claim.member} is gone (now {now[1] or 'none'}): its session timed out"
+        return None
