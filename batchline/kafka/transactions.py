@@ -290,7 +290,8 @@ class TransactionalProducer:
             if not began:  # never begun (a queued transaction whose partitions moved on): nothing to undo
                 raise
             recreated = self._end_fenced(committing)
-            how = "its commit was under way: producer recreated" if committing else "aborted"
+            how = "its commit was under way" if committing else "its abort failed" if recreated else "aborted"
+            how += ": producer recreated" if recreated else ""
             raise TransactionFenced(f"{exc}; {how}", recreated, ambiguous=committing) from None
         except KafkaException as exc:
             err: KafkaError = exc.args[0]
@@ -433,7 +434,7 @@ class TransactionalProducer:
     def _check(guard: Guard | None) -> None:
         why = None if guard is None else guard.stale()
         if why is not None:
-            raise TransactionFenced(why, fatal=False)
+            raise TransactionFenced(f"fenced: {why}", fatal=False)
 
     def _end_fenced(self, committing: bool) -> bool:
         """End a transaction whose partitions are no longer ours without committing it: abort it, or recreate the
