@@ -64,6 +64,7 @@ WAIT_FETCHING_S = 0.05  # longest wait on a finished inference while records may
 WAIT_PAUSED_S = 0.5  # longest wait while every partition is paused (callbacks are served between waits)
 WAIT_IDLE_S = 0.5  # longest wait in consume() with nothing in flight
 ABANDON_WAIT_S = 2.0  # how long a worker that lost its broker waits for its sink before it exits
+OBSERVE_EVERY_S = 0.2  # how often the loop reads the group membership for the sink thread (Ownership.observe)
 REVOKE_GRACE_S = 20.0  # how long a revocation waits for in-flight micro-batches before rewinding them
 TP = tuple[str, int]
 # Young-generation collections every 700 allocations cost the loop about a third of its throughput: it allocates
@@ -200,6 +201,7 @@ class Worker:
                 self.health.beat(waiting=bool(self.in_flight))  # liveness: records wait on the engine or the sink
                 self.liveness.check()  # BrokerLost after broker_loss_timeout_s; MissingTopicError
                 self._poll()
+                self.ownership.observe(OBSERVE_EVERY_S)  # what the sink thread checks its claims against
                 self._check_engine()
                 self._follow_schedule()
                 self._dispatch()

@@ -13,19 +13,22 @@ records its partitions' new owner commits too. So batchline decides itself, what
 - :meth:`Claim.stale` (the committing thread, before it begins the transaction, before it sends the offsets,
   before it commits, and between the bounded slices of each blocking call) names why the claim no longer holds: a
   partition whose epoch moved, or a member id the consumer no longer has. librdkafka resets its member id the
-  moment it sees its session time out, before the application's callback is served, so the committing thread
-  learns of a loss even while the callback's thread is busy. A stale transaction is aborted, never committed;
-- :meth:`Claim.group_metadata` is the consumer's group metadata *now*: a rebalance that left the partitions with
+  moment it sees its session time out, before the application's callback is served. A stale transaction is
+  aborted, never committed;
+- :meth:`Claim.group_metadata` is the consumer's latest group metadata: a rebalance that left the partitions with
   this member does not fail a transaction queued before it on a broker that checks generations.
 
-The epochs sit behind a lock; reading the consumer's group metadata is a request to librdkafka's own thread, safe
-from any thread. A closed consumer owns nothing: its claims are stale.
+Only the consumer's own thread reads the consumer (:meth:`Ownership.observe`; the worker's loop calls it every
+turn): librdkafka answers ``consumer_group_metadata()`` from another thread only once a rebalance callback in
+progress has returned, and a worker's callback waits for its sink thread. Other threads read what it last saw; the
+consumer's thread (the retry scheduler commits on it) reads the consumer live. A closed consumer owns nothing.
 """
 
 from __future__ import annotations
 
 import struct
 import threading
+import time
 from collections.abc import Iterable
 from dataclasses import dataclass
 from typing import Any, Protocol
@@ -67,8 +70,8 @@ class Claim:
         return self.owner.why_stale(self)
 
     def group_metadata(self) -> Any:
-        """The consumer's group metadata now, to send the offsets with."""
-        return self.owner.consumer.consumer_group_metadata()
+        """The consumer's latest group metadata, to send the offsets with."""
+        return self.owner.metadata()
 
 
 class Ownership:
@@ -79,12 +82,37 @@ class Ownership:
         self.consumer = consumer
         self._epochs: dict[TP, int] = {}
         self._lock = threading.Lock()
+        self._metadata: Any = None  # the consumer's group metadata as its thread last read it
+        self._reader: int | None = None  # that thread
+        self._observed = 0.0  # when (monotonic)
         self.fenced = 0  # partitions fenced so far (a counter for logs and tests)
 
+    def observe(self, max_age_s: float = 0.0) -> Any:
+        """Read the consumer's group metadata (the consumer's own thread only) and keep it for the others; not
+        again within ``max_age_s`` of the last read."""
+        if max_age_s and time.monotonic() - self._observed < max_age_s:
+            return self._metadata
+        self._observed = time.monotonic()
+        try:
+            metadata = self.consumer.consumer_group_metadata()
+        except RuntimeError:  # confluent-kafka: the consumer is closed
+            metadata = None
+        with self._lock:
+            self._metadata, self._reader = metadata, threading.get_ident()
+        return metadata
+
+    def metadata(self) -> Any:
+        """The latest group metadata: read live on the consumer's thread, as last seen on any other."""
+        if self._reader == threading.get_ident():
+            return self.observe()
+        with self._lock:
+            return self._metadata
+
     def claim(self, partitions: Iterable[TP]) -> Claim:
+        """A claim on ``partitions`` as they are now (the consumer's own thread)."""
+        found = member_of(self.observe())
         with self._lock:
             epochs = tuple(sorted((tp, self._epochs.get(tp, 0)) for tp in set(partitions)))
-        found = member_of(self.consumer.consumer_group_metadata())
         return Claim(self, epochs, None if found is None else found[1])
 
     def fence(self, partitions: Iterable[TP]) -> None:
@@ -103,10 +131,10 @@ class Ownership:
             return None
         if not claim.member:
             return "built while the consumer was not a group member"
-        try:
-            now = member_of(self.consumer.consumer_group_metadata())
-        except RuntimeError:  # confluent-kafka: the consumer is closed
+        metadata = self.metadata()
+        if metadata is None:
             return "the consumer is closed"
+        now = member_of(metadata)
         if now is not None and now[1] != claim.member:
             return f"group member {claim.member} is gone (now {now[1] or 'none'}): its session timed out"
         return None
