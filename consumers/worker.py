@@ -144,7 +144,8 @@ class Worker:
         }
         self.consumer: Consumer = make_consumer(kafka, self.group, **prefetch)
         self.pauses = PauseBook(self.consumer)
-        self.ownership = Ownership(self.consumer)  # fenced by the rebalance callbacks, read by the sink thread
+        # fenced by the rebalance callbacks, read by the sink thread; a look older than the session proves nothing
+        self.ownership = Ownership(self.consumer, kafka.session_timeout_ms / 1000)
         self.rewinder = Rewinder(self.consumer)
         self.in_flight: deque[Flight] = deque()
         self.metrics = WorkerMetrics(config.job, self.topics.requests, self.group)
@@ -407,6 +408,7 @@ class Worker:
         """Finish and commit what is in flight and buffered (shutdown). A failed commit rewinds, which empties
         both, so what was not committed is left for the partitions' next owner."""
         while True:
+            self.ownership.observe(OBSERVE_EVERY_S)
             self._complete()
             if not self.in_flight:
                 batch = self.batcher.take(force=True)
@@ -432,6 +434,7 @@ class Worker:
         revoked = {(p.topic, p.partition) for p in partitions}
         deadline = time.monotonic() + REVOKE_GRACE_S
         while self.in_flight and time.monotonic() < deadline:
+            self.ownership.observe(OBSERVE_EVERY_S)  # still ours: the sink commits what is in flight
             if not self._complete(in_callback=True):
                 break  # a failed commit rewound everything
             if self.in_flight:

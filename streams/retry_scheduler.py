@@ -133,7 +133,7 @@ class RetryScheduler:
         self.instance_id = instance_id or f"{socket.gethostname()}-{os.getpid()}-{uuid.uuid4().hex[:6]}"
         # A small prefetch: paused partitions are not fetched, but a due tier should not flood memory.
         self.consumer: Consumer = make_consumer(kafka, self.group, **{"queued.max.messages.kbytes": 16384})
-        self.ownership = Ownership(self.consumer)
+        self.ownership = Ownership(self.consumer, kafka.session_timeout_ms / 1000)
         limits = effective_max_message_bytes(kafka, [self.topics.requests, self.topics.dlq])
         self.republisher = Republisher(kafka, self.topics, f"{self.group}.{self.instance_id}", limits)
         self.queues: dict[TP, PartitionQueue] = {}

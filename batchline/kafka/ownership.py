@@ -22,6 +22,9 @@ Only the consumer's own thread reads the consumer (:meth:`Ownership.observe`; th
 turn): librdkafka answers ``consumer_group_metadata()`` from another thread only once a rebalance callback in
 progress has returned, and a worker's callback waits for its sink thread. Other threads read what it last saw; the
 consumer's thread (the retry scheduler commits on it) reads the consumer live. A closed consumer owns nothing.
+A view of the membership older than ``lease_s`` (the session timeout) proves nothing: a process frozen (SIGSTOP, a
+VM pause) past it resumes before librdkafka has noticed its session is gone, so its claims are stale until the
+consumer's thread has looked again.
 """
 
 from __future__ import annotations
@@ -78,13 +81,15 @@ class Ownership:
     """The epochs of one consumer's partitions. One writer (the thread serving the consumer's rebalance callbacks),
     any number of readers (the committing thread)."""
 
-    def __init__(self, consumer: GroupMember) -> None:
+    def __init__(self, consumer: GroupMember, lease_s: float | None = None) -> None:
         self.consumer = consumer
+        self.lease_s = lease_s
         self._epochs: dict[TP, int] = {}
         self._lock = threading.Lock()
         self._metadata: Any = None  # the consumer's group metadata as its thread last read it
         self._reader: int | None = None  # that thread
         self._observed = 0.0  # when (monotonic)
+        self._previous = 0.0  # the look before it
         self.fenced = 0  # partitions fenced so far (a counter for logs and tests)
 
     def observe(self, max_age_s: float = 0.0) -> Any:
@@ -92,7 +97,8 @@ class Ownership:
         again within ``max_age_s`` of the last read."""
         if max_age_s and time.monotonic() - self._observed < max_age_s:
             return self._metadata
-        self._observed = time.monotonic()
+        with self._lock:
+            self._previous, self._observed = self._observed, time.monotonic()
         try:
             metadata = self.consumer.consumer_group_metadata()
         except RuntimeError:  # confluent-kafka: the consumer is closed
@@ -132,6 +138,11 @@ class Ownership:
         if not claim.member:
             return "built while the consumer was not a group member"
         metadata = self.metadata()
+        with self._lock:  # the gap before the latest look: on the consumer's thread metadata() has just looked
+            seen = self._previous if self._reader == threading.get_ident() else self._observed
+        silent = time.monotonic() - seen
+        if self.lease_s is not None and silent > self.lease_s:
+            return f"no look at the group membership for {silent:.1f}s (frozen or starved past the session timeout)"
         if metadata is None:
             return "the consumer is closed"
         now = member_of(metadata)

@@ -16,6 +16,7 @@ from __future__ import annotations
 
 import json
 import re
+import signal
 import threading
 import time
 from collections import Counter
@@ -45,6 +46,8 @@ COMPLETION_BOUND_S = 120.0  # every id has its committed outcome within this aft
 TIER = "5s"  # records held this long: at any time the scheduler holds some that fall due in the next seconds
 RETRY_EVERY_S = 0.25
 PROGRESS_EVERY_S = 1.0
+ASSIGNED = r"\bassigned \["
+FAULT_SIGNALS = {"sigstop": signal.SIGSTOP, "sigterm": signal.SIGTERM, "sigkill": signal.SIGKILL}
 FENCED = "fenced: "  # how the worker's sink and the scheduler log a transaction they aborted as stale
 
 
@@ -118,9 +121,45 @@ class Progress:
         return stall
 
 
-def test_a_worker_cut_off_mid_transaction_never_commits_it(
-    network: Network, reachable: KafkaSettings, job_name: str, tmp_path: Path, logs_dir: Path
+def _hit(fault: str, zombie: CliProcess, ns: Namespace, other: CliProcess) -> tuple[float, float]:
+    """Apply ``fault`` to the zombie until ``other`` took its partitions (and a little longer); (takeover, hit)."""
+    if fault == "cut":
+        return _cut_until_taken_over(ns, other, ASSIGNED)
+    assert zombie.proc is not None
+    before, hit_at = _assigned(other), time.monotonic()
+    zombie.proc.send_signal(FAULT_SIGNALS[fault])
+    try:
+        wait_for(lambda: _assigned(other) > before, TAKEOVER_TIMEOUT_S, "the takeover", interval=0.2)
+        taken = time.monotonic() - hit_at
+        if fault == "sigstop":
+            time.sleep(AFTER_TAKEOVER_S)  # frozen on past the takeover: the new owner commits its records
+    finally:
+        if fault == "sigstop":
+            zombie.proc.send_signal(signal.SIGCONT)
+    return taken, time.monotonic() - hit_at
+
+
+@pytest.mark.parametrize(
+    "fault",
+    [
+        "cut",
+        "sigstop",
+        "sigterm",
+        pytest.param(
+            "sigkill",
+            marks=pytest.mark.xfail(
+                strict=False,
+                reason="the killed worker's open transaction stays open on the embedded broker until a producer "
+                "with its transactional id starts again (stable ids per worker slot: the fencing branch)",
+            ),
+        ),
+    ],
+)
+def test_a_worker_lost_mid_transaction_never_commits_it(
+    fault: str, network: Network, reachable: KafkaSettings, job_name: str, tmp_path: Path, logs_dir: Path
 ) -> None:
+    """The partition, and for what each fault costs the other ways a worker goes away under load (the printed
+    line: how long until its partitions moved, the longest stall of committed outcomes, records aborted)."""
     kafka = reachable
     topics = JobTopics(job_name, ("1s", "2s"))
     create_job_topics(kafka, topics, 4)
@@ -140,17 +179,18 @@ def test_a_worker_cut_off_mid_transaction_never_commits_it(
     with zombie, other, Progress(done) as progress:
         wait_for(lambda: _assigned(zombie) and _assigned(other), JOIN_TIMEOUT_S, "both workers assigned")
         wait_for(lambda: done() >= 300, JOIN_TIMEOUT_S, "the first commits")
-        taken, cut = _cut_until_taken_over(ns, other, r"\bassigned \[")
+        taken, cut = _hit(fault, zombie, ns, other)
         healed = time.monotonic()
         wait_for(lambda: done() >= len(ids), COMPLETION_BOUND_S, "every id's committed outcome after the heal", 1)
         finished = time.monotonic() - healed
-        assert zombie.alive() and other.alive(), zombie.log()[-3000:]
+        assert other.alive() and (zombie.alive() or fault in ("sigterm", "sigkill")), zombie.log()[-3000:]
     outcomes = assert_exactly_once(kafka.bootstrap, topics, ids)
     log = zombie.log()
-    assert FENCED in log, f"the cut worker never had a transaction to fence:\n{log[-3000:]}"
+    if fault == "cut":
+        assert FENCED in log, f"the cut worker never had a transaction to fence:\n{log[-3000:]}"
     print(
-        f"\npartition: worker cut {cut:.1f}s, its partitions taken over after {taken:.1f}s; every id committed "
-        f"{finished:.1f}s after the heal; longest stall of committed outcomes {progress.longest_stall(len(ids)):.1f}s; "
+        f"\n{fault}: worker hit {cut:.1f}s, its partitions taken over after {taken:.1f}s; every id committed "
+        f"{finished:.1f}s after; longest stall of committed outcomes {progress.longest_stall(len(ids)):.1f}s; "
         f"{outcomes.aborted} records aborted, {log.count(FENCED)} transactions fenced"
     )
 

@@ -274,3 +274,15 @@ def test_a_slice_that_times_out_is_resumed_while_the_claim_holds() -> None:
     txn, _ = _txn(calls, {"offsets": [timed_out(), timed_out()]})
     txn.commit(MESSAGES, OFFSETS, None, guard=Guard())
     assert calls == ["begin", "produce", "flush", "offsets", "offsets", "offsets", "commit"]
+
+
+def test_a_look_older_than_the_session_proves_nothing() -> None:
+    """A process frozen past its session timeout resumes before librdkafka noticed: its claims are stale until
+    the consumer's thread has looked again (and then librdkafka has reset the member, or it is still one)."""
+    own = Ownership(Member(), lease_s=0.05)
+    claim = own.claim([(T, 0)])
+    assert _other_thread(claim.stale) is None
+    threading.Event().wait(0.1)  # the consumer's thread looked nowhere for longer than the lease
+    assert "no look at the group membership" in str(_other_thread(claim.stale))
+    own.observe()
+    assert _other_thread(claim.stale) is None
