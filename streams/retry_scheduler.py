@@ -47,6 +47,7 @@ from dataclasses import dataclass, field
 from confluent_kafka import Consumer, KafkaError, KafkaException, TopicPartition
 
 from batchline.config import JobConfig, KafkaSettings
+from batchline.kafka.aborted import AbortedIndex
 from batchline.kafka.client import make_consumer
 from batchline.kafka.ownership import Ownership
 from batchline.kafka.topics import JobTopics, effective_max_message_bytes
@@ -122,6 +123,7 @@ class SchedulerStats:
     failures: int = 0
     duplicates_ignored: int = 0
     already_committed: int = 0  # held records dropped after an ambiguous commit: the broker had committed them
+    aborted: int = 0  # retries of aborted transactions, never held (batchline/kafka/aborted.py)
 
 
 class RetryScheduler:
@@ -134,6 +136,7 @@ class RetryScheduler:
         # A small prefetch: paused partitions are not fetched, but a due tier should not flood memory.
         self.consumer: Consumer = make_consumer(kafka, self.group, **{"queued.max.messages.kbytes": 16384})
         self.ownership = Ownership(self.consumer, kafka.session_timeout_ms / 1000)
+        self.aborted = AbortedIndex(kafka)  # asked on the scheduler's thread, in step()
         limits = effective_max_message_bytes(kafka, [self.topics.requests, self.topics.dlq])
         self.republisher = Republisher(kafka, self.topics, f"{self.group}.{self.instance_id}", limits)
         self.queues: dict[TP, PartitionQueue] = {}
@@ -169,7 +172,11 @@ class RetryScheduler:
                 if msg.error().code() != KafkaError._PARTITION_EOF:
                     log.warning("retry consumer: %s", msg.error().str())
                 continue
-            if (msg.topic(), msg.partition()) in self.assigned:  # not a straggler of a partition given away
+            if (msg.topic(), msg.partition()) not in self.assigned:
+                continue  # a straggler of a partition given away
+            if self.aborted.aborted(msg.topic(), msg.partition(), msg.offset()):
+                self.stats.aborted += 1  # a worker's aborted transaction: the worker redoes that record itself
+            else:
                 self._hold(held_of(msg))
         if time.monotonic() >= self._backoff_until and self._settle():
             self._release_due()
@@ -318,6 +325,7 @@ class RetryScheduler:
             self.unsettled.discard(key)
 
     def close(self) -> None:
+        self.aborted.close()
         try:
             self.consumer.close()
         finally:

@@ -19,8 +19,9 @@ import time
 from collections.abc import Iterable
 from dataclasses import dataclass, field
 
+from batchline.kafka import headers as h
 from batchline.kafka.topics import JobTopics
-from schemas import DeadLetter, Result, codec_for
+from schemas import DeadLetter, Lineage, Result, codec_for
 from tests.support.wire import Batch, Rec, read_batches
 
 __all__ = [
@@ -32,7 +33,9 @@ __all__ = [
     "assert_exactly_once",
     "committed",
     "job_outcomes",
+    "lineage_of",
     "open_transactions",
+    "outcome_ids",
     "settle",
     "settle_topics",
 ]
@@ -131,6 +134,11 @@ class Outcomes:
     def ids(self) -> set[str]:
         return set(self.results) | set(self.dead)
 
+    def placed(self) -> dict[str, str]:
+        """Each id's committed outcome: 'result' or its dead letter's failure class (the last one, if several)."""
+        dead = {rid: letters[-1][0].failure_class for rid, letters in self.dead.items()}
+        return dead | dict.fromkeys(self.results, "result")
+
     def where(self, rid: str) -> list[str]:
         """Each committed outcome of ``rid``: 'result T[p]@o' or 'dead letter (class) T[p]@o'."""
         return [f"result {rec.where}" for _, rec in self.results.get(rid, [])] + [
@@ -157,9 +165,12 @@ class Outcomes:
         return lines
 
 
-def job_outcomes(bootstrap: str, topics: JobTopics) -> Outcomes:
-    """Read the job's requests, results, retry tiers and DLQ raw; decode the committed results and dead letters."""
-    data = [topics.requests, topics.results, *topics.retries, topics.dlq]
+def job_outcomes(bootstrap: str, topics: JobTopics, outcomes_only: bool = False) -> Outcomes:
+    """Read the job's requests, results, retry tiers and DLQ raw; decode the committed results and dead letters.
+    ``outcomes_only``: read results and DLQ only (cheaper, for polling; ``open`` then covers those two)."""
+    data = [topics.results, topics.dlq]
+    if not outcomes_only:
+        data = [topics.requests, *data, *topics.retries]
     log = settle_topics(bootstrap, data)
     results: dict[str, list[tuple[Result, Rec]]] = {}
     dead: dict[str, list[tuple[DeadLetter, Rec]]] = {}
@@ -172,6 +183,16 @@ def job_outcomes(bootstrap: str, topics: JobTopics) -> Outcomes:
             letter = letter_codec.decode(rec.value or b"")
             dead.setdefault(letter.request_id, []).append((letter, rec))
     return Outcomes(results, dead, log.open, len(log.aborted))
+
+
+def outcome_ids(bootstrap: str, topics: JobTopics) -> set[str]:
+    """The ids with a committed result or dead letter (what a test polls on while a job runs)."""
+    return job_outcomes(bootstrap, topics, outcomes_only=True).ids()
+
+
+def lineage_of(rec: Rec) -> Lineage:
+    """The lineage header of a result or dead letter."""
+    return codec_for("lineage").decode(rec.header(h.LINEAGE) or b"")
 
 
 def assert_exactly_once(
