@@ -13,6 +13,7 @@ from __future__ import annotations
 
 import itertools
 import json
+import os
 import time
 from collections.abc import Iterator
 from pathlib import Path
@@ -33,14 +34,14 @@ KNOBS = "latency_ms = 2, transient_rate = 0.05, fault_seed = 5"
 JOIN_TIMEOUT_S = 60.0
 COMPLETION_BOUND_S = 150.0  # after the last fault: every id has its committed outcome
 # (what, seconds): the link's faults, one after the other, while the records are worked through
-SCHEDULE: list[tuple[str, float]] = [
+SLOW_AND_RESET: list[tuple[str, float]] = [
     ("latency 0.05", 5.0),
     ("reset", 1.5),
     ("reset", 1.5),
     ("reset", 1.5),
     ("latency 0.2", 4.0),
-    ("blackhole", 9.0),  # past the 6 s session timeout
 ]
+BLACKHOLE: list[tuple[str, float]] = [("latency 0.05", 3.0), ("reset", 1.5), ("blackhole", 9.0)]  # past the session
 
 
 @pytest.fixture
@@ -72,14 +73,46 @@ def _longest_gap_s(stamps: list[int]) -> float:
     return max((b - a for a, b in itertools.pairwise(ordered)), default=0) / 1000
 
 
-@pytest.mark.xfail(
-    strict=False,
-    reason="open: after the resets and the blackhole both workers' sinks stay blocked for minutes inside librdkafka "
-    "2.16's send_offsets_to_transaction (rd_kafka_txn_op_req0 waits without a timeout, whatever timeout is passed), "
-    "so their lost-partition rewind never ends; the run before the fence stalled the same way",
+@pytest.mark.skipif(
+    not os.environ.get("BATCHLINE_LOSSY_LINK"),
+    reason="both schedules still stall (see their xfail reasons) and a stall costs minutes: run with "
+    "BATCHLINE_LOSSY_LINK=1",
+)
+@pytest.mark.parametrize(
+    "schedule",
+    [
+        pytest.param(
+            SLOW_AND_RESET,
+            id="latency-and-resets",
+            marks=pytest.mark.xfail(
+                strict=False,
+                reason="open: a connection reset during a retry scheduler's re-publish leaves its transaction's "
+                "records on J.requests after its last marker (the embedded broker appends the idempotent producer's "
+                "resent batch after the transaction ended), so read_committed workers stop at that offset for good",
+            ),
+        ),
+        pytest.param(
+            BLACKHOLE,
+            id="blackhole",
+            marks=[
+                pytest.mark.chaos,
+                pytest.mark.xfail(
+                    strict=False,
+                    reason="open: after resets and a blackhole past the session timeout, workers' sinks stay blocked "
+                    "for minutes inside librdkafka 2.16's send_offsets_to_transaction (rd_kafka_txn_op_req0 waits "
+                    "without a timeout, whatever timeout is passed), so their lost-partition rewind never ends; the "
+                    "run before the fence stalled the same way",
+                ),
+            ],
+        ),
+    ],
 )
 def test_no_loss_no_duplicate_and_bounded_stalls_through_a_lossy_link(
-    proxied: tuple[KafkaSettings, FaultProxy], job_name: str, tmp_path: Path, logs_dir: Path
+    schedule: list[tuple[str, float]],
+    proxied: tuple[KafkaSettings, FaultProxy],
+    job_name: str,
+    tmp_path: Path,
+    logs_dir: Path,
 ) -> None:
     kafka, proxy = proxied
     topics = JobTopics(job_name, ("1s", "2s"))
@@ -101,7 +134,7 @@ def test_no_loss_no_duplicate_and_bounded_stalls_through_a_lossy_link(
     try:
         wait_for(lambda: all("assigned" in p.log() for p in procs), JOIN_TIMEOUT_S, "every process assigned")
         faults_from = time.time()
-        for fault, seconds in SCHEDULE:
+        for fault, seconds in schedule:
             _apply(proxy, fault, seconds)
         faults_to = time.time()
         wait_for(
