@@ -86,9 +86,8 @@ def _longest_gap_s(stamps: list[int]) -> float:
             id="latency-and-resets",
             marks=pytest.mark.xfail(
                 strict=False,
-                reason="open: a connection reset during a retry scheduler's re-publish leaves its transaction's "
-                "records on J.requests after its last marker (the embedded broker appends the idempotent producer's "
-                "resent batch after the transaction ended), so read_committed workers stop at that offset for good",
+                reason="open: after the resets the retry scheduler's transaction stays open on every J.requests "
+                "partition (records, no marker after them, no failure logged), so read_committed workers stop there",
             ),
         ),
         pytest.param(
