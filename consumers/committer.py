@@ -1,8 +1,9 @@
 """The commit side of the worker loop: finished micro-batches become transactions, committed in order.
 
 Consecutive finished micro-batches at the head of the line are routed together (results, retries, dead letters)
-into one transaction with their offsets and queued on the :class:`~consumers.sink.SinkThread`, so the worker keeps
-polling, batching and routing while the broker commits. Transactions finish in the order they were queued;
+into one transaction with their offsets and their partitions' claim (:class:`~batchline.kafka.ownership.Ownership`:
+it commits only while they are this worker's) and queued on the :class:`~consumers.sink.SinkThread`, so the
+worker keeps polling, batching and routing while the broker commits. Transactions finish in the order they were queued;
 :meth:`Committer.harvest` takes the finished ones off the head of the line (counting them) and stops at the first
 failure, after which the worker rewinds. Each micro-batch gets its span: ``process J.requests`` (CONSUMER) from
 the start of its inference to its commit, linked to its records' producer spans, with ``infer``, ``route`` and
@@ -17,10 +18,11 @@ from collections import deque
 from collections.abc import Callable
 from dataclasses import dataclass
 
-from confluent_kafka import Consumer, TopicPartition
+from confluent_kafka import TopicPartition
 from opentelemetry import trace
 from opentelemetry.trace import SpanKind, Status, StatusCode
 
+from batchline.kafka.ownership import Ownership
 from batchline.telemetry import WorkerMetrics, link_from_traceparent, traceparent_of
 from consumers.exceptions import SinkError
 from consumers.infer import Flight
@@ -45,7 +47,7 @@ class Committer:
         self,
         router: Router,
         sink: SinkThread,
-        consumer: Consumer,
+        ownership: Ownership,
         metrics: WorkerMetrics,
         requests_topic: str,
         group: str,
@@ -53,8 +55,8 @@ class Committer:
         on_progress: Callable[[], None] = lambda: None,
     ) -> None:
         self.router = router
+        self.ownership = ownership
         self.sink = sink
-        self.consumer = consumer
         self.metrics = metrics
         self.requests_topic = requests_topic
         self.group = group
@@ -109,7 +111,9 @@ class Committer:
             )
             self.tracer.start_span("route", ctx, start_time=started).end(time.time_ns())
         messages = [p for per in produced for p in per]
-        commit = Commit(group[-1].batch_id, messages, _offsets(group), self.consumer.consumer_group_metadata())
+        offsets = _offsets(group)
+        claim = self.ownership.claim((tp.topic, tp.partition) for tp in offsets)
+        commit = Commit(group[-1].batch_id, messages, offsets, claim)
         self._pending.append(_Pending(commit, group, produced, spans))
         self.sink.submit(commit)
 

@@ -28,10 +28,12 @@ class MissingOutcome(WorkerError):
 
 
 class SinkError(WorkerError):
-    """Producing or committing a batch failed; nothing of the batch was committed."""
+    """Producing or committing a batch failed; nothing of the batch was committed. ``fenced``: not a failure of
+    the broker - the batch's partitions were no longer this worker's, so it was aborted on purpose."""
 
-    def __init__(self, message: str, batch_id: str, abortable: bool, fatal: bool) -> None:
+    def __init__(self, message: str, batch_id: str, abortable: bool, fatal: bool, fenced: bool = False) -> None:
         super().__init__(f"batch {batch_id}: {message}")
         self.batch_id = batch_id
         self.abortable = abortable
         self.fatal = fatal
+        self.fenced = fenced

@@ -4,6 +4,12 @@ The transaction begins after inference (its timeout runs from its start). Error 
 :class:`~batchline.kafka.transactions.TransactionalProducer`: retriable errors retry, abortable ones abort (the
 worker rewinds to the committed offsets), fatal ones recreate the producer. Nothing is committed that was
 not produced.
+
+Hand-off between the worker's thread and the sink thread: the worker builds each :class:`Commit` with its
+:class:`~batchline.kafka.ownership.Claim` (the epochs of its partitions, taken when it was queued); the worker's
+rebalance callbacks fence partitions it loses (:class:`~batchline.kafka.ownership.Ownership`); the sink thread
+asks the claim before and during every step of the transaction and aborts a stale one instead of committing it.
+A queued transaction that is stale before it starts is dropped unbegun, with the ones queued after it.
 """
 
 from __future__ import annotations
@@ -19,7 +25,15 @@ from typing import Any
 from confluent_kafka import KafkaError, KafkaException, TopicPartition
 
 from batchline.config import KafkaSettings
-from batchline.kafka.transactions import Fit, Outgoing, RecordError, TransactionalProducer, TransactionFailed
+from batchline.kafka.ownership import Claim
+from batchline.kafka.transactions import (
+    Fit,
+    Outgoing,
+    RecordError,
+    TransactionalProducer,
+    TransactionFailed,
+    TransactionFenced,
+)
 from consumers.exceptions import SinkError
 from consumers.route import Produced
 
@@ -59,16 +73,18 @@ class TransactionalSink:
         self.transactions = 0
         self.replaced = 0
 
-    def commit(
-        self, batch_id: str, messages: list[Produced], offsets: Sequence[TopicPartition], group_metadata: Any
-    ) -> None:
-        """Produce ``messages`` and commit ``offsets`` atomically, or raise SinkError with nothing committed (unless
-        ``ambiguous``). A replaced message is updated in place, so the caller counts what was really produced."""
+    def commit(self, batch_id: str, messages: list[Produced], offsets: Sequence[TopicPartition], claim: Claim) -> None:
+        """Produce ``messages`` and commit ``offsets`` atomically while ``claim`` holds, or raise SinkError with
+        nothing committed (unless ``ambiguous``). A replaced message is updated in place, so the caller counts what
+        was really produced."""
         self.transactions += 1
         outgoing = [_outgoing(m) for m in messages]
         fit = None if self.replace is None else self._fit(messages)
         try:
-            report = self.txn.commit(outgoing, list(offsets), group_metadata, self._maybe_fail, fit)
+            report = self.txn.commit(outgoing, list(offsets), None, self._maybe_fail, fit, guard=claim)
+        except TransactionFenced as exc:
+            log.warning("batch %s: not committed, %s", batch_id, exc)
+            raise SinkError(str(exc), batch_id, abortable=not exc.fatal, fatal=exc.fatal, fenced=True) from exc
         except TransactionFailed as exc:
             log.error("batch %s: transaction failed (%s); fatal=%s", batch_id, exc, exc.fatal)
             raise SinkError(str(exc), batch_id, abortable=not exc.fatal, fatal=exc.fatal) from exc
@@ -111,7 +127,7 @@ class Commit:
     batch_id: str  # the last micro-batch's
     messages: list[Produced]
     offsets: list[TopicPartition]
-    group_metadata: Any
+    claim: Claim  # its partitions' epochs when it was queued: it commits only while they hold
     started_ns: int = 0
     ended_ns: int = 0
     done: bool = False
@@ -185,7 +201,7 @@ class SinkThread:
                 self._busy = True
             commit.started_ns = time.time_ns()
             try:
-                self.sink.commit(commit.batch_id, commit.messages, commit.offsets, commit.group_metadata)
+                self.sink.commit(commit.batch_id, commit.messages, commit.offsets, commit.claim)
             except SinkError as exc:
                 commit.error = exc
             except BaseException as exc:  # a bug or an unexpected client error: reported like a failed commit

@@ -11,6 +11,9 @@ above ``max_in_flight_records``, outside a time window, yielding to another job)
 inference never costs group membership, and the book survives rebalances. A failed transaction, a lost partition
 or a revocation that outlasts its grace period rewinds: everything uncommitted is dropped and re-read from the
 committed offsets (or, if the broker cannot say, from the first record still held: a duplicate, never a loss).
+Partitions lost, or revoked past their grace, are fenced first (:class:`~batchline.kafka.ownership.Ownership`,
+written only here, in the rebalance callbacks): every transaction that holds their records is aborted by the sink
+thread, never committed, whatever the broker would accept.
 """
 
 from __future__ import annotations
@@ -31,6 +34,7 @@ from batchline.kafka.aborted import AbortedIndex
 from batchline.kafka.client import make_admin, make_consumer
 from batchline.kafka.groups import close_member, watch_member
 from batchline.kafka.liveness import BrokerLiveness
+from batchline.kafka.ownership import Ownership
 from batchline.kafka.slots import SlotSweeper, claim_slot
 from batchline.kafka.topics import (
     MESSAGE_HEADROOM,
@@ -64,6 +68,7 @@ WAIT_PAUSED_S = 0.5  # longest wait while every partition is paused (callbacks a
 WAIT_IDLE_S = 0.5  # longest wait in consume() with nothing in flight
 ABANDON_WAIT_S = 2.0  # how long a worker that lost its broker waits for its sink before it exits
 LEAVE_S = 30.0  # longest wait for a stable group before leaving it (batchline.kafka.groups.close_member)
+OBSERVE_EVERY_S = 0.2  # how often the loop reads the group membership for the sink thread (Ownership.observe)
 REVOKE_GRACE_S = 20.0  # how long a revocation waits for in-flight micro-batches before rewinding them
 TP = tuple[str, int]
 # Young-generation collections every 700 allocations cost the loop about a third of its throughput: it allocates
@@ -155,6 +160,8 @@ class Worker:
         # subscribed without partitions past the rebalance timeout while the group re-forms: not ready, one line
         self.group_watch, self.group_sampler = watch_member(kafka, self.group)
         self.health.watch_problem("group", self.group_watch.stuck)
+        # fenced by the rebalance callbacks, read by the sink thread; a look older than the session proves nothing
+        self.ownership = Ownership(self.consumer, kafka.session_timeout_ms / 1000)
         self.rewinder = Rewinder(self.consumer)
         self.in_flight: deque[Flight] = deque()
         self.metrics = WorkerMetrics(config.job, self.topics.requests, self.group)
@@ -162,7 +169,7 @@ class Worker:
         self.committer = Committer(
             self.router,
             self.sink_thread,
-            self.consumer,
+            self.ownership,
             self.metrics,
             self.topics.requests,
             self.group,
@@ -213,6 +220,7 @@ class Worker:
                 self.health.beat(waiting=bool(self.in_flight))  # liveness: records wait on the engine or the sink
                 self.liveness.check()  # BrokerLost after broker_loss_timeout_s; MissingTopicError
                 self._poll()
+                self.ownership.observe(OBSERVE_EVERY_S)  # what the sink thread checks its claims against
                 self._check_engine()
                 self._follow_schedule()
                 self._dispatch()
@@ -393,8 +401,9 @@ class Worker:
         if error is not None:
             if isinstance(error.__cause__, TransactionalIdTaken):
                 raise error.__cause__  # another live process holds our slot: stop, never fence it back
-            self.liveness.failed(str(error))
-            log.warning("rewinding after a failed transaction (fatal=%s)", error.fatal)
+            if not error.fenced:  # a fenced transaction was aborted on purpose, the broker is fine
+                self.liveness.failed(str(error))
+            log.warning("rewinding after a failed transaction (fatal=%s, fenced=%s)", error.fatal, error.fenced)
             self._rewind(in_callback=in_callback)
             return False
         if not self.liveness.down:  # no new transaction while the broker is suspected down: it would only block
@@ -414,8 +423,9 @@ class Worker:
     def _rewind(self, partitions: set[TP] | None = None, in_callback: bool = False) -> None:
         """Drop everything uncommitted (in flight and buffered) and re-read it. ``partitions`` limits the seeks
         (the others were lost or revoked); by default every assigned partition. Transactions already queued are
-        let finish first: what they committed is not re-read. From a rebalance callback the seeks wait until
-        ``consume()`` has returned (:meth:`_after_callbacks`)."""
+        let finish first (what they committed is not re-read), except those holding fenced partitions: the sink
+        aborts them (or drops them unbegun), so this waits for an abort, never for a stale commit. From a rebalance
+        callback the seeks wait until ``consume()`` has returned (:meth:`_after_callbacks`)."""
         self.stats.rewinds += 1
         if self.committer.settle(self.in_flight) is not None:
             self.committer.settle(self.in_flight)  # the failed one's followers were dropped unstarted
@@ -441,6 +451,7 @@ class Worker:
         """Finish and commit what is in flight and buffered (shutdown). A failed commit rewinds, which empties
         both, so what was not committed is left for the partitions' next owner."""
         while True:
+            self.ownership.observe(OBSERVE_EVERY_S)
             self._complete()
             if not self.in_flight:
                 batch = self.batcher.take(force=True)
@@ -467,12 +478,14 @@ class Worker:
         revoked = {(p.topic, p.partition) for p in partitions}
         deadline = time.monotonic() + REVOKE_GRACE_S
         while self.in_flight and time.monotonic() < deadline:
+            self.ownership.observe(OBSERVE_EVERY_S)  # still ours: the sink commits what is in flight
             if not self._complete(in_callback=True):
                 break  # a failed commit rewound everything
             if self.in_flight:
                 self._check_engine()
                 self.wake.wait(min(WAIT_PAUSED_S, max(0.0, deadline - time.monotonic())))
                 self.wake.clear()
+        self.ownership.fence(revoked)  # no longer ours once this returns: nothing may commit for them after it
         if self.in_flight:  # out of time: give everything uncommitted back
             self._rewind(self.pauses.assigned - revoked, in_callback=True)
         dropped = self.batcher.drop(revoked)
@@ -486,6 +499,7 @@ class Worker:
         and re-read the partitions still ours."""
         lost = {(p.topic, p.partition) for p in partitions}
         log.warning("lost %s: dropping uncommitted work", sorted(lost))
+        self.ownership.fence(lost)  # the sink aborts what holds their records: their new owner re-reads them
         self._rewind(self.pauses.assigned - lost, in_callback=True)
         self.pauses.gone(partitions)
         self.health.set_assigned(len(self.pauses.assigned))

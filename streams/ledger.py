@@ -36,7 +36,7 @@ from dataclasses import dataclass, field
 from datetime import UTC, datetime
 from pathlib import Path
 
-from confluent_kafka import OFFSET_BEGINNING, Consumer, KafkaError, Message, TopicPartition
+from confluent_kafka import OFFSET_BEGINNING, Consumer, KafkaError, KafkaException, Message, TopicPartition
 from pydantic import Field
 from pydantic_settings import BaseSettings, SettingsConfigDict
 
@@ -413,7 +413,12 @@ class Ledger:
     def _refresh_layout(self) -> None:
         """A grown outcome topic changes where ids land: start over in the new layout (the group rebalances too)."""
         self._last_refresh = time.monotonic()
-        layout = self._layout_of(self.reader.list_topics(timeout=METADATA_TIMEOUT_S))
+        try:
+            meta = self.reader.list_topics(timeout=METADATA_TIMEOUT_S)
+        except KafkaException as exc:  # a network blip must not end the process: the next refresh tries again
+            log.warning("ledger of %s: cannot refresh its layout (%s)", self.topics.job, exc.args[0].str())
+            return
+        layout = self._layout_of(meta)
         if layout == self.layout:
             return
         for slot in list(self.reading):

@@ -19,6 +19,7 @@ from confluent_kafka import Message, TopicPartition
 
 from batchline.config import KafkaSettings
 from batchline.kafka import headers as h
+from batchline.kafka.ownership import Claim
 from batchline.kafka.topics import JobTopics
 from batchline.kafka.transactions import Outgoing, RecordError, TransactionalProducer, TransactionFailed
 from batchline.runs.control import CANCELLED, stop_message
@@ -95,12 +96,13 @@ class Republisher:
         self,
         batch: list[Held],
         offsets: list[TopicPartition],
-        group_metadata: Any,
+        claim: Claim,
         stopped: Mapping[int, str] | None = None,
     ) -> None:
-        """Re-publish ``batch`` and commit ``offsets`` atomically, or raise RepublishError with nothing committed
-        (``ambiguous``: the commit may have happened). ``stopped``: index in ``batch`` -> ``cancelled`` | ``expired``,
-        records of a stopped run, dead-lettered with that class instead (run control)."""
+        """Re-publish ``batch`` and commit ``offsets`` atomically while ``claim`` holds (the scheduler still owns
+        their partitions), or raise RepublishError with nothing committed (``ambiguous``: the commit may have
+        happened). ``stopped``: index in ``batch`` -> ``cancelled`` | ``expired``, records of a stopped run,
+        dead-lettered with that class instead (run control)."""
         at = now_ms()
         stopped = stopped or {}
         outgoing = [
@@ -116,7 +118,7 @@ class Republisher:
             return self.dead_letter(batch[index], error)
 
         try:
-            report = self.txn.commit(outgoing, offsets, group_metadata, fit=fit)
+            report = self.txn.commit(outgoing, offsets, None, fit=fit, guard=claim)
         except TransactionFailed as exc:
             raise RepublishError(str(exc), len(batch), exc.fatal, exc.ambiguous) from exc
         for i, replaced in report.replaced.items():

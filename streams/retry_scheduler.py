@@ -26,6 +26,12 @@ Run control (:mod:`batchline.runs.control`): the scheduler follows ``J.runs`` (a
 is due at once (still never ahead of its partition's head) and becomes a ``cancelled`` / ``expired`` dead letter in
 the same transaction instead of being re-published.
 
+A re-publish transaction commits only while the scheduler owns its partitions
+(:class:`~batchline.kafka.ownership.Ownership`): cut off from the broker past its session timeout while a
+transaction was in progress, the scheduler aborts it after the heal instead of committing what the partitions'
+new owner re-publishes too (librdkafka resets the member id as soon as it sees the session time out; the
+rebalance callbacks, which run on this same thread between transactions, fence lost and revoked partitions).
+
 Why confluent-kafka and not faust: probed against the embedded tansu broker, a faust 0.15 app re-delivered the
 same records twice within one process after a restart (seek to committed offsets racing the fetcher), and its
 table recovery trusts high watermarks, which tansu reports as the last batch's base offset + 1. The worker's
@@ -47,6 +53,7 @@ from batchline.kafka import headers as h
 from batchline.kafka.aborted import AbortedIndex
 from batchline.kafka.client import make_admin, make_consumer
 from batchline.kafka.groups import close_member, watch_member
+from batchline.kafka.ownership import Ownership
 from batchline.kafka.slots import SlotSweeper, claim_slot
 from batchline.kafka.topics import JobTopics, effective_max_message_bytes
 from batchline.kafka.transactions import TransactionalIdTaken
@@ -143,6 +150,7 @@ class RetryScheduler:
         self.group_watch, self.group_sampler = watch_member(kafka, self.group)  # stuck without partitions?
         # A small prefetch: paused partitions are not fetched, but a due tier should not flood memory.
         self.consumer: Consumer = make_consumer(kafka, self.group, **{"queued.max.messages.kbytes": 16384})
+        self.ownership = Ownership(self.consumer, kafka.session_timeout_ms / 1000)
         self.aborted = AbortedIndex(kafka)  # asked on the scheduler's thread, in step()
         limits = effective_max_message_bytes(kafka, [self.topics.requests, self.topics.dlq])
         self.republisher = Republisher(kafka, self.topics, self.slot.transactional_id, limits)
@@ -226,7 +234,7 @@ class RetryScheduler:
         offsets = [TopicPartition(t, p, self.queues[(t, p)].records[n - 1].offset + 1) for (t, p), n in taken.items()]
         stops = {i: why for i, held in enumerate(batch) if (why := self._stop(held)) is not None} if stopped else {}
         try:
-            self.republisher.publish(batch, offsets, self.consumer.consumer_group_metadata(), stops)
+            self.republisher.publish(batch, offsets, self.ownership.claim(taken), stops)
         except RepublishError as exc:
             if isinstance(exc.__cause__, TransactionalIdTaken):
                 raise exc.__cause__ from None  # another live scheduler holds our slot: stop, never fence it back
@@ -341,6 +349,7 @@ class RetryScheduler:
         log.warning("retry scheduler lost %s (session timed out)", _names(partitions))
 
     def _forget(self, partitions: list[TopicPartition]) -> None:
+        self.ownership.fence((tp.topic, tp.partition) for tp in partitions)
         for tp in partitions:
             key = (tp.topic, tp.partition)
             self.queues.pop(key, None)

@@ -55,13 +55,20 @@ def broker_binary() -> str:
 
 
 class EmbeddedBroker:
-    """A tansu broker subprocess on 127.0.0.1; a context manager that always stops it.
+    """A tansu broker subprocess on ``host`` (127.0.0.1 by default); a context manager that always stops it.
 
     ``advertised`` (host:port) is the address the broker gives clients in metadata, when they must reach it
     through something in front of it (a TLS terminator, a proxy); by default its own listener.
     """
 
-    def __init__(self, port: int | None = None, log_path: str | None = None, advertised: str | None = None) -> None:
+    def __init__(
+        self,
+        port: int | None = None,
+        log_path: str | None = None,
+        advertised: str | None = None,
+        host: str = "127.0.0.1",
+    ) -> None:
+        self.host = host
         self.port = port or free_port()
         self.log_path = log_path
         self.advertised = advertised
@@ -69,12 +76,12 @@ class EmbeddedBroker:
 
     @property
     def bootstrap(self) -> str:
-        return f"127.0.0.1:{self.port}"
+        return f"{self.host}:{self.port}"
 
     def start(self) -> EmbeddedBroker:
-        if port_open("127.0.0.1", self.port):
+        if port_open(self.host, self.port):
             raise BrokerError(f"port {self.port} is already in use")
-        url = f"tcp://127.0.0.1:{self.port}"
+        url = f"tcp://{self.host}:{self.port}"
         cmd = [
             broker_binary(),
             "broker",
@@ -91,7 +98,7 @@ class EmbeddedBroker:
         if self.log_path and out is not subprocess.DEVNULL:
             out.close()  # type: ignore[union-attr]
         deadline = time.monotonic() + READY_TIMEOUT_S
-        while not port_open("127.0.0.1", self.port):
+        while not port_open(self.host, self.port):
             if self.proc.poll() is not None:
                 raise BrokerError(f"broker exited with code {self.proc.returncode} before accepting connections")
             if time.monotonic() > deadline:

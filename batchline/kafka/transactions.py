@@ -5,6 +5,14 @@ errors retry the call; ``txn_requires_abort`` aborts (nothing was committed, the
 fatal, or an abort that fails, recreates the producer - its ``init_transactions`` fences the old epoch.
 Used by the worker's sink and the retry scheduler alike.
 
+A transaction may carry a :class:`Guard` (its claim on the partitions whose offsets it sends,
+:class:`~batchline.kafka.ownership.Claim`). Before it begins, before the offsets are sent, before the commit, and
+between the slices of every blocking call (each waits at most :data:`CALL_SLICE_S`, shorter than a session timeout,
+and is resumed while the whole call's :data:`CALL_TIMEOUT_S` lasts), the guard is asked whether the partitions are
+still ours; once they are not, the transaction is aborted - or, when its commit was already under way (librdkafka
+cannot abort that), the producer is recreated, which fences its epoch - and :class:`TransactionFenced` is raised.
+A transaction not yet begun costs nothing.
+
 A produce error that belongs to one message (too large for librdkafka's ``message.max.bytes`` or a topic's
 ``max.message.bytes``, an invalid record) never fails the whole batch for good. The caller passes ``fit``, which
 turns such a message into a replacement (a dead letter that fits, a payload replaced by its digest), and the
@@ -29,7 +37,7 @@ import logging
 import time
 from collections.abc import Callable, Iterable, Mapping
 from dataclasses import dataclass, field
-from typing import Any, Literal, TypeVar
+from typing import Any, Literal, Protocol, TypeVar
 
 from confluent_kafka import KafkaError, KafkaException, Message, Producer, TopicPartition
 
@@ -40,8 +48,9 @@ from batchline.kafka.liveness import suspected_down
 
 log = logging.getLogger(__name__)
 T = TypeVar("T")
-CALL_TIMEOUT_S = 30.0
-CALL_RETRIES = 5
+CALL_TIMEOUT_S = 30.0  # one transactional call (begin, flush, send offsets, commit, abort), its resumed slices together
+CALL_SLICE_S = 2.0  # the longest one librdkafka call blocks before the guard is asked again (session timeout: 6 s+)
+CALL_RETRIES = 5  # errors other than a slice's time-out, per call
 MAX_ROUNDS = 4  # real transactions of one commit: the first, and re-tries each with more replacements
 LIBRDKAFKA_MESSAGE_MAX_BYTES = 1_000_000  # librdkafka's default message.max.bytes
 RECORD_V2_MAX_OVERHEAD = 36  # librdkafka's RD_KAFKAP_MESSAGE_V2_MAX_OVERHEAD: length, attributes, deltas, lengths
@@ -72,6 +81,21 @@ class TransactionFailed(BatchlineError):
         super().__init__(message)
         self.fatal = fatal
         self.ambiguous = ambiguous
+
+
+class TransactionFenced(TransactionFailed):
+    """The transaction's partitions are no longer ours (:class:`Guard`): it was aborted, or, when ``ambiguous``
+    (its commit was under way), its producer recreated."""
+
+
+class Guard(Protocol):
+    """A transaction's claim on its partitions (:class:`batchline.kafka.ownership.Claim`)."""
+
+    def stale(self) -> str | None:
+        """Why the transaction must not commit any more, or None."""
+
+    def group_metadata(self) -> Any:
+        """The consumer group metadata to send the offsets with, read when they are sent."""
 
 
 @dataclass(frozen=True)
@@ -182,12 +206,15 @@ class TransactionalProducer:
         group_metadata: Any,
         before_commit: Callable[[], None] | None = None,
         fit: Fit | None = None,
+        guard: Guard | None = None,
     ) -> CommitReport:
         """Produce ``messages`` and commit ``offsets`` atomically, or raise TransactionFailed.
 
         With ``fit``, a message rejected on its own is replaced by ``fit(index, message, error)`` in the same
         transaction (see the module docstring); without it, such a rejection fails the transaction as any error.
-        ``before_commit`` runs inside each real transaction, after the messages are produced.
+        ``before_commit`` runs inside each real transaction, after the messages are produced. With ``guard`` the
+        transaction commits only while its partitions are ours (else TransactionFenced), and the offsets go with
+        ``guard.group_metadata()`` instead of ``group_metadata``.
         """
         outgoing = list(messages)
         report = CommitReport()
@@ -198,7 +225,7 @@ class TransactionalProducer:
                     outgoing[i] = self._fit(fit, i, message, error, "precheck", report)
         for _ in range(MAX_ROUNDS):
             report.transactions += 1
-            rejected = self._transact(outgoing, offsets, group_metadata, before_commit, fit, report)
+            rejected = self._transact(outgoing, offsets, group_metadata, before_commit, fit, report, guard)
             if not rejected:
                 return report
             assert fit is not None  # without fit a rejection raises inside _transact
@@ -243,13 +270,15 @@ class TransactionalProducer:
         before_commit: Callable[[], None] | None,
         fit: Fit | None,
         report: CommitReport,
+        guard: Guard | None = None,
     ) -> dict[int, RecordError]:
         """One real transaction. Returns {} once committed, or the messages the broker rejected on their own
         (the transaction was aborted). Raises TransactionFailed for everything else."""
         delivery: dict[int, KafkaError | None] = {}
-        committing = False
+        began = committing = False
         try:
-            self._call(self.producer.begin_transaction)
+            self._call(lambda _t: self.producer.begin_transaction(), guard)
+            began = True
             stopped: KafkaError | None = None
             for i in range(len(outgoing)):
                 stopped = self._produce_tracked(outgoing, i, delivery, fit, report)
@@ -257,7 +286,7 @@ class TransactionalProducer:
                     break  # the transaction already failed (a delivery was rejected): no point producing more
             if stopped is None and before_commit is not None:
                 before_commit()
-            self._flush()
+            self._flush(guard)
             failed = [e for e in delivery.values() if e is not None]
             if failed or stopped is not None:
                 rejected = _per_record(delivery, outgoing)
@@ -267,10 +296,19 @@ class TransactionalProducer:
                 first = failed[0] if failed else stopped
                 assert first is not None
                 raise TransactionFailed(f"{len(failed)} messages not delivered: {first.str()}", False)
-            self._call(lambda: self.producer.send_offsets_to_transaction(offsets, group_metadata, CALL_TIMEOUT_S))
+            metadata = group_metadata if guard is None else guard.group_metadata()
+            self._call(lambda t: self.producer.send_offsets_to_transaction(offsets, metadata, t), guard)
+            self._check(guard)
             committing = True
-            self._call(self._commit_transaction)
+            self._call(self._commit_transaction, guard, check_first=False)
             return {}
+        except TransactionFenced as exc:
+            if not began:  # never begun (a queued transaction whose partitions moved on): nothing to undo
+                raise
+            recreated = self._end_fenced(committing)
+            how = "its commit was under way" if committing else "its abort failed" if recreated else "aborted"
+            how += ": producer recreated" if recreated else ""
+            raise TransactionFenced(f"{exc}; {how}", recreated, ambiguous=committing) from None
         except KafkaException as exc:
             err: KafkaError = exc.args[0]
             if err.code() in FENCED_CODES:  # a newer producer holds our id: never fence it back
@@ -282,8 +320,8 @@ class TransactionalProducer:
                 self._recreate()
             raise TransactionFailed(err.str(), not aborted, ambiguous=committing and not aborted) from exc
 
-    def _commit_transaction(self) -> None:
-        self.producer.commit_transaction(CALL_TIMEOUT_S)
+    def _commit_transaction(self, timeout: float) -> None:
+        self.producer.commit_transaction(timeout)
 
     def _produce_tracked(
         self,
@@ -320,11 +358,17 @@ class TransactionalProducer:
             except BufferError:
                 self.producer.poll(0.05)  # the local queue is full: let deliveries drain
 
-    def _flush(self) -> None:
-        """Wait for every delivery report (they are served here, so each message's outcome is known)."""
-        left = self.producer.flush(CALL_TIMEOUT_S)
-        if left:
-            raise KafkaException(KafkaError(KafkaError._TIMED_OUT, f"{left} messages not delivered in time"))
+    def _flush(self, guard: Guard | None = None) -> None:
+        """Wait for every delivery report (they are served here, so each message's outcome is known), asking
+        ``guard`` between slices."""
+        deadline = time.monotonic() + CALL_TIMEOUT_S
+        while True:
+            self._check(guard)
+            left = self.producer.flush(_slice(deadline))
+            if not left:
+                return
+            if time.monotonic() >= deadline:
+                raise KafkaException(KafkaError(KafkaError._TIMED_OUT, f"{left} messages not delivered in time"))
 
     # -- probes ------------------------------------------------------------------------------------
     def _culprits(
@@ -358,7 +402,7 @@ class TransactionalProducer:
         delivery: dict[int, KafkaError | None] = {}
         rejected: dict[int, RecordError] = {}
         try:
-            self._call(self.producer.begin_transaction)
+            self._call(lambda _t: self.producer.begin_transaction())
             for i in group:
 
                 def on_delivery(err: KafkaError | None, _msg: Message, i: int = i) -> None:
@@ -379,19 +423,45 @@ class TransactionalProducer:
         return rejected | by_broker
 
     # -- error handling ----------------------------------------------------------------------------
-    def _call(self, fn: Callable[[], T]) -> T:
-        # Retries share one CALL_TIMEOUT_S budget, and stop while the broker is suspected down (its liveness
-        # detector decides when to give up): a lost broker costs one call timeout, not CALL_RETRIES of them.
+    def _call(self, fn: Callable[[float], T], guard: Guard | None = None, check_first: bool = True) -> T:
+        """``fn(timeout)``, one librdkafka transactional call, in slices of at most CALL_SLICE_S: a slice that times
+        out is resumed (librdkafka goes on with the request in the background and lets the same call be made
+        again), other retriable errors are retried (CALL_RETRIES), all within one CALL_TIMEOUT_S budget. ``guard``
+        is asked before every slice (but the first when not ``check_first``). Retries stop while the broker is
+        suspected down (its liveness detector decides when to give up): a lost broker costs one slice."""
         deadline = time.monotonic() + CALL_TIMEOUT_S
-        for attempt in range(CALL_RETRIES):
+        errors = 0
+        first = True
+        while True:
+            if check_first or not first:
+                self._check(guard)
+            first = False
             try:
-                return fn()
+                return fn(_slice(deadline))
             except KafkaException as exc:
+                err: KafkaError = exc.args[0]
+                resumed = err.code() == KafkaError._TIMED_OUT
+                errors += 0 if resumed else 1
                 give_up = time.monotonic() >= deadline or suspected_down(self.kafka.bootstrap)
-                if not exc.args[0].retriable() or attempt == CALL_RETRIES - 1 or give_up:
+                if not err.retriable() or errors >= CALL_RETRIES or give_up:
                     raise
-                time.sleep(0.1 * 2**attempt)
-        raise AssertionError("unreachable")
+                if not resumed:
+                    time.sleep(0.1 * 2 ** (errors - 1))
+
+    @staticmethod
+    def _check(guard: Guard | None) -> None:
+        why = None if guard is None else guard.stale()
+        if why is not None:
+            raise TransactionFenced(f"fenced: {why}", fatal=False)
+
+    def _end_fenced(self, committing: bool) -> bool:
+        """End a transaction whose partitions are no longer ours without committing it: abort it, or recreate the
+        producer when its commit is under way (librdkafka refuses to abort that) or the abort fails - the new
+        producer's epoch fences the old one, whose unsent requests are purged. True if recreated."""
+        if not committing and self._abort():
+            return False
+        self._recreate(purge=True)
+        return True
 
     def _abort_or_recreate(self, err: KafkaError | None, resync: bool = False) -> None:
         """Abort; recreate the producer if that fails or ``err`` is fatal. ``resync`` (the broker rejected a
@@ -405,22 +475,31 @@ class TransactionalProducer:
     def _abort(self) -> bool:
         self.aborts += 1
         try:
-            self.producer.abort_transaction(CALL_TIMEOUT_S)
+            self._call(self.producer.abort_transaction)
         except KafkaException as exc:
             log.error("abort of transaction %s failed: %s", self.transactional_id, exc.args[0].str())
             return False
         return True
 
-    def _recreate(self) -> None:
+    def _recreate(self, purge: bool = False) -> None:
+        """``purge``: what the old producer still holds is dropped unsent, not flushed."""
         log.warning("recreating transactional producer %s", self.transactional_id)
         self.recreated += 1
         try:
-            self.producer.flush(5)
+            if purge:
+                self.producer.purge()
+            else:
+                self.producer.flush(5)
         finally:
             self.producer = self._new_producer()
 
     def close(self, timeout: float = CALL_TIMEOUT_S) -> None:
         self.producer.flush(timeout)
+
+
+def _slice(deadline: float) -> float:
+    """How long the next slice of a call may block: at most CALL_SLICE_S, at least a moment, never past ``deadline``."""
+    return min(CALL_SLICE_S, max(0.01, deadline - time.monotonic()))
 
 
 def _per_record(delivery: Mapping[int, KafkaError | None], outgoing: list[Outgoing]) -> dict[int, RecordError]:

@@ -11,15 +11,14 @@ what librdkafka 2.x negotiates with tansu.
 
 from __future__ import annotations
 
-import asyncio
 import struct
 import subprocess
-import threading
 import time
 from collections.abc import Iterator
 from contextlib import contextmanager
 
 from batchline.kafka.broker import broker_binary, die_with_parent, free_port, port_open
+from tests.support.fault_proxy import FaultProxy
 
 PRODUCE = 0
 MESSAGE_TOO_LARGE = 10
@@ -116,61 +115,20 @@ def oversize_reply(frame: bytes, limits: dict[str, int]) -> bytes | None:
     return struct.pack(">i", len(body)) + bytes(body)
 
 
-class SizeLimitProxy:
+class SizeLimitProxy(FaultProxy):
+    """The fault proxy reading the client's stream frame by frame: oversize Produce requests are answered here."""
+
+    frames = True
+
     def __init__(self, broker_port: int, port: int, limits: dict[str, int]) -> None:
-        self.broker_port, self.port, self.limits = broker_port, port, limits
+        super().__init__(broker_port, port)
+        self.limits = limits
         self.rejected = 0
-        self.loop = asyncio.new_event_loop()
-        self.thread = threading.Thread(target=self.loop.run_forever, name="size-proxy", daemon=True)
 
-    def start(self) -> None:
-        self.thread.start()
-        serve = asyncio.start_server(self._client, "127.0.0.1", self.port)
-        self.server = asyncio.run_coroutine_threadsafe(serve, self.loop).result(READY_TIMEOUT_S)
-
-    def stop(self) -> None:
-        async def shutdown() -> None:
-            self.server.close()
-            tasks = [t for t in asyncio.all_tasks() if t is not asyncio.current_task()]
-            for task in tasks:
-                task.cancel()
-            await asyncio.gather(*tasks, return_exceptions=True)
-
-        asyncio.run_coroutine_threadsafe(shutdown(), self.loop).result(READY_TIMEOUT_S)
-        self.loop.call_soon_threadsafe(self.loop.stop)
-        self.thread.join(5)
-        self.loop.close()
-
-    async def _client(self, reader: asyncio.StreamReader, writer: asyncio.StreamWriter) -> None:
-        up_reader, up_writer = await asyncio.open_connection("127.0.0.1", self.broker_port)
-        lock = asyncio.Lock()  # replies from the broker and from the proxy share the client's stream
-
-        async def upstream() -> None:
-            while data := await up_reader.read(1 << 16):
-                async with lock:
-                    writer.write(data)
-                    await writer.drain()
-
-        task = asyncio.ensure_future(upstream())
-        try:
-            while True:
-                size = struct.unpack(">i", await reader.readexactly(4))[0]
-                frame = await reader.readexactly(size)
-                reply = oversize_reply(frame, self.limits)
-                if reply is None:
-                    up_writer.write(struct.pack(">i", size) + frame)
-                    await up_writer.drain()
-                else:
-                    self.rejected += 1
-                    async with lock:
-                        writer.write(reply)
-                        await writer.drain()
-        except (asyncio.IncompleteReadError, ConnectionError, asyncio.CancelledError):
-            pass
-        finally:
-            task.cancel()
-            writer.close()
-            up_writer.close()
+    def client_frame(self, frame: bytes) -> bytes | None:
+        reply = oversize_reply(frame, self.limits)
+        self.rejected += reply is not None
+        return reply
 
 
 @contextmanager

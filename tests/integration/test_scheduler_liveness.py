@@ -171,8 +171,8 @@ def test_an_ambiguous_commit_republishes_nothing_twice(
     real_commit = txn._commit_transaction
     injected = threading.Event()
 
-    def commit_then_give_up() -> None:
-        real_commit()
+    def commit_then_give_up(timeout: float) -> None:
+        real_commit(timeout)
         if not injected.is_set():
             injected.set()
             raise KafkaException(KafkaError(KafkaError._TIMED_OUT, "injected: committed, the client gave up"))

@@ -22,8 +22,17 @@ def write_config(path: Path, body: str) -> Path:
 class CliProcess:
     """``python -m batchline.cli ARGS`` in the background, output to a log file the test can show."""
 
-    def __init__(self, args: list[str], bootstrap: str, log_path: Path, env: dict[str, str] | None = None) -> None:
+    def __init__(
+        self,
+        args: list[str],
+        bootstrap: str,
+        log_path: Path,
+        env: dict[str, str] | None = None,
+        prefix: list[str] | None = None,
+    ) -> None:
+        """``prefix``: what runs the command (``ip netns exec NS``: in a network namespace); it must exec it."""
         self.args = args
+        self.prefix = prefix or []
         self.log_path = log_path
         self.env = (
             os.environ | {"BATCHLINE_BOOTSTRAP": bootstrap, "PYTHONUNBUFFERED": "1", "COLUMNS": "200"} | (env or {})
@@ -33,7 +42,7 @@ class CliProcess:
     def start(self) -> CliProcess:
         log = self.log_path.open("ab")
         self.proc = subprocess.Popen(
-            [sys.executable, "-m", "batchline.cli", *self.args],
+            [*self.prefix, sys.executable, "-m", "batchline.cli", *self.args],
             stdout=log,
             stderr=subprocess.STDOUT,
             env=self.env,

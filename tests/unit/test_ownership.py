@@ -1,0 +1,288 @@
+"""The fence between the rebalance callbacks and the commit path, decided without a broker.
+
+:class:`Ownership` is driven through a stand-in consumer whose group metadata is scripted (librdkafka's serialized
+form, as confluent-kafka returns it); :class:`TransactionalProducer` through a stand-in producer whose calls are
+recorded and whose answers (a slice that times out, a failing abort) are scripted - the moments a real partition
+produces only by chance. What is asserted is which librdkafka calls were made: a stale transaction is never sent
+its offsets nor committed.
+"""
+
+from __future__ import annotations
+
+import struct
+import threading
+from typing import Any
+
+import pytest
+from confluent_kafka import KafkaError, KafkaException, TopicPartition
+
+from batchline.config import KafkaSettings
+from batchline.kafka.ownership import Ownership, member_of
+from batchline.kafka.transactions import Outgoing, TransactionalProducer, TransactionFenced
+
+T = "unit.requests"
+
+
+def metadata(generation: int, member: str, group: str = "g") -> bytes:
+    return b"CGMDv2:" + struct.pack("=i", generation) + group.encode() + b"\0" + member.encode() + b"\0\x01"
+
+
+class Member:
+    """A consumer as ownership sees it: its current group metadata, or closed."""
+
+    def __init__(self, generation: int = 3, member: str = "m-1") -> None:
+        self.now: bytes | None = metadata(generation, member)
+        self.reads = 0
+
+    def consumer_group_metadata(self) -> Any:
+        self.reads += 1
+        if self.now is None:
+            raise RuntimeError("Consumer closed")
+        return self.now
+
+
+def _other_thread(fn: Any) -> Any:
+    out: list[Any] = []
+    thread = threading.Thread(target=lambda: out.append(fn()))
+    thread.start()
+    thread.join(5)
+    return out[0]
+
+
+def test_member_of_reads_librdkafkas_serialized_group_metadata() -> None:
+    assert member_of(metadata(7, "rdkafka-abc")) == (7, "rdkafka-abc")
+    assert member_of(metadata(-1, "")) == (-1, "")
+    assert member_of(b"something else") is None and member_of(object()) is None
+
+
+def test_a_claim_holds_until_one_of_its_partitions_is_fenced() -> None:
+    own = Ownership(Member())
+    claim, other = own.claim([(T, 0), (T, 1)]), own.claim([(T, 2)])
+    assert claim.stale() is None
+    own.fence([(T, 1)])
+    assert claim.stale() == f"partitions {T}[1] were lost or revoked"
+    assert other.stale() is None  # a partition still ours commits on
+    assert own.claim([(T, 1)]).stale() is None  # re-assigned later: a new claim holds
+
+
+def test_a_claim_is_stale_once_librdkafka_reset_the_member_even_before_the_callback() -> None:
+    consumer = Member()
+    own = Ownership(consumer)
+    claim = own.claim([(T, 0)])
+    consumer.now = metadata(3, "")  # session timed out: librdkafka forgets its member id at once
+    assert _other_thread(claim.stale) is None  # the committing thread sees what the consumer's thread last saw
+    own.observe()  # the worker's loop, its next turn
+    assert "is gone" in str(_other_thread(claim.stale))
+    consumer.now = metadata(5, "m-2")  # rejoined as a new member
+    own.observe()
+    assert "m-1 is gone (now m-2)" in str(_other_thread(claim.stale))
+    assert own.claim([(T, 0)]).stale() is None
+
+
+def test_a_rebalance_that_keeps_the_partitions_keeps_the_claim_with_the_new_generation() -> None:
+    consumer = Member(generation=3)
+    own = Ownership(consumer)
+    claim = own.claim([(T, 0)])
+    consumer.now = metadata(4, "m-1")
+    own.observe()
+    assert _other_thread(claim.stale) is None
+    assert member_of(_other_thread(claim.group_metadata)) == (4, "m-1")  # sent with the generation of now
+
+
+def test_only_the_consumers_thread_reads_the_consumer() -> None:
+    consumer = Member()
+    own = Ownership(consumer)
+    claim = own.claim([(T, 0)])
+    reads = consumer.reads
+    _other_thread(claim.stale)
+    _other_thread(claim.group_metadata)
+    assert consumer.reads == reads  # librdkafka would block it while a rebalance callback runs
+    claim.stale()  # on the consumer's thread (the retry scheduler commits there): read live
+    assert consumer.reads == reads + 1
+
+
+def test_a_closed_consumer_owns_nothing() -> None:
+    consumer = Member()
+    own = Ownership(consumer)
+    claim = own.claim([(T, 0)])
+    consumer.now = None
+    assert claim.stale() == "the consumer is closed"
+
+
+# -- the commit path -------------------------------------------------------------------------------
+
+
+def timed_out() -> KafkaException:
+    return KafkaException(KafkaError(KafkaError._TIMED_OUT, "slice timed out", retriable=True))
+
+
+class Producer:
+    """librdkafka's transactional calls, recorded; ``script`` answers them (a list of exceptions to raise first)."""
+
+    def __init__(self, calls: list[str], script: dict[str, list[Exception]] | None = None) -> None:
+        self.calls = calls
+        self.script = script or {}
+        self.sent_metadata: Any = None
+        self.deliveries: list[Any] = []
+        self.on_call: dict[str, Any] = {}
+
+    def _call(self, name: str) -> None:
+        self.calls.append(name)
+        hook = self.on_call.get(name)
+        if hook is not None:
+            hook()
+        queued = self.script.get(name)
+        if queued:
+            raise queued.pop(0)
+
+    def init_transactions(self, timeout: float) -> None:
+        self._call("init")
+
+    def begin_transaction(self) -> None:
+        self._call("begin")
+
+    def produce(self, topic: str, value: Any, key: Any, headers: Any = None, on_delivery: Any = None) -> None:
+        self.calls.append("produce")
+        self.deliveries.append(on_delivery)
+
+    def flush(self, timeout: float) -> int:
+        self._call("flush")
+        if self.script.get("flush-left"):
+            return int(self.script["flush-left"].pop(0).args[0])
+        for report in self.deliveries:
+            report(None, None)
+        self.deliveries = []
+        return 0
+
+    def poll(self, timeout: float) -> int:
+        return 0
+
+    def send_offsets_to_transaction(self, offsets: Any, metadata: Any, timeout: float) -> None:
+        self._call("offsets")
+        self.sent_metadata = metadata
+
+    def commit_transaction(self, timeout: float) -> None:
+        self._call("commit")
+
+    def abort_transaction(self, timeout: float) -> None:
+        self._call("abort")
+
+    def purge(self) -> None:
+        self.calls.append("purge")
+
+
+class Guard:
+    """A claim whose staleness the test sets, from a librdkafka call's hook."""
+
+    def __init__(self) -> None:
+        self.why: str | None = None
+
+    def stale(self) -> str | None:
+        return self.why
+
+    def group_metadata(self) -> Any:
+        return b"live metadata"
+
+
+def _txn(calls: list[str], script: dict[str, list[Exception]] | None = None) -> tuple[TransactionalProducer, Producer]:
+    txn = TransactionalProducer.__new__(TransactionalProducer)  # no broker: the producer is the stand-in
+    txn.kafka = KafkaSettings(bootstrap="unit.invalid:9092")
+    txn.transactional_id, txn.overrides, txn.topic_limits = "unit-txn", {}, {}
+    txn.max_message_bytes, txn.aborts, txn.recreated = 1_000_000, 0, 0
+    producer = Producer(calls, script)
+    txn.producer = producer
+
+    def new_producer() -> Producer:  # as TransactionalProducer._new_producer: init_transactions fences the epoch
+        fresh = Producer(calls)
+        fresh.init_transactions(30)
+        return fresh
+
+    txn._new_producer = new_producer  # type: ignore[method-assign]
+    return txn, producer
+
+
+MESSAGES: list[Outgoing] = [("unit.results", b"v", b"k", [])]
+OFFSETS = [TopicPartition(T, 0, 10)]
+
+
+def test_a_fresh_claim_commits_with_the_live_group_metadata() -> None:
+    calls: list[str] = []
+    txn, producer = _txn(calls)
+    txn.commit(MESSAGES, OFFSETS, b"queued metadata", guard=Guard())
+    assert calls == ["begin", "produce", "flush", "offsets", "commit"]
+    assert producer.sent_metadata == b"live metadata"
+
+
+def test_a_transaction_stale_before_it_begins_makes_no_call() -> None:
+    calls: list[str] = []
+    txn, _ = _txn(calls)
+    guard = Guard()
+    guard.why = "partitions unit.requests[0] were lost or revoked"
+    with pytest.raises(TransactionFenced) as exc:
+        txn.commit(MESSAGES, OFFSETS, None, guard=guard)
+    assert calls == [] and not exc.value.fatal and not exc.value.ambiguous
+
+
+def test_a_flush_blocked_by_a_cut_link_aborts_once_the_claim_goes_stale() -> None:
+    calls: list[str] = []
+    txn, producer = _txn(calls, {"flush-left": [KafkaException(1), KafkaException(1)]})
+    guard = Guard()
+    producer.on_call["flush"] = lambda: setattr(guard, "why", "lost") if calls.count("flush") == 2 else None
+    with pytest.raises(TransactionFenced) as exc:
+        txn.commit(MESSAGES, OFFSETS, None, guard=guard)
+    assert calls == ["begin", "produce", "flush", "flush", "abort"]  # asked between the slices: no offsets sent
+    assert "aborted" in str(exc.value) and not exc.value.ambiguous and txn.recreated == 0
+
+
+def test_offsets_are_not_sent_when_the_claim_went_stale_during_the_flush() -> None:
+    calls: list[str] = []
+    txn, producer = _txn(calls)
+    guard = Guard()
+    producer.on_call["flush"] = lambda: setattr(guard, "why", "lost")
+    with pytest.raises(TransactionFenced):
+        txn.commit(MESSAGES, OFFSETS, None, guard=guard)
+    assert "offsets" not in calls and "commit" not in calls and calls[-1] == "abort"
+
+
+def test_a_commit_under_way_when_the_claim_goes_stale_recreates_the_producer() -> None:
+    """librdkafka cannot abort a commit it has started: the producer is dropped (its unsent requests purged) and a
+    new one with the same transactional id fences its epoch. The outcome is ambiguous."""
+    calls: list[str] = []
+    txn, producer = _txn(calls, {"commit": [timed_out(), timed_out()]})
+    guard = Guard()
+    producer.on_call["commit"] = lambda: setattr(guard, "why", "lost")
+    with pytest.raises(TransactionFenced) as exc:
+        txn.commit(MESSAGES, OFFSETS, None, guard=guard)
+    assert calls == ["begin", "produce", "flush", "offsets", "commit", "purge", "init"]  # the commit not resumed
+    assert exc.value.ambiguous and exc.value.fatal and txn.recreated == 1
+
+
+def test_a_fenced_transaction_whose_abort_fails_recreates_the_producer() -> None:
+    calls: list[str] = []
+    fail = KafkaException(KafkaError(KafkaError._STATE, "abort refused"))
+    txn, producer = _txn(calls, {"abort": [fail]})
+    guard = Guard()
+    producer.on_call["flush"] = lambda: setattr(guard, "why", "lost")
+    with pytest.raises(TransactionFenced) as exc:
+        txn.commit(MESSAGES, OFFSETS, None, guard=guard)
+    assert calls[-3:] == ["abort", "purge", "init"]
+    assert exc.value.fatal and not exc.value.ambiguous and "producer recreated" in str(exc.value)
+
+
+def test_a_slice_that_times_out_is_resumed_while_the_claim_holds() -> None:
+    calls: list[str] = []
+    txn, _ = _txn(calls, {"offsets": [timed_out(), timed_out()]})
+    txn.commit(MESSAGES, OFFSETS, None, guard=Guard())
+    assert calls == ["begin", "produce", "flush", "offsets", "offsets", "offsets", "commit"]
+
+
+def test_a_look_older_than_the_session_proves_nothing() -> None:
+    """A process frozen past its session timeout resumes before librdkafka noticed: its claims are stale until
+    the consumer's thread has looked again (and then librdkafka has reset the member, or it is still one)."""
+    own = Ownership(Member(), lease_s=0.05)
+    claim = own.claim([(T, 0)])
+    assert _other_thread(claim.stale) is None
+    threading.Event().wait(0.1)  # the consumer's thread looked nowhere for longer than the lease
+    assert "no look at the group membership" in str(_other_thread(claim.stale))
+    own.observe()
+    assert _other_thread(claim.stale) is None
