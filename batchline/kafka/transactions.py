@@ -49,6 +49,7 @@ from batchline.kafka.liveness import suspected_down
 log = logging.getLogger(__name__)
 T = TypeVar("T")
 CALL_TIMEOUT_S = 30.0  # one transactional call (begin, flush, send offsets, commit, abort), its resumed slices together
+ABORT_BUDGET_S = 60.0  # an abort keeps resuming this long, also while the broker is suspected down (see _abort)
 CALL_SLICE_S = 2.0  # the longest one librdkafka call blocks before the guard is asked again (session timeout: 6 s+)
 CALL_RETRIES = 5  # errors other than a slice's time-out, per call
 MAX_ROUNDS = 4  # real transactions of one commit: the first, and re-tries each with more replacements
@@ -191,6 +192,12 @@ class TransactionalProducer:
         self.max_message_bytes = int(conf.get("message.max.bytes", LIBRDKAFKA_MESSAGE_MAX_BYTES))
         self.aborts = 0
         self.recreated = 0
+        # A call that timed out and was not resumed to its end leaves an operation pending inside librdkafka: the
+        # producer must not be destroyed then (librdkafka 2.16 asserts in rd_kafka_enq_once_del_source_return and
+        # the process aborts; seen when a worker cut off from the broker recreated its producer). Such producers
+        # are retired, kept referenced, instead of destroyed. Owned by the thread that calls commit().
+        self._pending_op = False
+        self._retired: list[Producer] = []
         self.producer = self._new_producer()
 
     def _new_producer(self) -> Producer:
@@ -423,13 +430,21 @@ class TransactionalProducer:
         return rejected | by_broker
 
     # -- error handling ----------------------------------------------------------------------------
-    def _call(self, fn: Callable[[float], T], guard: Guard | None = None, check_first: bool = True) -> T:
+    def _call(
+        self,
+        fn: Callable[[float], T],
+        guard: Guard | None = None,
+        check_first: bool = True,
+        budget_s: float = CALL_TIMEOUT_S,
+        while_down: bool = False,
+    ) -> T:
         """``fn(timeout)``, one librdkafka transactional call, in slices of at most CALL_SLICE_S: a slice that times
         out is resumed (librdkafka goes on with the request in the background and lets the same call be made
         again), other retriable errors are retried (CALL_RETRIES), all within one CALL_TIMEOUT_S budget. ``guard``
         is asked before every slice (but the first when not ``check_first``). Retries stop while the broker is
-        suspected down (its liveness detector decides when to give up): a lost broker costs one slice."""
-        deadline = time.monotonic() + CALL_TIMEOUT_S
+        suspected down (its liveness detector decides when to give up): a lost broker costs one slice - unless
+        ``while_down``. A call given up after a time-out leaves its operation pending (``_pending_op``)."""
+        deadline = time.monotonic() + budget_s
         errors = 0
         first = True
         while True:
@@ -437,13 +452,17 @@ class TransactionalProducer:
                 self._check(guard)
             first = False
             try:
-                return fn(_slice(deadline))
+                result = fn(_slice(deadline))
+                self._pending_op = False
+                return result
             except KafkaException as exc:
                 err: KafkaError = exc.args[0]
                 resumed = err.code() == KafkaError._TIMED_OUT
                 errors += 0 if resumed else 1
-                give_up = time.monotonic() >= deadline or suspected_down(self.kafka.bootstrap)
+                down = not while_down and suspected_down(self.kafka.bootstrap)
+                give_up = time.monotonic() >= deadline or down
                 if not err.retriable() or errors >= CALL_RETRIES or give_up:
+                    self._pending_op = resumed
                     raise
                 if not resumed:
                     time.sleep(0.1 * 2 ** (errors - 1))
@@ -473,9 +492,12 @@ class TransactionalProducer:
             self._recreate()
 
     def _abort(self) -> bool:
+        """Abort the open transaction; False if it could not be. The abort is resumed for ABORT_BUDGET_S, also while
+        the broker is suspected down (a network partition heals within it): given up, the producer is recreated
+        with its operation still pending, which is what must be avoided (see ``_pending_op``)."""
         self.aborts += 1
         try:
-            self._call(self.producer.abort_transaction)
+            self._call(self.producer.abort_transaction, budget_s=ABORT_BUDGET_S, while_down=True)
         except KafkaException as exc:
             log.error("abort of transaction %s failed: %s", self.transactional_id, exc.args[0].str())
             return False
@@ -485,12 +507,17 @@ class TransactionalProducer:
         """``purge``: what the old producer still holds is dropped unsent, not flushed."""
         log.warning("recreating transactional producer %s", self.transactional_id)
         self.recreated += 1
+        old = self.producer
         try:
             if purge:
-                self.producer.purge()
+                old.purge()
             else:
-                self.producer.flush(5)
+                old.flush(5)
         finally:
+            if self._pending_op:  # destroying it now would abort the process: keep it (see __init__)
+                log.warning("keeping the old producer of %s: a call of it is still pending", self.transactional_id)
+                self._retired.append(old)
+                self._pending_op = False
             self.producer = self._new_producer()
 
     def close(self, timeout: float = CALL_TIMEOUT_S) -> None:

@@ -145,14 +145,7 @@ def _hit(fault: str, zombie: CliProcess, ns: Namespace, other: CliProcess) -> tu
         "cut",
         "sigstop",
         "sigterm",
-        pytest.param(
-            "sigkill",
-            marks=pytest.mark.xfail(
-                strict=False,
-                reason="the killed worker's open transaction stays open on the embedded broker until a producer "
-                "with its transactional id starts again (stable ids per worker slot: the fencing branch)",
-            ),
-        ),
+        "sigkill",  # its open transaction is fenced by a live worker's slot sweep (batchline.kafka.slots)
     ],
 )
 def test_a_worker_lost_mid_transaction_never_commits_it(
