@@ -192,11 +192,13 @@ class TransactionalProducer:
         self.max_message_bytes = int(conf.get("message.max.bytes", LIBRDKAFKA_MESSAGE_MAX_BYTES))
         self.aborts = 0
         self.recreated = 0
-        # A call that timed out and was not resumed to its end leaves an operation pending inside librdkafka: the
-        # producer must not be destroyed then (librdkafka 2.16 asserts in rd_kafka_enq_once_del_source_return and
-        # the process aborts; seen when a worker cut off from the broker recreated its producer). Such producers
-        # are retired, kept referenced, instead of destroyed. Owned by the thread that calls commit().
-        self._pending_op = False
+        # A transactional call that timed out leaves its operation pending inside librdkafka, and only that same
+        # call may come next: another one (an abort after the guard said stale), or destroying the producer, makes
+        # librdkafka 2.16 assert in rd_kafka_enq_once_del_source_return and the process abort (seen when a worker
+        # cut off from the broker aborted its transaction). So the timed-out call is kept (``_pending``) and
+        # resumed before an abort, and a producer whose commit is pending is retired, kept referenced, not
+        # destroyed. Owned by the thread that calls commit().
+        self._pending: Callable[[float], Any] | None = None
         self._retired: list[Producer] = []
         self.producer = self._new_producer()
 
@@ -443,7 +445,7 @@ class TransactionalProducer:
         again), other retriable errors are retried (CALL_RETRIES), all within one CALL_TIMEOUT_S budget. ``guard``
         is asked before every slice (but the first when not ``check_first``). Retries stop while the broker is
         suspected down (its liveness detector decides when to give up): a lost broker costs one slice - unless
-        ``while_down``. A call given up after a time-out leaves its operation pending (``_pending_op``)."""
+        ``while_down``. A slice that times out leaves its operation pending (``_pending``) until the call ends."""
         deadline = time.monotonic() + budget_s
         errors = 0
         first = True
@@ -453,7 +455,7 @@ class TransactionalProducer:
             first = False
             try:
                 result = fn(_slice(deadline))
-                self._pending_op = False
+                self._pending = None
                 return result
             except KafkaException as exc:
                 err: KafkaError = exc.args[0]
@@ -461,8 +463,9 @@ class TransactionalProducer:
                 errors += 0 if resumed else 1
                 down = not while_down and suspected_down(self.kafka.bootstrap)
                 give_up = time.monotonic() >= deadline or down
+                if resumed:
+                    self._pending = fn
                 if not err.retriable() or errors >= CALL_RETRIES or give_up:
-                    self._pending_op = resumed
                     raise
                 if not resumed:
                     time.sleep(0.1 * 2 ** (errors - 1))
@@ -492,11 +495,16 @@ class TransactionalProducer:
             self._recreate()
 
     def _abort(self) -> bool:
-        """Abort the open transaction; False if it could not be. The abort is resumed for ABORT_BUDGET_S, also while
-        the broker is suspected down (a network partition heals within it): given up, the producer is recreated
-        with its operation still pending, which is what must be avoided (see ``_pending_op``)."""
+        """Abort the open transaction; False if it could not be. A call that timed out is first resumed to its end
+        (librdkafka takes no other call meanwhile) - unless it is the commit, which must not complete: False then.
+        Both are resumed for ABORT_BUDGET_S, also while the broker is suspected down (a network partition heals
+        within it)."""
         self.aborts += 1
+        if self._pending == self._commit_transaction:
+            return False
         try:
+            if self._pending is not None:
+                self._call(self._pending, budget_s=ABORT_BUDGET_S, while_down=True)
             self._call(self.producer.abort_transaction, budget_s=ABORT_BUDGET_S, while_down=True)
         except KafkaException as exc:
             log.error("abort of transaction %s failed: %s", self.transactional_id, exc.args[0].str())
@@ -514,10 +522,10 @@ class TransactionalProducer:
             else:
                 old.flush(5)
         finally:
-            if self._pending_op:  # destroying it now would abort the process: keep it (see __init__)
+            if self._pending is not None:  # destroying it now would abort the process: keep it (see __init__)
                 log.warning("keeping the old producer of %s: a call of it is still pending", self.transactional_id)
                 self._retired.append(old)
-                self._pending_op = False
+                self._pending = None
             self.producer = self._new_producer()
 
     def close(self, timeout: float = CALL_TIMEOUT_S) -> None:

@@ -189,6 +189,7 @@ def _txn(calls: list[str], script: dict[str, list[Exception]] | None = None) -> 
     txn.kafka = KafkaSettings(bootstrap="unit.invalid:9092")
     txn.transactional_id, txn.overrides, txn.topic_limits = "unit-txn", {}, {}
     txn.max_message_bytes, txn.aborts, txn.recreated = 1_000_000, 0, 0
+    txn._pending, txn._retired = None, []
     producer = Producer(calls, script)
     txn.producer = producer
 
@@ -255,6 +256,21 @@ def test_a_commit_under_way_when_the_claim_goes_stale_recreates_the_producer() -
         txn.commit(MESSAGES, OFFSETS, None, guard=guard)
     assert calls == ["begin", "produce", "flush", "offsets", "commit", "purge", "init"]  # the commit not resumed
     assert exc.value.ambiguous and exc.value.fatal and txn.recreated == 1
+    # its commit is still pending inside librdkafka: destroying it would abort the process, so it is kept
+    assert txn._retired == [producer] and txn._pending is None
+
+
+def test_a_call_that_timed_out_is_resumed_to_its_end_before_the_fenced_abort() -> None:
+    """librdkafka takes only the timed-out call next (another one, or destroying the producer, aborts the process
+    in librdkafka 2.16): the offsets are sent to the end, then the transaction is aborted, never committed."""
+    calls: list[str] = []
+    txn, producer = _txn(calls, {"offsets": [timed_out()]})
+    guard = Guard()
+    producer.on_call["offsets"] = lambda: setattr(guard, "why", "lost")
+    with pytest.raises(TransactionFenced) as exc:
+        txn.commit(MESSAGES, OFFSETS, None, guard=guard)
+    assert calls == ["begin", "produce", "flush", "offsets", "offsets", "abort"]
+    assert not exc.value.fatal and txn.recreated == 0 and txn._retired == []
 
 
 def test_a_fenced_transaction_whose_abort_fails_recreates_the_producer() -> None:
