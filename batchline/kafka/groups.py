@@ -36,6 +36,7 @@ from typing import Any
 from confluent_kafka import Consumer, ConsumerGroupState, KafkaException
 
 from batchline.kafka.client import consumer_conf, make_admin
+from batchline.kafka.liveness import suspected_down
 from batchline.kafka.settings import KafkaSettings
 
 log = logging.getLogger(__name__)
@@ -200,6 +201,11 @@ class AssignmentWatch:
             elif self._without_since is None:
                 self._without_since = self._clock()
 
+    def waiting_s(self) -> float | None:
+        """How long the member has been subscribed without partitions; None while it has some."""
+        with self._lock:
+            return None if self._without_since is None else self._clock() - self._without_since
+
     def observe(self, view: GroupView | None) -> None:
         with self._lock:
             if view is not None:
@@ -234,15 +240,20 @@ def rebalance_timeout_s(kafka: KafkaSettings) -> float:
 def watch_member(kafka: KafkaSettings, group: str) -> tuple[AssignmentWatch, GroupSampler]:
     """A member's watch and the sampler that feeds it (start the sampler once subscribed, close it on close)."""
     watch = AssignmentWatch(group, rebalance_timeout_s(kafka))
-    return watch, GroupSampler(make_admin(kafka), watch)
+    return watch, GroupSampler(make_admin(kafka), watch, kafka.bootstrap)
 
 
 class GroupSampler:
-    """Feeds an :class:`AssignmentWatch` with the group's state every ``interval_s`` on its own thread."""
+    """Feeds an :class:`AssignmentWatch` with the group's state every ``interval_s`` on its own thread - only while
+    the answer can matter: the member has waited for partitions half the rebalance timeout, and the broker is not
+    suspected down (:mod:`batchline.kafka.liveness`). DescribeConsumerGroups that times out while the broker is cut
+    off makes librdkafka 2.16 assert (rd_kafka_enq_once_del_source_return) and the process abort: a worker cut off
+    from its broker for 12 s died so, 2 runs in 2; with no describe in flight it came through."""
 
-    def __init__(self, admin: Any, watch: AssignmentWatch, interval_s: float = 5.0) -> None:
+    def __init__(self, admin: Any, watch: AssignmentWatch, bootstrap: str, interval_s: float = 5.0) -> None:
         self.admin = admin
         self.watch = watch
+        self.bootstrap = bootstrap
         self.interval_s = interval_s
         self._stop = threading.Event()
         self._thread = threading.Thread(target=self._loop, name=f"group-sampler-{watch.group}", daemon=True)
@@ -259,5 +270,13 @@ class GroupSampler:
 
     def _loop(self) -> None:
         while not self._stop.wait(self.interval_s):
-            self.watch.observe(describe_group(self.admin, self.watch.group))
-            self.watch.stuck()  # logs the first time it holds
+            self.sample()
+
+    def sample(self) -> bool:
+        """Describe the group once if the answer can matter (see the class docstring); whether it did."""
+        waiting = self.watch.waiting_s()
+        if waiting is None or waiting < self.watch.rebalance_timeout_s / 2 or suspected_down(self.bootstrap):
+            return False
+        self.watch.observe(describe_group(self.admin, self.watch.group))
+        self.watch.stuck()  # logs the first time it holds
+        return True

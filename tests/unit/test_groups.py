@@ -119,3 +119,36 @@ def test_status_reports_a_group_stuck_once_seen_unstable_past_the_rebalance_time
     assert line.startswith("group J.workers.x: STUCK rebalancing for 65s (state UNKNOWN)")
     assert seen.look([STABLE])["J.workers.x"]["unstable_for_s"] is None  # stable again: the count starts over
     assert seen.look([REFORMING_TANSU])["J.workers.x"]["stuck"] is False
+
+
+class _Admin:
+    """Stands in for the admin client at the seam: counts DescribeConsumerGroups calls, answers none."""
+
+    def __init__(self) -> None:
+        self.describes = 0
+
+    def describe_consumer_groups(self, groups: list[str], request_timeout: float) -> dict[str, object]:
+        self.describes += 1
+        raise TimeoutError("no answer")
+
+
+def test_the_sampler_describes_the_group_only_while_the_answer_can_matter(monkeypatch: pytest.MonkeyPatch) -> None:
+    """Half the rebalance timeout without partitions, and the broker not suspected down: a describe in flight while
+    the broker is cut off aborts the process in librdkafka 2.16 (see GroupSampler)."""
+    import batchline.kafka.groups as groups
+
+    down = {"now": False}
+    monkeypatch.setattr(groups, "suspected_down", lambda bootstrap: down["now"])
+    watch, clock = _watch()
+    admin = _Admin()
+    sampler = groups.GroupSampler(admin, watch, "unit.invalid:9092")
+    watch.assigned(4)
+    assert not sampler.sample()  # assigned: nothing to decide
+    watch.assigned(0)  # lost them
+    clock.now += TIMEOUT_S / 2 - 1
+    assert not sampler.sample()  # not waited long enough
+    clock.now += 2
+    down["now"] = True
+    assert not sampler.sample()  # the broker is suspected down
+    down["now"] = False
+    assert sampler.sample() and admin.describes == 1
