@@ -11,8 +11,6 @@ is cut from the broker (its own network namespace, tests/support/netns.py) past 
 Where network namespaces cannot be made, the test runs on the session's broker without partitions. The test asserts
 that
 
-- through the oracle: every id has exactly one committed outcome and nothing is left open;
-
 - every id reaches its one expected kind of outcome (computed from the engine's knobs) within
   :data:`COMPLETION_BOUND_S` after the storm ends - a partition left paused or unfetched fails it;
 - through the oracle: every id exactly one committed outcome (never a result and a dead letter, never two
