@@ -14,6 +14,11 @@ times, then becomes an ``invalid_output`` failure carrying the last output.
 
 Only the engine thread touches the engine. The worker's thread hands flights over with :meth:`Feeder.submit`
 and is woken (``wake``) when one is done.
+
+Run control: right before a record joins the engine (the last moment it has not started), a record of a run that
+was cancelled, or is past its completion window, settles as a ``cancelled`` / ``expired`` failure instead
+(``stops``: the worker's :attr:`RunsView.stops <batchline.runs.manifests.RunsView.stops>`, read-only here). With no
+such run the check is one falsy test per record.
 """
 
 from __future__ import annotations
@@ -24,10 +29,11 @@ import logging
 import threading
 import time
 from collections import deque
-from collections.abc import Callable, Iterable
+from collections.abc import Callable, Iterable, Mapping
 from dataclasses import dataclass, field, replace
 
 from batchline.config import JobConfig
+from batchline.runs.control import CANCELLED, stop_message
 from consumers.engines.base import (
     Engine,
     EngineInput,
@@ -117,8 +123,15 @@ class FeederStats:
 
 
 class Feeder:
-    def __init__(self, engine: Engine, config: JobConfig, wake: Callable[[], None]) -> None:
+    def __init__(
+        self,
+        engine: Engine,
+        config: JobConfig,
+        wake: Callable[[], None],
+        stops: Mapping[str, tuple[float, str]] | None = None,
+    ) -> None:
         self.engine = engine
+        self._stops: Mapping[str, tuple[float, str]] = stops if stops is not None else {}
         self.config = config
         self.streaming = is_streaming(engine)
         self.runner = IsolatingRunner(engine, config.batching.max_records)
@@ -229,11 +242,23 @@ class Feeder:
             slot = self._slots.get(key)
             if slot is None:
                 continue
+            if self._stops and (stopped := self._stopped(slot)) is not None:
+                self._settle(key, stopped)
+                continue
             failure = engine.add(key, slot.inp)
             if failure is not None:
                 self._settle(key, failure)
             else:
                 self._running.add(key)
+
+    def _stopped(self, slot: _Slot) -> RecordFailure | None:
+        """A ``cancelled`` / ``expired`` failure for a record whose run stopped before it started, else None."""
+        run_id = slot.flight.items[slot.index].run_id
+        stop = self._stops.get(run_id or "")
+        if stop is None or time.time() < stop[0]:
+            return None
+        kind = "RunCancelled" if stop[1] == CANCELLED else "RunExpired"
+        return RecordFailure(kind, stop_message(stop[1], run_id), stop[1])  # type: ignore[arg-type]
 
     def _step(self) -> None:
         engine: StreamingEngine = self.engine  # type: ignore[assignment]
@@ -273,6 +298,11 @@ class Feeder:
     def _call(self) -> None:
         keys = [self._backlog.popleft() for _ in range(min(len(self._backlog), self.config.batching.max_records))]
         keys = [k for k in keys if k in self._slots]
+        if self._stops:
+            for key in keys:
+                if (stopped := self._stopped(self._slots[key])) is not None:
+                    self._settle(key, stopped)
+            keys = [k for k in keys if k in self._slots]
         if keys:
             outcomes = self.runner.run([self._slots[k].inp for k in keys])
             for key, outcome in zip(keys, outcomes, strict=True):

@@ -16,6 +16,7 @@ from datetime import UTC, datetime
 from batchline.config import JobConfig
 from batchline.kafka import headers as h
 from batchline.kafka.topics import JobTopics
+from batchline.runs.control import STOP_CLASSES
 from batchline.runs.identity import Fingerprint
 from consumers.engines.base import EngineOutput
 from consumers.work import Failure, WorkItem
@@ -151,7 +152,7 @@ class Router:
 
     # -- failures --------------------------------------------------------------------------------
     def _failure(self, item: WorkItem, failure: Failure, ctx: BatchContext) -> Produced:
-        route = self.routes.get(failure.failure_class, "dlq")
+        route = "dlq" if failure.failure_class in STOP_CLASSES else self.routes.get(failure.failure_class, "dlq")
         if route == "retry":
             if item.attempt >= self.config.retry.max_attempts:
                 exhausted = Failure(

@@ -18,6 +18,8 @@ FailureClass = Literal[
     "retries_exhausted",
     "output_too_large",  # a result too large for J.results: dead-lettered with the request instead
     "oversize",  # a record too large to travel again (a retry tier, J.requests): dead-lettered
+    "cancelled",  # its run was cancelled before the record started (batchline.runs.control): dead-lettered
+    "expired",  # its run's completion window passed before the record started: dead-lettered
 ]
 
 

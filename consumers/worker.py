@@ -38,6 +38,7 @@ from batchline.kafka.topics import (
     sized_topics,
     topic_message_bytes,
 )
+from batchline.runs.control import stop_message
 from batchline.runs.identity import Fingerprint, fingerprint_of
 from batchline.telemetry import Health, WorkerMetrics
 from consumers.batcher import Batcher
@@ -52,7 +53,7 @@ from consumers.rewind import Rewinder, first_offsets
 from consumers.route import Router
 from consumers.schedule import Schedule
 from consumers.sink import SinkThread, TransactionalSink
-from consumers.work import WorkerStats, WorkItem
+from consumers.work import Failure, WorkerStats, WorkItem
 
 log = logging.getLogger(__name__)
 POLL_BATCH = 1000
@@ -106,10 +107,11 @@ class Worker:
         self.intake = Intake(config, self.engine.count_tokens)
         self.batcher = Batcher(config.batching)
         self.wake = threading.Event()
-        self.feeder = Feeder(self.engine, config, self.wake.set)
+        self.pinning = Pinning(kafka, self.topics, self.fingerprint)
+        # Cancels and completion windows reach the engine thread through the runs view's stops (read-only there).
+        self.feeder = Feeder(self.engine, config, self.wake.set, self.pinning.view.stops)
         self.router = Router(config, self.fingerprint, self.topics, self.worker_id)
         self.group = self.topics.worker_group(self.fingerprint.value)
-        self.pinning = Pinning(kafka, self.topics, self.fingerprint)
         limits = message_limits(kafka, self.topics, config.max_request_bytes)
         self.sink = TransactionalSink(
             kafka, f"{self.group}.{self.worker_id}", sink_fail_batches, limits, self.router.replacement
@@ -331,15 +333,29 @@ class Worker:
             batch = self.batcher.take(full_only=busy)
             if not batch:
                 return
+            self._launch(batch)
             runnable = [i for i in batch if i.runnable]
             self.schedule.charge(len(runnable), sum(i.prompt_tokens for i in runnable))
-            self._launch(batch)
 
     def _launch(self, batch: list[WorkItem]) -> None:
+        if self.pinning.view.stops:  # some run of the job is cancelled or has a completion window
+            self._stop_records(batch)
         self._seq += 1
         flight = Flight(f"{self.worker_id}-{self._seq}", batch)
         self.in_flight.append(flight)
         self.feeder.submit(flight)
+
+    def _stop_records(self, batch: list[WorkItem]) -> None:
+        """Records of a cancelled run, or of one past its completion window, that are about to start: they become
+        ``cancelled`` / ``expired`` failures (dead letters) and never reach the engine. A dict lookup per record."""
+        stops = self.pinning.view.stops
+        now = time.time()
+        for item in batch:
+            if item.runnable:
+                stop = stops.get(item.run_id or "")
+                if stop is not None and now >= stop[0]:
+                    kind = "RunCancelled" if stop[1] == "cancelled" else "RunExpired"
+                    item.failure = Failure(stop[1], kind, stop_message(stop[1], item.run_id))  # type: ignore[arg-type]
 
     # -- sink ------------------------------------------------------------------------------------
     def _complete(self, in_callback: bool = False) -> bool:

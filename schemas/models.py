@@ -164,6 +164,9 @@ class RunManifest(_Record):
     source: str | None = None
     invalid_count: int = 0
     complete: bool = True  # False while submit is still publishing; boundaries are final once True
+    expires_at: datetime | None = None  # end of the completion window (records not finished by then: expired)
+    cancelled_at: datetime | None = None  # set by ``batchline cancel``; records not started by then: cancelled
+    idempotency_key: str | None = None  # the submission's key (batchline.runs.control.claim_idempotency)
 
 
 class QuarantinedRecord(_Record):
@@ -194,3 +197,5 @@ class RunStats(_Record):
     slots: int = 0  # > 0: a partial snapshot of slot ``slot`` of ``slots``; 0: a whole-run snapshot
     position: int = 0
     instance: str = ""
+    cancelled: int = 0  # ids whose outcome is a ``cancelled`` dead letter (not counted in ``quarantined``)
+    expired: int = 0  # ids whose outcome is an ``expired`` dead letter (not counted in ``quarantined``)

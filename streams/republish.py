@@ -21,6 +21,7 @@ from batchline.config import KafkaSettings
 from batchline.kafka import headers as h
 from batchline.kafka.topics import JobTopics
 from batchline.kafka.transactions import Outgoing, RecordError, TransactionalProducer, TransactionFailed
+from batchline.runs.control import CANCELLED, stop_message
 from schemas import DeadLetter, codec_for
 from schemas.codec import DecodeError, decode_request
 from streams.exceptions import RepublishError
@@ -90,13 +91,28 @@ class Republisher:
         self.txn = TransactionalProducer(kafka, transactional_id, topic_limits=limits, **overrides)
         self.oversize = 0
 
-    def publish(self, batch: list[Held], offsets: list[TopicPartition], group_metadata: Any) -> None:
+    def publish(
+        self,
+        batch: list[Held],
+        offsets: list[TopicPartition],
+        group_metadata: Any,
+        stopped: Mapping[int, str] | None = None,
+    ) -> None:
         """Re-publish ``batch`` and commit ``offsets`` atomically, or raise RepublishError with nothing committed
-        (``ambiguous``: the commit may have happened)."""
+        (``ambiguous``: the commit may have happened). ``stopped``: index in ``batch`` -> ``cancelled`` | ``expired``,
+        records of a stopped run, dead-lettered with that class instead (run control)."""
         at = now_ms()
-        outgoing = [(self.requests_topic, held.value, held.request_id, republished_headers(held, at)) for held in batch]
+        stopped = stopped or {}
+        outgoing = [
+            self.stopped_letter(held, stopped[i])
+            if i in stopped
+            else (self.requests_topic, held.value, held.request_id, republished_headers(held, at))
+            for i, held in enumerate(batch)
+        ]
 
         def fit(index: int, message: Outgoing, error: RecordError) -> Outgoing:
+            if index in stopped:
+                return self.stopped_letter(batch[index], stopped[index], small=True)
             return self.dead_letter(batch[index], error)
 
         try:
@@ -104,6 +120,8 @@ class Republisher:
         except TransactionFailed as exc:
             raise RepublishError(str(exc), len(batch), exc.fatal, exc.ambiguous) from exc
         for i, replaced in report.replaced.items():
+            if i in stopped:
+                continue
             self.oversize += 1
             log.error(
                 "%s (id %r) dead-lettered as %s: %s", batch[i], batch[i].request_id, OVERSIZE, replaced.error.reason
@@ -112,6 +130,23 @@ class Republisher:
     def dead_letter(self, held: Held, error: RecordError) -> Outgoing:
         """The ``oversize`` dead letter of a retry that cannot be re-published: its payload replaced by its size and
         SHA-256 (``DeadLetter.payload_sha256``), its coordinates and attempts from the worker's headers."""
+        message = f"retry not re-published to {self.requests_topic}: {error.reason}"
+        letter = self._letter(held, OVERSIZE, error.name, message).without_payload()
+        return self._outgoing(held, letter)
+
+    def stopped_letter(self, held: Held, why: str, small: bool = False) -> Outgoing:
+        """The ``cancelled`` / ``expired`` dead letter of a retry whose run stopped: not re-published. It keeps its
+        payload unless ``small`` (a letter too large for J.dlq)."""
+        run_id = h.text(h.as_dict(held.headers), h.RUN_ID)
+        kind = "RunCancelled" if why == CANCELLED else "RunExpired"
+        letter = self._letter(held, why, kind, stop_message(why, run_id) + " (held for a retry)")
+        return self._outgoing(held, letter.without_payload() if small else letter)
+
+    def _outgoing(self, held: Held, letter: DeadLetter) -> Outgoing:
+        headers = [(h.RUN_ID, (letter.run_id or "").encode()), (h.REQUEST_ID, letter.request_id.encode())]
+        return (self.topics.dlq, codec_for("dead_letter").encode(letter), held.request_id, headers)
+
+    def _letter(self, held: Held, failure_class: str, error_type: str, message: str) -> DeadLetter:
         hdrs = h.as_dict(held.headers)
         payload = held.value or b""
         try:
@@ -121,12 +156,12 @@ class Republisher:
         now = datetime.now(UTC)
         first = h.integer(hdrs, h.FIRST_FAILURE_AT, 0)
         request_id = (held.request_id or b"").decode("utf-8", "replace")
-        letter = DeadLetter(
+        return DeadLetter(
             request_id=request_id,
             run_id=h.text(hdrs, h.RUN_ID) or None,
-            failure_class=OVERSIZE,
-            error_type=error.name,
-            error_message=f"retry not re-published to {self.requests_topic}: {error.reason}",
+            failure_class=failure_class,
+            error_type=error_type,
+            error_message=message,
             attempts=h.integer(hdrs, h.ATTEMPT, 1),
             original_topic=h.text(hdrs, h.ORIGINAL_TOPIC) or held.topic,
             original_partition=h.integer(hdrs, h.ORIGINAL_PARTITION, held.partition),
@@ -135,9 +170,7 @@ class Republisher:
             first_failure_at=datetime.fromtimestamp(first / 1000, UTC) if first > 0 else now,
             last_failure_at=now,
             value=value,
-        ).without_payload()
-        headers = [(h.RUN_ID, (letter.run_id or "").encode()), (h.REQUEST_ID, request_id.encode())]
-        return (self.topics.dlq, codec_for("dead_letter").encode(letter), held.request_id, headers)
+        )
 
     def close(self) -> None:
         self.txn.close()

@@ -21,6 +21,11 @@ never holds its partition. After a commit whose outcome is unknown (the broker m
 gave up, the producer was recreated) the held records of the batch are checked against the group's committed
 offsets before anything is re-published: records below the committed offset were re-published and are dropped.
 
+Run control (:mod:`batchline.runs.control`): the scheduler follows ``J.runs`` (a
+:class:`~batchline.runs.manifests.RunsView`). A held record of a cancelled run, or of one past its completion window,
+is due at once (still never ahead of its partition's head) and becomes a ``cancelled`` / ``expired`` dead letter in
+the same transaction instead of being re-published.
+
 Why confluent-kafka and not faust: probed against the embedded tansu broker, a faust 0.15 app re-delivered the
 same records twice within one process after a restart (seek to committed offsets racing the fetcher), and its
 table recovery trusts high watermarks, which tansu reports as the last batch's base offset + 1. The worker's
@@ -35,14 +40,16 @@ import socket
 import time
 import uuid
 from collections import deque
-from collections.abc import Iterable
+from collections.abc import Callable, Iterable
 from dataclasses import dataclass, field
 
 from confluent_kafka import Consumer, KafkaError, KafkaException, TopicPartition
 
 from batchline.config import JobConfig, KafkaSettings
+from batchline.kafka import headers as h
 from batchline.kafka.client import make_consumer
 from batchline.kafka.topics import JobTopics, effective_max_message_bytes
+from batchline.runs.manifests import RunsView
 from streams.exceptions import RepublishError
 from streams.republish import OVERSIZE, RETRIED_AT, Held, Republisher, held_of, now_ms, republished_headers
 
@@ -83,11 +90,12 @@ class PartitionQueue:
         self.next_offset = held.offset + 1
         return True
 
-    def due(self, at_ms: int, limit: int) -> list[Held]:
-        """The due prefix (at most ``limit``): the head decides, a later record never overtakes it."""
+    def due(self, at_ms: int, limit: int, stopped: Callable[[Held], bool] | None = None) -> list[Held]:
+        """The due prefix (at most ``limit``): the head decides, a later record never overtakes it. A record for
+        which ``stopped`` is true (its run was cancelled or expired) is due at once."""
         out: list[Held] = []
         for held in self.records:
-            if held.due_at_ms > at_ms or len(out) >= limit:
+            if len(out) >= limit or (held.due_at_ms > at_ms and not (stopped and stopped(held))):
                 break
             out.append(held)
         return out
@@ -115,6 +123,7 @@ class SchedulerStats:
     failures: int = 0
     duplicates_ignored: int = 0
     already_committed: int = 0  # held records dropped after an ambiguous commit: the broker had committed them
+    stopped: int = 0  # held records of cancelled or expired runs, dead-lettered instead of re-published
 
 
 class RetryScheduler:
@@ -128,6 +137,7 @@ class RetryScheduler:
         self.consumer: Consumer = make_consumer(kafka, self.group, **{"queued.max.messages.kbytes": 16384})
         limits = effective_max_message_bytes(kafka, [self.topics.requests, self.topics.dlq])
         self.republisher = Republisher(kafka, self.topics, f"{self.group}.{self.instance_id}", limits)
+        self.runs = RunsView(kafka, self.topics)  # cancels and completion windows (RunsView.stops)
         self.queues: dict[TP, PartitionQueue] = {}
         self.paused: set[TP] = set()  # what this member asked librdkafka to pause: partitions with a held head
         self.assigned: set[TP] = set()
@@ -139,6 +149,7 @@ class RetryScheduler:
 
     def start(self) -> None:
         log.info("retry scheduler %s: tiers %s -> %s", self.instance_id, self.topics.retries, self.topics.requests)
+        self.runs.start()
         self.consumer.subscribe(
             self.topics.retries, on_assign=self._on_assign, on_revoke=self._on_revoke, on_lost=self._on_lost
         )
@@ -179,6 +190,8 @@ class RetryScheduler:
         backoff = self._backoff_until - time.monotonic()
         if backoff > 0:  # after a failed re-publish, due heads wait for the backoff, not for each other
             return min(max(backoff, MIN_WAIT_S), MAX_WAIT_S)
+        if self.runs.stops and any(q.records and self._stop(q.records[0]) for q in self.queues.values()):
+            return MIN_WAIT_S  # a head of a cancelled or expired run is due now
         heads = [d for d in (q.next_due() for q in self.queues.values()) if d is not None]
         wait = MAX_WAIT_S if not heads else min(MAX_WAIT_S, (min(heads) - now_ms()) / 1000.0)
         return max(wait, MIN_WAIT_S)
@@ -187,16 +200,18 @@ class RetryScheduler:
         at = now_ms()
         batch: list[Held] = []
         taken: dict[TP, int] = {}
+        stopped = (lambda held: self._stop(held) is not None) if self.runs.stops else None
         for tp, queue in self.queues.items():
-            due = queue.due(at, MAX_TXN_RECORDS - len(batch))
+            due = queue.due(at, MAX_TXN_RECORDS - len(batch), stopped)
             if due:
                 batch.extend(due)
                 taken[tp] = len(due)
         if not batch:
             return
         offsets = [TopicPartition(t, p, self.queues[(t, p)].records[n - 1].offset + 1) for (t, p), n in taken.items()]
+        stops = {i: why for i, held in enumerate(batch) if (why := self._stop(held)) is not None} if stopped else {}
         try:
-            self.republisher.publish(batch, offsets, self.consumer.consumer_group_metadata())
+            self.republisher.publish(batch, offsets, self.consumer.consumer_group_metadata(), stops)
         except RepublishError as exc:
             self.stats.failures += 1
             self._backoff_until = time.monotonic() + FAILURE_BACKOFF_S
@@ -208,9 +223,16 @@ class RetryScheduler:
         for tp, n in taken.items():
             self.queues[tp].drop(n)
         self.stats.transactions += 1
-        self.stats.republished += len(batch)
+        self.stats.republished += len(batch) - len(stops)
+        self.stats.stopped += len(stops)
         self.last_activity = time.monotonic()
         log.debug("re-published %d retries (first %s, due %d, now %d)", len(batch), batch[0], batch[0].due_at_ms, at)
+
+    def _stop(self, held: Held) -> str | None:
+        """``cancelled`` / ``expired`` when the held record's run stopped (cancelled, or past its window), else None."""
+        run_id = h.text(h.as_dict(held.headers), h.RUN_ID)
+        stop = self.runs.stops.get(run_id or "")
+        return stop[1] if stop is not None and time.time() >= stop[0] else None
 
     def _settle(self) -> bool:
         """After a commit whose outcome is unknown: drop the held records the group's committed offsets say were
@@ -312,10 +334,11 @@ class RetryScheduler:
         try:
             self.consumer.close()
         finally:
+            self.runs.stop()
             self.republisher.close()
         log.info(
             "retry scheduler %s stopped: %d held, %d re-published in %d transactions, %d failed attempts, "
-            "%d dead-lettered as %s",
+            "%d dead-lettered as %s, %d of cancelled or expired runs dead-lettered",
             self.instance_id,
             self.stats.held,
             self.stats.republished,
@@ -323,6 +346,7 @@ class RetryScheduler:
             self.stats.failures,
             self.republisher.oversize,
             OVERSIZE,
+            self.stats.stopped,
         )
 
 

@@ -15,6 +15,9 @@ Rules (docs/architecture.md#streams), all per run and per distinct request id:
 - ``retried`` counts distinct ids seen on retry topics, ``retries`` distinct (id, attempt) retry events
   (attempts above :data:`MAX_ATTEMPT_BIT` count as that one); ``in_flight`` the retried ids with no terminal
   outcome yet (waiting in a tier or being re-processed).
+- Dead letters of class ``cancelled`` and ``expired`` (run control, :mod:`batchline.runs.control`) are outcomes
+  of their own, not failures: they count in ``cancelled`` / ``expired``, not in ``quarantined`` nor in
+  ``dead_letters_by_class``, and never in the top quarantined.
 - Tokens and engine seconds come from each id's first result (later copies are the same work re-delivered).
 - Values come from the outcomes: a result's ``value`` (the request's, filled by the worker), else the latest
   dead letter's, else the default weight 1.0. ``value_completed`` is the value of succeeded ids.
@@ -31,7 +34,7 @@ from dataclasses import dataclass, field, replace
 from datetime import UTC, datetime
 from typing import Any
 
-from batchline.runs.manifests import STREAM_RUN
+from batchline.runs.manifests import CANCELLED, EXPIRED, STREAM_RUN
 from batchline.runs.status import TOP_QUARANTINED, merge_run_stats
 from schemas import DeadLetter, QuarantinedRecord, Result, RunManifest, RunStats
 
@@ -40,7 +43,8 @@ EXHAUSTED = "retries_exhausted"  # a dead letter of a record that kept failing t
 MAX_ATTEMPT_BIT = 62  # attempts are a bitmask in a signed 64-bit store column; bounds it against garbage headers
 
 RESULT, DEAD, RETRY = "result", "dead", "retry"
-PENDING, SUCCEEDED, QUARANTINED = 0, 1, 2
+PENDING, SUCCEEDED, QUARANTINED, STOPPED = 0, 1, 2, 3  # STOPPED: a cancelled or expired dead letter
+STOP_CLASSES = (CANCELLED, EXPIRED)
 
 
 @dataclass(frozen=True, slots=True)
@@ -96,6 +100,8 @@ class RunCounts:
     tokens_in: int = 0
     tokens_out: int = 0
     engine_ms: float = 0.0
+    cancelled: int = 0
+    expired: int = 0
 
     def as_json(self) -> dict[str, Any]:
         return {**self.__dict__, "by_class": dict(self.by_class)}
@@ -115,7 +121,7 @@ class RunCounts:
             quarantined=self.quarantined,
             retried=self.retried,
             retries=self.retries,
-            pending=self.seen - self.succeeded - self.quarantined,
+            pending=self.seen - self.succeeded - self.quarantined - self.cancelled - self.expired,
             in_flight=self.in_flight,
             value_total=self.value_seen,
             value_completed=self.value_completed,
@@ -124,6 +130,8 @@ class RunCounts:
             engine_seconds=self.engine_ms / 1000.0,
             top_quarantined=top,
             updated_at=now,
+            cancelled=self.cancelled,
+            expired=self.expired,
             **part,
         )
 
@@ -164,20 +172,34 @@ def fold(counts: RunCounts, old: IdState | None, event: Outcome) -> IdState | No
         counts.tokens_out += event.tokens_out
         counts.engine_ms += event.latency_ms
         return state
-    same = state.status == QUARANTINED and state.failure_class == event.failure_class
+    stop = event.failure_class in STOP_CLASSES
+    status = STOPPED if stop else QUARANTINED
+    same = state.status == status and state.failure_class == event.failure_class
     if same and (event.value is None or event.value == state.value):
         return None
     _leave(counts, state)
     _revalue(counts, state, event.value)
-    state.status, state.failure_class = QUARANTINED, event.failure_class
-    counts.quarantined += 1
-    counts.by_class[event.failure_class] += 1
+    state.status, state.failure_class = status, event.failure_class
+    if stop:
+        _add_stopped(counts, event.failure_class, 1)
+    else:
+        counts.quarantined += 1
+        counts.by_class[event.failure_class] += 1
     return state
+
+
+def _add_stopped(counts: RunCounts, failure_class: str | None, n: int) -> None:
+    if failure_class == CANCELLED:
+        counts.cancelled += n
+    else:
+        counts.expired += n
 
 
 def _leave(counts: RunCounts, state: IdState) -> None:
     """Take an id out of the count of its current, non-succeeded status."""
-    if state.status == QUARANTINED and state.failure_class is not None:
+    if state.status == STOPPED:
+        _add_stopped(counts, state.failure_class, -1)
+    elif state.status == QUARANTINED and state.failure_class is not None:
         counts.quarantined -= 1
         counts.by_class[state.failure_class] -= 1
         if not counts.by_class[state.failure_class]:

@@ -144,16 +144,31 @@ def submit(
     engine_arg: EngineArgs = None,
     set_: SetOpt = None,
     json_out: Annotated[bool, typer.Option("--json", help="Print the report as JSON.")] = False,
+    completion_window: Annotated[
+        str | None,
+        typer.Option("--completion-window", help="Nh, Nm or Ns (e.g. 24h): records not finished by then end expired."),
+    ] = None,
+    idempotency_key: Annotated[
+        str | None,
+        typer.Option("--idempotency-key", help="Submitting again with the same key returns the same run."),
+    ] = None,
     bootstrap: Bootstrap = DEFAULT_BOOTSTRAP,
 ) -> None:
     """Publish FILE to JOB as one run, pinned to the given config; prints the run id."""
     from batchline.cli.progress import bar
     from batchline.kafka.topics import JobTopics
+    from batchline.runs.control import parse_window
     from batchline.runs.identity import fingerprint_of
     from batchline.runs.submit import submit_file
 
     if format not in ("jsonl", "openai", "parquet"):
         raise fail(f"--format must be jsonl, openai or parquet, not {format!r}")
+    try:
+        window_s = parse_window(completion_window) if completion_window is not None else None
+    except ValueError as exc:
+        raise fail(f"--completion-window: {exc}") from None
+    if idempotency_key is not None and not idempotency_key.strip():
+        raise fail("--idempotency-key must not be empty")
     if not file.is_file():
         raise InputFileError(f"no such file: {file}")
     cfg = job_config(job, config, engine, model, engine_arg, set_)
@@ -169,6 +184,8 @@ def submit(
             format,  # type: ignore[arg-type]
             run_id,
             progress=advance,
+            completion_window_s=window_s,
+            idempotency_key=idempotency_key,
         )
     if json_out:
         out.print_json(
@@ -177,10 +194,14 @@ def submit(
                 "records": report.records,
                 "invalid": report.invalid,
                 "value_total": report.value_total,
+                "existing": report.existing,
             }
         )
         return
-    console.print(f"{report.records} records submitted ({report.invalid} unparseable, published for the DLQ)")
+    if report.existing:
+        console.print(f"idempotency key {idempotency_key!r} already submitted as this run: nothing published")
+    else:
+        console.print(f"{report.records} records submitted ({report.invalid} unparseable, published for the DLQ)")
     out.print(report.run_id)
 
 

@@ -223,8 +223,25 @@ def export(
     )
 
 
+def cancel(
+    job: str,
+    run: Annotated[str, typer.Option("--run", help="The run to cancel.")],
+    bootstrap: Bootstrap = DEFAULT_BOOTSTRAP,
+) -> None:
+    """Cancel run RUN: its records no worker has started end cancelled (no engine time); in-flight ones finish."""
+    from batchline.kafka.topics import JobTopics
+    from batchline.runs.control import cancel_run
+
+    topics = JobTopics(job)
+    kafka = connect(bootstrap, topics, [topics.runs])
+    manifest = cancel_run(kafka, topics, run)
+    assert manifest.cancelled_at is not None
+    out.print(f"run {run} cancelled at {manifest.cancelled_at.isoformat(timespec='seconds')}", highlight=False)
+
+
 def register(app: typer.Typer) -> None:
     app.command()(status)
+    app.command()(cancel)
     app.command()(dlq)
     app.command()(replay)
     app.command()(export)

@@ -18,12 +18,15 @@ STATE_STYLE = {
     "running": "cyan",
     "submitting": "cyan",
     "no-ledger": "dim",
+    "cancelling": "yellow",
+    "cancelled": "magenta",
+    "expired": "magenta",
 }
 
 
 def run_panel(run: dict[str, Any]) -> Panel:
     total = max(1, run["total"])
-    done = run["succeeded"] + sum(run["dead_letters"].values())
+    done = run["succeeded"] + sum(run["dead_letters"].values()) + run["cancelled"] + run["expired"]
     head = Text.assemble(
         (run["state"], STATE_STYLE.get(run["state"], "")),
         f"  {done}/{run['total']} records with an outcome",
@@ -38,6 +41,8 @@ def run_panel(run: dict[str, Any]) -> Panel:
     counts.add_row(
         "retried", str(run["retried"]), "retries", str(run["retries"]), "quarantined", str(run["quarantined"])
     )
+    if run["cancelled"] or run["expired"]:
+        counts.add_row("cancelled", str(run["cancelled"]), "expired", str(run["expired"]), "", "")
     for cls, n in sorted(run["dead_letters"].items()):
         counts.add_row("dead letters", cls, str(n), "", "", "")
     counts.add_row(

@@ -10,7 +10,8 @@
   is a ``chat.completion`` (generate, classify: the label is the message) or an embedding ``list`` (embed), with
   ``model`` = the lineage's model id, ``system_fingerprint`` = the run's fingerprint, and batchline's extras
   (attempt, latency, label scores, lineage) under ``body.batchline``. Error lines carry
-  ``error: {code: failure class, message}`` and ``response: null``.
+  ``error: {code: failure class, message}`` and ``response: null``; records of a cancelled or expired run (dead
+  letters of class ``cancelled`` / ``expired``) carry OpenAI's codes ``batch_cancelled`` / ``batch_expired``.
 - ``parquet``: one row per result (``scores`` a map, ``embedding`` a list, ``lineage`` a struct), written in row
   groups; the error file is JSONL as above.
 
@@ -39,6 +40,7 @@ from batchline.exceptions import NotFoundError, UsageError
 from batchline.kafka import headers as h
 from batchline.kafka.scan import scan
 from batchline.kafka.topics import JobTopics
+from batchline.runs.control import OPENAI_CODES, OPENAI_MESSAGES
 from batchline.runs.manifests import STREAM_RUN, RunsView
 from schemas import DeadLetter, Lineage, Result, RunManifest, codec_for
 from schemas.codec import DecodeError, decode_request
@@ -184,8 +186,11 @@ def openai_output(result: Result, lineage: Lineage | None) -> dict[str, Any]:
 
 
 def openai_error(letter: DeadLetter) -> dict[str, Any]:
-    """One line of an OpenAI batch error file for a dead letter."""
-    error = {"code": letter.failure_class, "message": f"{letter.error_type}: {letter.error_message}"}
+    """One line of an OpenAI batch error file for a dead letter. A record of a cancelled or expired run gets
+    OpenAI's own codes and messages (``batch_cancelled``, ``batch_expired``)."""
+    code = OPENAI_CODES.get(letter.failure_class, letter.failure_class)
+    message = OPENAI_MESSAGES.get(letter.failure_class) or f"{letter.error_type}: {letter.error_message}"
+    error = {"code": code, "message": message}
     ref = _ref(letter.run_id, letter.request_id)
     return {"id": f"batch_req_{ref}", "custom_id": letter.request_id, "response": None, "error": error}
 

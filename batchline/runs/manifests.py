@@ -12,6 +12,12 @@ The stream's pin has one winner, decided once, even when workers of several fing
   ``_stream.claim.<id>``, so compaction never drops a claim. ``J.runs`` has one partition, so the claims are
   totally ordered and the earliest one wins. The view reads from offset 0 in order, so the first claim it reads
   is the earliest there is: a claim read back decides the stream for good.
+
+Run control (:mod:`batchline.runs.control`) rides on the same topic: a cancel is the run's manifest again with
+``cancelled_at`` (the view keeps it once read, even if a later manifest of the run lacks it: submit's final
+manifest racing a cancel), and idempotency claims are manifests keyed ``_idempotency.<key>#<run id>``, decided
+like the stream's claims: the earliest read wins. :attr:`RunsView.stops` holds, per run that has one, from when
+its records stop and why; the view's thread updates it, other threads only read it.
 """
 
 from __future__ import annotations
@@ -35,6 +41,9 @@ from schemas.codec import DecodeError
 log = logging.getLogger(__name__)
 STREAM_RUN = "_stream"
 CLAIM_PREFIX = f"{STREAM_RUN}.claim."  # key prefix of the stream's claims in J.runs
+IDEMPOTENCY_PREFIX = "_idempotency."  # key prefix of idempotency claims: _idempotency.<key>#<run id>
+CANCELLED = "cancelled"  # why a run's records stop: it was cancelled ...
+EXPIRED = "expired"  # ... or its completion window passed
 SYNC_TIMEOUT_S = 10.0
 
 
@@ -44,6 +53,10 @@ class RunsView:
         self.topics = topics
         self._runs: dict[str, RunManifest] = {}
         self._claims: list[tuple[int, str, RunManifest]] = []  # (offset, claim key, manifest), in offset order
+        self._idempotency: dict[str, tuple[int, str]] = {}  # key -> (offset, run id) of its earliest claim
+        # run id -> (epoch s from which its records stop, why). Written by the view's thread only (whole entries),
+        # read without the lock by the worker's and the scheduler's threads: a dict lookup on their hot path.
+        self.stops: dict[str, tuple[float, str]] = {}
         self._lock = threading.Lock()
         self._position = 0
         self._stop = threading.Event()
@@ -68,6 +81,12 @@ class RunsView:
             if STREAM_RUN not in runs and self._claims:
                 runs[STREAM_RUN] = self._claims[0][2]
             return runs
+
+    def idempotency_owner(self, key: str) -> str | None:
+        """The run id of the earliest claim of idempotency ``key`` read so far."""
+        with self._lock:
+            found = self._idempotency.get(key)
+            return found[1] if found else None
 
     def stream_claims(self) -> list[tuple[int, str, str]]:
         """The stream's claims read so far, in order: (offset, claim key, fingerprint)."""
@@ -117,8 +136,19 @@ class RunsView:
                 if all(offset != msg.offset() for offset, _, _ in self._claims):
                     self._claims.append((msg.offset(), key, manifest))
                     self._claims.sort(key=lambda c: c[0])
+            elif key.startswith(IDEMPOTENCY_PREFIX):
+                claimed = manifest.idempotency_key or ""
+                earlier = self._idempotency.get(claimed)
+                if earlier is None or msg.offset() < earlier[0]:
+                    self._idempotency[claimed] = (msg.offset(), manifest.run_id)
             else:
+                before = self._runs.get(manifest.run_id)
+                if before is not None and before.cancelled_at is not None and manifest.cancelled_at is None:
+                    manifest = manifest.model_copy(update={"cancelled_at": before.cancelled_at})
                 self._runs[manifest.run_id] = manifest
+                stop = stop_of(manifest)
+                if stop is not None:
+                    self.stops[manifest.run_id] = stop
 
     def sync(self, timeout: float = SYNC_TIMEOUT_S) -> bool:
         """Wait until the view holds every manifest written before this call."""
@@ -132,6 +162,17 @@ class RunsView:
             else:
                 time.sleep(0.02)
         return True
+
+
+def stop_of(manifest: RunManifest) -> tuple[float, str] | None:
+    """(epoch seconds from which the run's records stop, why: ``cancelled`` | ``expired``), or None: the earlier of
+    its cancel and the end of its completion window."""
+    stops: list[tuple[float, str]] = []
+    if manifest.cancelled_at is not None:
+        stops.append((manifest.cancelled_at.timestamp(), CANCELLED))
+    if manifest.expires_at is not None:
+        stops.append((manifest.expires_at.timestamp(), EXPIRED))
+    return min(stops) if stops else None
 
 
 def write_manifest(kafka: KafkaSettings, topics: JobTopics, manifest: RunManifest, key: str | None = None) -> int:

@@ -8,6 +8,14 @@ Completion is not a percentage. A run is ``complete`` when every record inside i
 outcome and none is quarantined; ``incomplete-with-quarantine`` when every record has an outcome but some
 are dead letters (listed by value, highest first); ``complete-via-replay`` when replays of its dead letters
 succeeded for all of them; ``waiting`` when no worker of its fingerprint has ever consumed its records.
+
+Run control (:mod:`batchline.runs.control`): a cancelled run is ``cancelling`` while records are pending and
+``cancelled`` once every record has an outcome (``cancelled`` dead letters for those that never started). A run
+past the end of its completion window that was not complete by then is ``expired`` at once: its records without
+an outcome count as ``expired`` (no worker starts them any more; they reach ``J.dlq`` as ``expired`` dead letters
+when a worker or the retry scheduler meets them, which changes no count). Only a record already inside an engine
+at the deadline may still finish: it then moves from ``expired`` to ``succeeded``. So succeeded + failed (the
+``quarantined``) + cancelled + expired + pending = total, always.
 The ``--json`` shape is :meth:`RunStatus.as_json` and is stable (documented in the README).
 """
 
@@ -27,7 +35,7 @@ from batchline.config import KafkaSettings
 from batchline.kafka.client import make_reader
 from batchline.kafka.scan import scan
 from batchline.kafka.topics import JobTopics
-from batchline.runs.manifests import STREAM_RUN, RunsView
+from batchline.runs.manifests import CANCELLED, EXPIRED, STREAM_RUN, RunsView, stop_of
 from schemas import RunManifest, RunStats, codec_for
 from schemas.codec import DecodeError
 
@@ -40,6 +48,9 @@ STATES = (
     "incomplete-with-quarantine",
     "complete-via-replay",
     "no-ledger",
+    "cancelling",
+    "cancelled",
+    "expired",
 )
 
 
@@ -58,13 +69,27 @@ class RunStatus:
             return self.stats.total
         return self.manifest.record_count if self.manifest else 0
 
+    def counts(self) -> tuple[int, int, int]:
+        """(pending, cancelled, expired): an expired run's pending records count as expired."""
+        s = self.stats
+        pending = s.pending if s else self.total
+        cancelled, expired = (s.cancelled, s.expired) if s else (0, 0)
+        if self.state == "expired":
+            return 0, cancelled, expired + pending
+        return pending, cancelled, expired
+
     def as_json(self) -> dict[str, Any]:
         s, m = self.stats, self.manifest
         per_1k = 1000 / s.total if s and s.total else 0.0
+        pending, cancelled, expired = self.counts()
         return {
             "run_id": self.run_id,
             "state": self.state,
             "waiting_for": self.waiting_for,
+            "created_at": _iso(m.created_at) if m else None,
+            "expires_at": _iso(m.expires_at) if m else None,
+            "cancelled_at": _iso(m.cancelled_at) if m else None,
+            "idempotency_key": m.idempotency_key if m else None,
             "fingerprint": m.fingerprint if m else None,
             "model_id": m.model_id if m else None,
             "parent_run_id": m.parent_run_id if m else None,
@@ -73,11 +98,14 @@ class RunStatus:
             "boundaries": [b.model_dump() for b in m.boundaries] if m else [],
             "total": self.total,
             "succeeded": s.succeeded if s else 0,
+            "failed": s.quarantined if s else 0,
+            "cancelled": cancelled,
+            "expired": expired,
             "dead_letters": dict(s.dead_letters_by_class) if s else {},
             "quarantined": s.quarantined if s else 0,
             "retried": s.retried if s else 0,
             "retries": s.retries if s else 0,
-            "pending": s.pending if s else self.total,
+            "pending": pending,
             "in_flight": s.in_flight if s else 0,
             "value_total": s.value_total if s else (m.value_total if m else 0.0),
             "value_completed": s.value_completed if s else 0.0,
@@ -121,6 +149,7 @@ def merge_run_stats(run_id: str, snapshots: Iterable[RunStats], manifest: RunMan
     seen = sum(p.total for p in parts)
     total = max(m.record_count, seen) if m else seen
     succeeded, quarantined = sum(p.succeeded for p in parts), sum(p.quarantined for p in parts)
+    cancelled, expired = sum(p.cancelled for p in parts), sum(p.expired for p in parts)
     by_class: Counter[str] = Counter()
     for p in parts:
         by_class.update(p.dead_letters_by_class)
@@ -134,7 +163,7 @@ def merge_run_stats(run_id: str, snapshots: Iterable[RunStats], manifest: RunMan
         quarantined=quarantined,
         retried=sum(p.retried for p in parts),
         retries=sum(p.retries for p in parts),
-        pending=max(0, total - succeeded - quarantined),
+        pending=max(0, total - succeeded - quarantined - cancelled - expired),
         in_flight=sum(p.in_flight for p in parts),
         value_total=m.value_total if m else math.fsum(p.value_total for p in parts),
         value_completed=math.fsum(p.value_completed for p in parts),
@@ -144,6 +173,8 @@ def merge_run_stats(run_id: str, snapshots: Iterable[RunStats], manifest: RunMan
         top_quarantined=top[:TOP_QUARANTINED],
         updated_at=max(p.updated_at for p in parts),
         position=sum(p.position for p in parts),
+        cancelled=cancelled,
+        expired=expired,
     )
 
 
@@ -177,10 +208,16 @@ def group_has_reached(kafka: KafkaSettings, topics: JobTopics, manifest: RunMani
         reader.close()
 
 
-def _state(st: RunStatus, by_id: dict[str, RunStatus]) -> str:
+def _state(st: RunStatus, by_id: dict[str, RunStatus], now: float) -> str:
     s, m = st.stats, st.manifest
+    stop = stop_of(m) if m is not None else None
+    pending = s.pending if s else st.total
+    if stop is not None and stop[1] == CANCELLED:
+        return "cancelled" if pending == 0 and m is not None and m.complete else "cancelling"
     if m is not None and not m.complete:
         return "submitting"
+    if stop is not None and stop[1] == EXPIRED and now >= stop[0] and (pending > 0 or (s and s.expired)):
+        return "expired"
     if s is None:
         return "no-ledger"
     if s.pending > 0:
@@ -206,8 +243,9 @@ def collect(kafka: KafkaSettings, topics: JobTopics, run_id: str | None = None) 
         parent = st.manifest.parent_run_id if st.manifest else None
         if parent in by_id:
             by_id[parent].children.append(st.run_id)
+    now = time.time()
     for st in by_id.values():
-        st.state = _state(st, by_id)
+        st.state = _state(st, by_id, now)
         pending = st.stats.pending if st.stats else st.total
         idle = st.state in ("running", "no-ledger") and pending > 0
         if st.manifest and idle and not group_has_reached(kafka, topics, st.manifest):
@@ -217,6 +255,10 @@ def collect(kafka: KafkaSettings, topics: JobTopics, run_id: str | None = None) 
         family = {run_id, *by_id[run_id].children} if run_id in by_id else set()
         wanted = [st for st in wanted if st.run_id in family]
     return wanted
+
+
+def _iso(at: datetime | None) -> str | None:
+    return at.isoformat() if at is not None else None
 
 
 def _from_dlq(m: RunManifest | None) -> bool:

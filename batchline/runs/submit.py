@@ -12,7 +12,7 @@ import json
 import uuid
 from collections.abc import Callable, Iterable, Iterator
 from dataclasses import dataclass, field
-from datetime import UTC, datetime
+from datetime import UTC, datetime, timedelta
 from pathlib import Path
 from typing import Any, Literal
 
@@ -24,8 +24,9 @@ from batchline.exceptions import BrokerUnreachable, InputFileError, KafkaOperati
 from batchline.kafka import headers as h
 from batchline.kafka.client import make_producer
 from batchline.kafka.topics import JobTopics
+from batchline.runs.control import claim_idempotency
 from batchline.runs.identity import Fingerprint
-from batchline.runs.manifests import manifest_for, write_manifest
+from batchline.runs.manifests import RunsView, manifest_for, write_manifest
 from schemas import PartitionBoundary, Request, RunManifest, codec_for
 
 Format = Literal["jsonl", "openai", "parquet"]
@@ -41,6 +42,7 @@ class SubmitReport:
     value_total: float = 0.0
     boundaries: dict[int, tuple[int, int]] = field(default_factory=dict)
     manifest: RunManifest | None = None
+    existing: bool = False  # the idempotency key was already claimed: this is that run's report, nothing published
 
 
 def new_run_id() -> str:
@@ -149,13 +151,47 @@ def submit_file(
     run_id: str | None = None,
     parent_run_id: str | None = None,
     progress: Callable[[int], None] | None = None,
+    completion_window_s: float | None = None,
+    idempotency_key: str | None = None,
 ) -> SubmitReport:
-    """Publish ``path`` as one run (a new run each time, even for the same file)."""
-    file_tag = _file_tag(path) if path.is_file() else "missing"
+    """Publish ``path`` as one run (a new run each time, even for the same file, unless ``idempotency_key`` was
+    used before: then that run's report, ``existing``)."""
+    if not path.is_file():
+        raise InputFileError(f"no such file: {path}")
+    file_tag = _file_tag(path)
     records = read_records(path, fmt, file_tag)
     return publish_run(
-        kafka, topics, fp, records, run_id=run_id, parent_run_id=parent_run_id, source=str(path), progress=progress
+        kafka,
+        topics,
+        fp,
+        records,
+        run_id=run_id,
+        parent_run_id=parent_run_id,
+        source=str(path),
+        progress=progress,
+        completion_window_s=completion_window_s,
+        idempotency_key=idempotency_key,
     )
+
+
+def existing_run(kafka: KafkaSettings, topics: JobTopics, run_id: str) -> SubmitReport:
+    """The report of a run already submitted (an idempotency key's owner): nothing is published. Its manifest is
+    None while its submitter has not written it yet (a claim just won, or a submitter that died after claiming)."""
+    view = RunsView(kafka, topics)
+    try:
+        view.sync()
+        manifest = view.get(run_id)
+    finally:
+        view.stop()
+    report = SubmitReport(run_id, manifest=manifest, existing=True)
+    if manifest is not None:
+        report.records, report.invalid, report.value_total = (
+            manifest.record_count,
+            manifest.invalid_count,
+            manifest.value_total,
+        )
+        report.boundaries = {b.partition: (b.start_offset, b.end_offset) for b in manifest.boundaries}
+    return report
 
 
 def publish_run(
@@ -167,11 +203,33 @@ def publish_run(
     parent_run_id: str | None = None,
     source: str | None = None,
     progress: Callable[[int], None] | None = None,
+    completion_window_s: float | None = None,
+    idempotency_key: str | None = None,
 ) -> SubmitReport:
-    """Publish ``(fallback id, record)`` pairs as one run pinned to ``fp`` and write its manifest."""
+    """Publish ``(fallback id, record)`` pairs as one run pinned to ``fp`` and write its manifest.
+
+    ``completion_window_s``: the run's records not finished that long after now end ``expired``.
+    ``idempotency_key``: claimed for this run first (:func:`batchline.runs.control.claim_idempotency`); a key
+    another run owns returns that run's report (``existing``) and publishes nothing (``records`` is not read)."""
     report = SubmitReport(run_id or new_run_id())
+    if idempotency_key is not None:
+        owner = claim_idempotency(kafka, topics, idempotency_key, report.run_id)
+        if owner != report.run_id:
+            return existing_run(kafka, topics, owner)
+    created = datetime.now(UTC)
+    expires = created + timedelta(seconds=completion_window_s) if completion_window_s is not None else None
     # Pin the run before its first record exists, so no worker ever sees it unpinned.
-    opening = manifest_for(topics.job, report.run_id, fp, parent_run_id=parent_run_id, source=source, complete=False)
+    opening = manifest_for(
+        topics.job,
+        report.run_id,
+        fp,
+        parent_run_id=parent_run_id,
+        source=source,
+        complete=False,
+        created_at=created,
+        expires_at=expires,
+        idempotency_key=idempotency_key,
+    )
     write_manifest(kafka, topics, opening)
     producer = make_producer(kafka)
     errors: list[str] = []
@@ -220,4 +278,21 @@ def publish_run(
         }
     )
     write_manifest(kafka, topics, report.manifest)
+    report.manifest = _keep_cancel(kafka, topics, report.manifest)
     return report
+
+
+def _keep_cancel(kafka: KafkaSettings, topics: JobTopics, final: RunManifest) -> RunManifest:
+    """A cancel written while the run was being published is kept: the final manifest is written again with its
+    ``cancelled_at``, so compaction (which keeps the latest manifest of a run) cannot lose it."""
+    view = RunsView(kafka, topics)
+    try:
+        view.sync()
+        latest = view.get(final.run_id)
+    finally:
+        view.stop()
+    if latest is None or latest.cancelled_at is None:
+        return final
+    kept = final.model_copy(update={"cancelled_at": latest.cancelled_at})
+    write_manifest(kafka, topics, kept)
+    return kept

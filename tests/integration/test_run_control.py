@@ -1,0 +1,273 @@
+"""Run control on the real broker: cancel, completion windows (expiry) and idempotent submission.
+
+The worker runs in this process with the deterministic engine behind a counting seam (:class:`CountingEngine`), so
+each test knows exactly which records ran on the engine and asserts that none of a cancelled or expired run did
+after it stopped: the ids the engine ran are exactly the ids with a result.
+"""
+
+from __future__ import annotations
+
+import json
+import threading
+from collections.abc import Callable, Iterator
+from contextlib import contextmanager
+from pathlib import Path
+from typing import Any
+
+import pytest
+
+from batchline.config import JobConfig, KafkaSettings, load_job_config
+from batchline.exceptions import ExitCode
+from batchline.kafka import headers as h
+from batchline.kafka.topics import JobTopics
+from batchline.runs.control import cancel_run
+from batchline.runs.identity import fingerprint_of
+from batchline.runs.manifests import RunsView
+from batchline.runs.submit import SubmitReport, submit_file
+from consumers.engines.base import EngineInput, Outcome
+from consumers.engines.deterministic import DeterministicEngine
+from consumers.worker import Worker
+from tests.support.cli import run_cli, status_json
+from tests.support.jobs import job_toml, requests_file
+from tests.support.kafka import dead_letters, read_topic, results, wait_for
+from tests.support.procs import CliProcess
+
+JOIN_TIMEOUT_S = 30.0
+RUN_TIMEOUT_S = 120.0
+
+
+class CountingEngine(DeterministicEngine):
+    """The deterministic engine, recording each record it ran (a record reaches ``_one`` only when a step ran it)."""
+
+    def __init__(self, config: JobConfig) -> None:
+        eng = config.engine
+        super().__init__(config.task, eng.labels, eng.json_schema, eng.engine_kwargs)
+        self.ran: list[str] = []
+
+    def _one(self, inp: EngineInput) -> Outcome:
+        self.ran.append(inp.request_id)
+        return super()._one(inp)
+
+
+def _config(job: str, path: Path, kwargs: str, tiers: str = '"1s", "2s"', in_flight: int = 8) -> tuple[Path, JobConfig]:
+    cfg = job_toml(path, kwargs=kwargs, max_records=4, tiers=tiers)
+    cfg.write_text(cfg.read_text().replace("linger_ms = 50", f"linger_ms = 20\nmax_in_flight_records = {in_flight}"))
+    return cfg, load_job_config(job, cfg)
+
+
+@contextmanager
+def _worker(config: JobConfig, kafka: KafkaSettings, engine: CountingEngine) -> Iterator[Worker]:
+    worker = Worker(config, kafka, engine=engine)
+    thread = threading.Thread(target=worker.run, name="test-worker", daemon=True)
+    thread.start()
+    try:
+        wait_for(lambda: worker.pauses.assigned, JOIN_TIMEOUT_S, "the worker assigned")
+        yield worker
+    finally:
+        worker.stop()
+        thread.join(60)
+        assert not thread.is_alive(), "the worker did not stop"
+
+
+def _streams(job: str, cfg: Path, kafka: KafkaSettings, tmp: Path) -> CliProcess:
+    args = ["streams", job, "--config", str(cfg), "--ledger-dir", str(tmp / "ledger"), "--snapshot-interval", "0.3"]
+    return CliProcess(args, kafka.bootstrap, tmp / "streams.log").start()
+
+
+def _letters(kafka: KafkaSettings, topics: JobTopics) -> dict[str, str]:
+    return {rid: copies[-1].failure_class for rid, copies in dead_letters(kafka, topics).items()}
+
+
+def _settled(kafka: KafkaSettings, job: str, run: str, states: list[str], final: str) -> dict[str, Any]:
+    """The run's status once it reads ``final`` with nothing pending; every state seen on the way is kept."""
+
+    seen: list[dict[str, Any]] = []
+
+    def done() -> dict[str, Any] | None:
+        seen[:] = [status_json(kafka.bootstrap, job)[run]]
+        states.append(seen[0]["state"])
+        return seen[0] if seen[0]["state"] == final and seen[0]["pending"] == 0 else None
+
+    try:
+        found: dict[str, Any] = wait_for(done, RUN_TIMEOUT_S, f"run {run} {final}")
+    except AssertionError as exc:
+        raise AssertionError(f"{exc}; states {sorted(set(states))}, last {seen}") from None
+    return found
+
+
+def test_cancel_mid_run_starts_nothing_more_and_every_record_ends(
+    kafka: KafkaSettings, job_name: str, make_job: Callable[..., JobTopics], tmp_path: Path
+) -> None:
+    topics = make_job(job_name, partitions=2, tiers=("1s", "2s"))
+    cfg_path, config = _config(job_name, tmp_path / "job.toml", "batch_latency_ms = 100, max_running = 4")
+    ids, _ = requests_file(tmp_path / "in.jsonl", 200)
+    engine = CountingEngine(config)
+    streams = _streams(job_name, cfg_path, kafka, tmp_path)
+    try:
+        with _worker(config, kafka, engine):
+            run = submit_file(kafka, topics, tmp_path / "in.jsonl", fingerprint_of(config)).run_id
+            wait_for(lambda: len(engine.ran) >= 12, RUN_TIMEOUT_S, "a dozen records run")
+            printed = run_cli(kafka.bootstrap, "cancel", job_name, "--run", run).stdout.strip()
+            assert printed.startswith(f"run {run} cancelled at ") and "\n" not in printed
+            states: list[str] = []
+            st = _settled(kafka, job_name, run, states, "cancelled")
+            ran_after_settled = list(engine.ran)
+        again = run_cli(kafka.bootstrap, "cancel", job_name, "--run", run).stdout.strip()
+        assert again == printed, "cancel is idempotent: the first cancel's time"
+        unknown = run_cli(kafka.bootstrap, "cancel", job_name, "--run", "no-such-run", check=False)
+        assert unknown.returncode == ExitCode.NOT_FOUND and unknown.stderr.count("\n") == 1
+    finally:
+        streams.stop()
+
+    done, letters = set(results(kafka, topics)), _letters(kafka, topics)
+    cancelled = {rid for rid, cls in letters.items() if cls == "cancelled"}
+    assert len(ran_after_settled) == len(set(ran_after_settled)), "a record ran twice"
+    assert set(engine.ran) == done, "the engine ran exactly the records with a result, none of the cancelled"
+    assert done | cancelled == ids and not done & cancelled and set(letters) == cancelled
+    assert 12 <= len(done) < 200 and cancelled
+    assert (st["succeeded"], st["cancelled"], st["failed"], st["expired"]) == (len(done), len(cancelled), 0, 0)
+    assert st["succeeded"] + st["failed"] + st["cancelled"] + st["expired"] == st["total"] == 200
+    assert st["cancelled_at"] is not None and set(states) <= {"running", "cancelling", "cancelled"}
+    assert all(
+        dl.error_type == "RunCancelled" and dl.attempts == 1 for v in dead_letters(kafka, topics).values() for dl in v
+    )
+
+    out = tmp_path / "out.jsonl"
+    report = json.loads(
+        run_cli(
+            kafka.bootstrap, "export", job_name, "--run", run, "--format", "openai", "--out", str(out), "--json"
+        ).stdout
+    )
+    assert (report["results"], report["errors"], report["missing"]) == (len(done), len(cancelled), 0)
+    errors = [json.loads(line) for line in (tmp_path / "out.jsonl.errors.jsonl").read_text().splitlines()]
+    assert {e["custom_id"] for e in errors} == cancelled and {e["error"]["code"] for e in errors} == {"batch_cancelled"}
+
+
+def test_a_cancelled_runs_held_retries_are_dead_lettered_not_republished(
+    kafka: KafkaSettings, job_name: str, make_job: Callable[..., JobTopics], tmp_path: Path
+) -> None:
+    topics = make_job(job_name, partitions=2, tiers=("30s",))
+    cfg_path, config = _config(job_name, tmp_path / "job.toml", "transient_rate = 1.0", tiers='"30s"')
+    ids, _ = requests_file(tmp_path / "in.jsonl", 20)
+    engine = CountingEngine(config)
+    streams = _streams(job_name, cfg_path, kafka, tmp_path)
+    try:
+        with _worker(config, kafka, engine):
+            run = submit_file(kafka, topics, tmp_path / "in.jsonl", fingerprint_of(config)).run_id
+            retries = wait_for(
+                lambda: r if len(r := read_topic(kafka, topics.retry("30s"))) >= 20 else None,
+                RUN_TIMEOUT_S,
+                "every record in the 30s tier",
+            )
+            held = wait_for(
+                lambda: (s := status_json(kafka.bootstrap, job_name)[run])["in_flight"] == 20 and s,
+                RUN_TIMEOUT_S,
+                "the ledger counting 20 held retries",
+            )
+            assert held["state"] == "running" and held["pending"] == 20
+            cancel_run(kafka, topics, run)
+            states: list[str] = []
+            st = _settled(kafka, job_name, run, states, "cancelled")
+        assert streams.alive(), streams.log()[-2000:]
+    finally:
+        streams.stop()
+
+    due = {r.key.decode(): int(r.headers[h.DUE_AT]) for r in retries}
+    letters = dead_letters(kafka, topics)
+    assert set(letters) == ids == set(due) and sorted(engine.ran) == sorted(ids), "each record ran once, attempt 1"
+    for rid, copies in letters.items():
+        [letter] = copies
+        assert letter.failure_class == "cancelled" and letter.attempts == 1
+        assert letter.last_failure_at.timestamp() * 1000 < due[rid], "dead-lettered before its retry was due"
+    assert not [r for r in read_topic(kafka, topics.requests) if "batchline-retried-at" in r.headers], "re-published"
+    assert (st["cancelled"], st["succeeded"], st["failed"], st["total"]) == (20, 0, 0, 20)
+
+
+def test_records_not_finished_within_the_completion_window_expire_and_partial_results_export(
+    kafka: KafkaSettings, job_name: str, make_job: Callable[..., JobTopics], tmp_path: Path
+) -> None:
+    topics = make_job(job_name, partitions=2, tiers=("1s", "2s"))
+    cfg_path, config = _config(job_name, tmp_path / "job.toml", "batch_latency_ms = 250, max_running = 4", in_flight=4)
+    ids, _ = requests_file(tmp_path / "in.jsonl", 120)
+    engine = CountingEngine(config)
+    streams = _streams(job_name, cfg_path, kafka, tmp_path)
+    try:
+        with _worker(config, kafka, engine):  # joined first: the window is short
+            fp = fingerprint_of(config)
+            run = submit_file(kafka, topics, tmp_path / "in.jsonl", fp, completion_window_s=3.0).run_id
+            wait_for(
+                lambda: len(results(kafka, topics)) + len(_letters(kafka, topics)) >= 120, RUN_TIMEOUT_S, "all out"
+            )
+            states: list[str] = []
+            st = _settled(kafka, job_name, run, states, "expired")
+    finally:
+        streams.stop()
+
+    done, letters = set(results(kafka, topics)), _letters(kafka, topics)
+    expired = {rid for rid, cls in letters.items() if cls == "expired"}
+    assert set(engine.ran) == done and len(engine.ran) == len(done), "no expired record ran on the engine"
+    assert done | expired == ids and not done & expired and set(letters) == expired
+    assert done and expired, f"{len(done)} done, {len(expired)} expired: the window should cut the run"
+    assert (st["succeeded"], st["expired"], st["failed"], st["cancelled"]) == (len(done), len(expired), 0, 0)
+    assert st["expires_at"] is not None and "expired" in states
+
+    out = tmp_path / "out.jsonl"
+    run_cli(kafka.bootstrap, "export", job_name, "--run", run, "--format", "openai", "--out", str(out))
+    lines = [json.loads(line) for line in out.read_text().splitlines()]
+    errors = [json.loads(line) for line in (tmp_path / "out.jsonl.errors.jsonl").read_text().splitlines()]
+    assert {o["custom_id"] for o in lines} == done and all(o["response"]["status_code"] == 200 for o in lines)
+    assert {e["custom_id"] for e in errors} == expired
+    assert {(e["error"]["code"], e["response"]) for e in errors} == {("batch_expired", None)}
+
+
+def test_the_same_idempotency_key_returns_the_same_run_even_from_racing_submitters(
+    kafka: KafkaSettings, job_name: str, make_job: Callable[..., JobTopics], tmp_path: Path
+) -> None:
+    topics = make_job(job_name, partitions=2, tiers=("1s", "2s"))
+    cfg_path, config = _config(job_name, tmp_path / "job.toml", "")
+    fp = fingerprint_of(config)
+    requests_file(tmp_path / "in.jsonl", 30)
+
+    first = submit_file(kafka, topics, tmp_path / "in.jsonl", fp, idempotency_key="nightly-1")
+    again = run_cli(kafka.bootstrap, "submit", job_name, str(tmp_path / "in.jsonl"), "--config", str(cfg_path),
+                    "--idempotency-key", "nightly-1", "--json")  # fmt: skip
+    shown = json.loads(again.stdout)
+    assert not first.existing and shown["run_id"] == first.run_id and shown["existing"] is True
+    assert shown["records"] == first.records == 30
+
+    reports: list[SubmitReport] = []
+    barrier = threading.Barrier(3)
+
+    def submit() -> None:
+        barrier.wait()
+        reports.append(submit_file(kafka, topics, tmp_path / "in.jsonl", fp, idempotency_key="nightly-2"))
+
+    racers = [threading.Thread(target=submit) for _ in range(3)]
+    for t in racers:
+        t.start()
+    for t in racers:
+        t.join(RUN_TIMEOUT_S)
+    assert len(reports) == 3 and len({r.run_id for r in reports}) == 1, [r.run_id for r in reports]
+    assert sorted(r.existing for r in reports) == [False, True, True]
+    winner = next(r for r in reports if not r.existing).run_id
+
+    by_run: dict[str, int] = {}
+    for rec in read_topic(kafka, topics.requests):
+        run_id = rec.headers[h.RUN_ID].decode()
+        by_run[run_id] = by_run.get(run_id, 0) + 1
+    assert by_run == {first.run_id: 30, winner: 30}, "one run per key, one set of records"
+    view = RunsView(kafka, topics)
+    view.sync()
+    runs = view.all()
+    view.stop()
+    assert set(runs) == {first.run_id, winner}
+    assert runs[winner].idempotency_key == "nightly-2" and runs[winner].complete
+
+
+@pytest.mark.parametrize("text", ["24", "1.5h"])
+def test_a_bad_completion_window_is_one_line_at_submit(text: str, kafka: KafkaSettings, tmp_path: Path) -> None:
+    (tmp_path / "in.jsonl").write_text('{"id": "a", "prompt": "x"}\n')
+    proc = run_cli(kafka.bootstrap, "submit", "nojob", str(tmp_path / "in.jsonl"), "--completion-window", text,
+                   check=False)  # fmt: skip
+    assert proc.returncode == ExitCode.USAGE and "--completion-window" in proc.stderr
+    assert proc.stderr.count("\n") == 1 and "Traceback" not in proc.stderr
