@@ -8,7 +8,8 @@ or the scheduler is frozen (SIGSTOP) past its session timeout and then thawed. T
 
 - every id reaches its one expected kind of outcome (computed from the engine's knobs) within
   :data:`COMPLETION_BOUND_S` after the storm ends - a partition left paused or unfetched fails it;
-- no id has both a result and a dead letter, and no id carries two fingerprints.
+- through the oracle: every id exactly one committed outcome (never a result and a dead letter, never two
+  committed copies), nothing left open on the job's topics, and no id processed under two fingerprints.
 """
 
 from __future__ import annotations
@@ -36,7 +37,8 @@ from consumers.engines.deterministic import DeterministicEngine
 from streams.retry_scheduler import scheduler_group
 from tests.chaos.test_chaos import expected_outcome
 from tests.support.jobs import job_toml
-from tests.support.kafka import dead_letters, produce_raw, read_topic, results, wait_for
+from tests.support.kafka import produce_raw, read_topic, wait_for
+from tests.support.oracle import assert_exactly_once, job_outcomes, lineage_of
 from tests.support.procs import CliProcess
 
 pytestmark = pytest.mark.chaos
@@ -167,7 +169,7 @@ def _stream(kafka: KafkaSettings, topics: JobTopics, lo: int, hi: int) -> dict[s
 
 def _diagnose(kafka: KafkaSettings, topics: JobTopics, ids: set[str], fps: dict[str, str]) -> str:
     """Where the ids without an outcome are, and how far each group has committed, for the failure message."""
-    missing = ids - set(results(kafka, topics)) - set(dead_letters(kafka, topics))
+    missing = ids - job_outcomes(kafka.bootstrap, topics).ids()
     where: dict[str, list[str]] = {}
     for topic in [topics.requests, *topics.retries]:
         for rec in read_topic(kafka, topic):
@@ -235,7 +237,7 @@ def test_liveness_under_rebalance_storms_pauses_and_kills(
         cluster.thaw(float("inf"))
 
         def terminal() -> bool:
-            return set(results(kafka, topics)) | set(dead_letters(kafka, topics)) >= set(texts)
+            return job_outcomes(kafka.bootstrap, topics).ids() >= set(texts)
 
         try:
             wait_for(terminal, COMPLETION_BOUND_S, "every id's outcome after the storm", interval=2)
@@ -246,17 +248,13 @@ def test_liveness_under_rebalance_storms_pauses_and_kills(
 
     engine = DeterministicEngine("generate", engine_kwargs=config.engine.engine_kwargs)
     expected = {rid: expected_outcome(engine, rid, text) for rid, text in texts.items()}
-    view, letters = results(kafka, topics), dead_letters(kafka, topics)
-    both = set(view) & set(letters)
-    assert not both, f"ids with both a result and a dead letter: {sorted(both)[:5]}"
-    got = {rid: "result" for rid in view} | {rid: v[-1].failure_class for rid, v in letters.items()}
-    assert set(got) == set(texts), f"ids lost: {sorted(set(texts) - set(got))[:5]}"
+    outcomes = assert_exactly_once(kafka.bootstrap, topics, set(texts))
+    got = outcomes.placed()
     wrong = {rid: (got[rid], want) for rid, want in expected.items() if got[rid] != want}
     assert not wrong, f"{len(wrong)} ids ended in the wrong place, e.g. {list(wrong.items())[:5]}"
-    two = {rid: fs for rid, c in view.items() if len(fs := {lin.fingerprint for _, lin, _ in c}) > 1}
-    assert not two, f"ids processed under two fingerprints: {list(two.items())[:5]}"
-    stream_fps = {lin.fingerprint for rid, c in view.items() if rid.startswith("s-") for _, lin, _ in c}
-    run_fps = {lin.fingerprint for rid, c in view.items() if rid.startswith("r-") for _, lin, _ in c}
+    fp_of = {rid: lineage_of(rec).fingerprint for rid, [(_, rec)] in outcomes.results.items()}
+    stream_fps = {fp for rid, fp in fp_of.items() if rid.startswith("s-")}
+    run_fps = {fp for rid, fp in fp_of.items() if rid.startswith("r-")}
     assert run_fps == {fps["A"]} and len(stream_fps) == 1, (run_fps, stream_fps)
     print(
         f"\nliveness chaos: {len(texts)} ids, events {dict(cluster.events)}, {cluster.started} processes started; "

@@ -8,9 +8,9 @@ and cuts the worker off from it instead: tansu advertises a TCP proxy's port, so
 the test) reaches it through the proxy, and cutting the proxy (listener closed, every connection reset) is a
 broker outage as the clients see it. With the proxy back, the test reads what the worker committed: every
 request below the group's committed offsets has an outcome on the topics (nothing committed is lost, no
-offset ran ahead of its results), and a second worker finishes the run. tansu's ``read_committed`` shows
-aborted transactions, so the test cannot prove that an uncommitted result stays invisible; on Apache Kafka the
-transaction guarantees that.
+offset ran ahead of its results), and a second worker finishes the run. Outcomes are read through the oracle
+(tests/support/oracle.py: the log settled by its COMMIT/ABORT markers, since tansu's ``read_committed`` shows
+aborted records too): every id ends with exactly one committed outcome and no transaction is left open.
 """
 
 from __future__ import annotations
@@ -36,7 +36,8 @@ from batchline.kafka.topics import JobTopics, create_job_topics
 from batchline.runs.identity import fingerprint_of
 from batchline.runs.submit import submit_file
 from tests.support.jobs import job_toml, requests_file
-from tests.support.kafka import dead_letters, results, wait_for
+from tests.support.kafka import wait_for
+from tests.support.oracle import assert_exactly_once, job_outcomes
 from tests.support.procs import CliProcess
 
 LOSS_BOUND_S = 4
@@ -166,7 +167,8 @@ def _ending(worker: CliProcess) -> str:
 
 
 def _outcomes(kafka: KafkaSettings, topics: JobTopics) -> set[str]:
-    return set(results(kafka, topics)) | set(dead_letters(kafka, topics))
+    """The ids with a committed result or dead letter."""
+    return job_outcomes(kafka.bootstrap, topics).ids()
 
 
 def _committed(kafka: KafkaSettings, topics: JobTopics, group: str) -> dict[int, int]:
@@ -186,7 +188,8 @@ def test_killed_broker(job_name: str, tmp_path: Path, logs_dir: Path) -> None:
         topics, cfg, ids, _ = _job(kafka, job_name, tmp_path, records=100, latency_ms=1)
         worker = CliProcess(["worker", job_name, "--config", str(cfg)], broker.bootstrap, logs_dir / "w.log", ENV)
         with worker:
-            wait_for(lambda: ids <= set(results(kafka, topics)), PROGRESS_TIMEOUT_S, "every record's result")
+            wait_for(lambda: ids <= _outcomes(kafka, topics), PROGRESS_TIMEOUT_S, "every record's result")
+            assert set(assert_exactly_once(broker.bootstrap, topics, ids).results) == ids
             broker.stop()
             assert worker.wait(EXIT_TIMEOUT_S) == ExitCode.BROKER
     lost = re.fullmatch(
@@ -207,7 +210,7 @@ def test_lost_broker(job_name: str, tmp_path: Path, logs_dir: Path) -> None:
         worker = CliProcess(["worker", job_name, "--config", str(cfg)], bootstrap, logs_dir / "w1.log", ENV).start()
         try:
             wait_for(
-                lambda: len(results(kafka, topics)) >= FIRST_RESULTS, PROGRESS_TIMEOUT_S, "the worker's first results"
+                lambda: len(_outcomes(kafka, topics)) >= FIRST_RESULTS, PROGRESS_TIMEOUT_S, "the worker's first results"
             )
             proxy.cut()
             code = worker.wait(EXIT_TIMEOUT_S)
@@ -233,6 +236,7 @@ def test_lost_broker(job_name: str, tmp_path: Path, logs_dir: Path) -> None:
         with CliProcess(args, bootstrap, logs_dir / "w2.log") as second:
             wait_for(lambda: ids <= _outcomes(kafka, topics), PROGRESS_TIMEOUT_S, "every id with an outcome")
             assert second.wait(EXIT_TIMEOUT_S) == 0
+        assert_exactly_once(bootstrap, topics, ids)
 
 
 def test_topic_deleted_mid_run(job_name: str, tmp_path: Path, logs_dir: Path) -> None:
@@ -244,7 +248,7 @@ def test_topic_deleted_mid_run(job_name: str, tmp_path: Path, logs_dir: Path) ->
         worker = CliProcess(["worker", job_name, "--config", str(cfg)], broker.bootstrap, logs_dir / "w.log", ENV)
         with worker:
             wait_for(
-                lambda: len(results(kafka, topics)) >= FIRST_RESULTS, PROGRESS_TIMEOUT_S, "the worker's first results"
+                lambda: len(_outcomes(kafka, topics)) >= FIRST_RESULTS, PROGRESS_TIMEOUT_S, "the worker's first results"
             )
             admin = make_admin(kafka)
             for future in admin.delete_topics([topics.dlq], operation_timeout=10).values():

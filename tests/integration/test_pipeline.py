@@ -1,4 +1,5 @@
-"""The core path on the real embedded broker: records -> micro-batches -> results, offsets after results."""
+"""The core path on the real embedded broker: records -> micro-batches -> results, offsets after results.
+Outcomes are judged by the oracle (tests/support/oracle.py): exactly one committed outcome per id, nothing open."""
 
 from __future__ import annotations
 
@@ -13,7 +14,8 @@ from batchline.kafka.topics import JobTopics
 from batchline.runs.identity import fingerprint_of
 from batchline.runs.submit import submit_file
 from tests.support.jobs import job_toml, requests_file
-from tests.support.kafka import dead_letters, produce_raw, results, wait_for
+from tests.support.kafka import produce_raw, wait_for
+from tests.support.oracle import assert_exactly_once, job_outcomes, lineage_of
 from tests.support.procs import CliProcess
 
 RUN_TIMEOUT_S = 180.0
@@ -27,11 +29,9 @@ def _worker(job: str, cfg: Path, kafka: KafkaSettings, logs: Path, name: str, id
     )
 
 
-def _assert_exactly_once(view: dict, ids: set[str]) -> None:
-    assert set(view) == ids, f"missing {sorted(ids - set(view))[:5]}, unexpected {sorted(set(view) - ids)[:5]}"
-    for rid, copies in view.items():
-        payloads = {(r.output, r.request_id) for r, _, _ in copies}
-        assert len(payloads) == 1, f"{rid} has differing duplicates: {payloads}"
+def _done(kafka: KafkaSettings, topics: JobTopics) -> int:
+    """How many ids have a committed outcome."""
+    return len(job_outcomes(kafka.bootstrap, topics).ids())
 
 
 def test_2000_requests_through_two_workers(
@@ -47,28 +47,27 @@ def test_2000_requests_through_two_workers(
     start = time.monotonic()
     workers = [_worker(job_name, cfg, kafka, logs_dir, f"w{i}").start() for i in range(2)]
     try:
-        wait_for(lambda: len(results(kafka, topics)) >= len(valid), RUN_TIMEOUT_S, "all results")
+        wait_for(lambda: _done(kafka, topics) >= len(valid | bad), RUN_TIMEOUT_S, "all outcomes")
         elapsed = time.monotonic() - start
     finally:
         codes = [w.stop() for w in workers]
     print(f"\n2000 records through 2 workers: {elapsed:.1f}s, {2000 / elapsed:.0f} records/s (incl. group join)")
     assert codes == [0, 0], [w.log()[-2000:] for w in workers]
 
-    view = results(kafka, topics)
-    _assert_exactly_once(view, valid)
-    letters = dead_letters(kafka, topics)
-    assert set(letters) == bad
-    assert all(dl.failure_class == "invalid_input" and dl.run_id == report.run_id for v in letters.values() for dl in v)
-    assert all(json.loads(v[0].payload)["id"] == rid for rid, v in letters.items())  # original bytes kept
+    outcomes = assert_exactly_once(kafka.bootstrap, topics, valid | bad)
+    assert set(outcomes.results) == valid and set(outcomes.dead) == bad
+    letters = {rid: letter for rid, [(letter, _)] in outcomes.dead.items()}
+    assert all(dl.failure_class == "invalid_input" and dl.run_id == report.run_id for dl in letters.values())
+    assert all(json.loads(dl.payload)["id"] == rid for rid, dl in letters.items())  # original bytes kept
     workers_seen = set()
-    for rid, copies in view.items():
-        result, lineage, rec = copies[0]
+    for rid, [(result, rec)] in outcomes.results.items():
+        lineage = lineage_of(rec)
         assert lineage.engine == "deterministic" and lineage.config_digest == fp.config_digest
         assert lineage.fingerprint == fp.value and lineage.run_id == report.run_id == result.run_id
         assert lineage.source_topic == topics.requests
-        assert rec.headers[h.CONFIG_DIGEST].decode() == fp.config_digest
-        assert rec.headers[h.RUN_ID].decode() == report.run_id and rec.key == rid.encode()
-        assert h.TRACEPARENT in rec.headers
+        assert (rec.header(h.CONFIG_DIGEST) or b"").decode() == fp.config_digest
+        assert (rec.header(h.RUN_ID) or b"").decode() == report.run_id and rec.key == rid.encode()
+        assert rec.header(h.TRACEPARENT) is not None
         workers_seen.add(lineage.worker_id)
     assert len(workers_seen) == 2, "both workers should have taken partitions"
 
@@ -82,16 +81,16 @@ def test_worker_killed_mid_run_loses_nothing(
     submit_file(kafka, topics, tmp_path / "in.jsonl", fingerprint_of(load_job_config(job_name, cfg)))
 
     victim = _worker(job_name, cfg, kafka, logs_dir, "victim").start()
-    wait_for(lambda: len(results(kafka, topics)) >= 200, RUN_TIMEOUT_S, "the first results")
+    wait_for(lambda: _done(kafka, topics) >= 200, RUN_TIMEOUT_S, "the first results")
     victim.kill()
-    before = len(results(kafka, topics))
+    before = _done(kafka, topics)
     assert before < len(valid), "the kill must land mid-run"
     survivor = _worker(job_name, cfg, kafka, logs_dir, "restarted").start()
     try:
-        wait_for(lambda: len(results(kafka, topics)) >= len(valid), RUN_TIMEOUT_S, "all results after restart")
+        wait_for(lambda: _done(kafka, topics) >= len(valid), RUN_TIMEOUT_S, "all results after restart")
     finally:
         assert survivor.stop() == 0, survivor.log()[-2000:]
-    _assert_exactly_once(results(kafka, topics), valid)
+    assert set(assert_exactly_once(kafka.bootstrap, topics, valid).results) == valid
 
 
 def test_sink_failure_commits_nothing_and_the_batch_is_processed_again(
@@ -134,13 +133,14 @@ def test_sink_failure_commits_nothing_and_the_batch_is_processed_again(
     assert len(at_rewind) == 1
     # The offset committed when the third transaction failed is the one the second transaction committed.
     assert at_rewind[0] == committed_after[2]
-    view = results(kafka, topics)
+    view = assert_exactly_once(kafka.bootstrap, topics, valid).results
     assert set(view) == valid
     failed_seq, failed_ids = failed[0]
     assert failed_ids, "the failed batch held records"
     for rid in failed_ids:
-        seqs = {int(lin.batch_id.rsplit("-", 1)[1]) for _, lin, _ in view[rid]}
-        assert seqs and min(seqs) > failed_seq, (rid, seqs)  # re-read and processed by a later batch
+        [(_, rec)] = view[rid]
+        seq = int(lineage_of(rec).batch_id.rsplit("-", 1)[1])
+        assert seq > failed_seq, (rid, seq)  # re-read and processed by a later batch
 
 
 def test_upstream_json_without_submit_is_processed(
@@ -154,9 +154,8 @@ def test_upstream_json_without_submit_is_processed(
     produce_raw(kafka, topics.requests, records)
     worker = _worker(job_name, cfg, kafka, logs_dir, "w", idle=4).start()
     try:
-        wait_for(lambda: len(results(kafka, topics)) >= 100, RUN_TIMEOUT_S, "results of upstream records")
+        wait_for(lambda: _done(kafka, topics) >= 100, RUN_TIMEOUT_S, "results of upstream records")
     finally:
         assert worker.stop() == 0, worker.log()[-2000:]
-    view = results(kafka, topics)
-    assert set(view) == {f"up-{i}" for i in range(100)}
-    assert all(copies[0][0].run_id is None and copies[0][1].run_id is None for copies in view.values())
+    view = assert_exactly_once(kafka.bootstrap, topics, {f"up-{i}" for i in range(100)}).results
+    assert all(result.run_id is None and lineage_of(rec).run_id is None for [(result, rec)] in view.values())

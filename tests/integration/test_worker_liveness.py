@@ -1,5 +1,6 @@
 """The worker never stalls: records too large for the broker, and a flow-controlled worker whose partitions move
-to a second worker and back. Every id reaches an outcome within a bound (issue 9's worker scenarios)."""
+to a second worker and back. Every id reaches an outcome within a bound (issue 9's worker scenarios), and the
+oracle finds exactly one committed outcome per id and nothing left open."""
 
 from __future__ import annotations
 
@@ -15,7 +16,8 @@ from batchline.kafka.topics import JobTopics
 from batchline.runs.identity import fingerprint_of
 from batchline.runs.replay import replay_dlq
 from tests.support.jobs import job_toml
-from tests.support.kafka import dead_letters, produce_raw, results, wait_for
+from tests.support.kafka import produce_raw, wait_for
+from tests.support.oracle import assert_exactly_once, job_outcomes
 from tests.support.procs import CliProcess
 
 OUTCOME_TIMEOUT_S = 90.0  # bound on every id's outcome once the workers run
@@ -24,7 +26,7 @@ NEAR = 1_040_000  # just under max_request_bytes (1 MiB) and above librdkafka's 
 
 
 def _outcomes(kafka: KafkaSettings, topics: JobTopics) -> set[str]:
-    return set(results(kafka, topics)) | set(dead_letters(kafka, topics))
+    return job_outcomes(kafka.bootstrap, topics).ids()
 
 
 def _worker(job: str, cfg: Path, kafka: KafkaSettings, logs: Path, name: str) -> CliProcess:
@@ -58,15 +60,14 @@ def test_requests_too_large_for_the_broker_are_dead_lettered_and_hold_nothing_ba
             "an outcome for every id, the oversized ones included",
         )
         assert worker.alive(), worker.log()[-2000:]
-    assert set(results(kafka, topics)) == set(ordinary)
-    letters = dead_letters(kafka, topics)
-    assert set(letters) == {"big", "near"}
-    (small,) = {letter.request_id: letter for letter in letters["big"]}.values()
+    outcomes = assert_exactly_once(kafka.bootstrap, topics, {*ordinary, "big", "near"})
+    assert set(outcomes.results) == set(ordinary) and set(outcomes.dead) == {"big", "near"}
+    [(small, _)] = outcomes.dead["big"]
     assert small.failure_class == "invalid_input" and small.payload_omitted
     assert small.payload == b"" and small.payload_size == len(big)
     assert small.payload_sha256 == hashlib.sha256(big).hexdigest()
     # the request under max_request_bytes fits a dead letter with its payload (its prompt is over max_model_len)
-    (kept,) = {letter.request_id: letter for letter in letters["near"]}.values()
+    [(kept, _)] = outcomes.dead["near"]
     assert kept.failure_class == "invalid_input" and kept.payload == near and not kept.payload_omitted
     # a DLQ replay re-publishes what it has a payload for, and leaves the payload-less letter out (never empty)
     config = load_job_config(job_name, tmp_path / "job.toml")
@@ -84,13 +85,13 @@ def test_a_flow_controlled_worker_keeps_fetching_after_a_second_worker_joins_and
     cfg.write_text(cfg.read_text().replace("[batching]", "[batching]\nmax_in_flight_records = 20"))
     first = _worker(job_name, cfg, kafka, logs_dir, "first").start()
     try:
-        wait_for(lambda: len(results(kafka, topics)) >= 40, OUTCOME_TIMEOUT_S, "the first worker's progress")
+        wait_for(lambda: len(_outcomes(kafka, topics)) >= 40, OUTCOME_TIMEOUT_S, "the first worker's progress")
         second = _worker(job_name, cfg, kafka, logs_dir, "second").start()
         wait_for(lambda: "assigned" in second.log(), OUTCOME_TIMEOUT_S, "the second worker's assignment")
-        wait_for(lambda: len(results(kafka, topics)) >= 120, OUTCOME_TIMEOUT_S, "progress with two workers")
+        wait_for(lambda: len(_outcomes(kafka, topics)) >= 120, OUTCOME_TIMEOUT_S, "progress with two workers")
         assert second.stop() == 0, second.log()[-2000:]  # SIGTERM: it drains, commits and leaves
-        wait_for(lambda: set(results(kafka, topics)) >= set(ids), OUTCOME_TIMEOUT_S, "every id after the leave")
+        wait_for(lambda: _outcomes(kafka, topics) >= set(ids), OUTCOME_TIMEOUT_S, "every id after the leave")
     finally:
         assert first.stop() == 0, first.log()[-2000:]
-    view = results(kafka, topics)
-    assert set(view) == set(ids) and dead_letters(kafka, topics) == {}
+    outcomes = assert_exactly_once(kafka.bootstrap, topics, set(ids))
+    assert set(outcomes.results) == set(ids) and outcomes.dead == {}

@@ -1,0 +1,202 @@
+"""The tests' oracle of exactly-once: what the log has *committed*, judged from the log itself.
+
+The embedded broker never fills a fetch response's aborted-transactions list, so a read_committed consumer
+there sees aborted records too and cannot tell "committed once" from "committed twice". The oracle reads each
+partition raw (tests/support/wire.py: kafka-python's protocol and record parser, read_uncommitted, control
+batches included) and settles every transactional batch by its producer's next control record in the same
+partition, as a broker that fills the aborted list would: COMMIT -> committed, ABORT -> aborted; records whose
+transaction has no marker yet are *open*. Non-transactional records are committed as written.
+
+:func:`settle` is the pure part (one partition's batches in, a :class:`Settlement` out; unit tested on
+hand-built logs). :func:`committed`, :func:`open_transactions` and :func:`job_outcomes` read a broker;
+:func:`assert_exactly_once` is what fault tests end with: every id one committed outcome (one result xor one
+dead letter), no committed copy twice, nothing open on the job's requests, results, retry and DLQ topics.
+"""
+
+from __future__ import annotations
+
+import time
+from collections.abc import Iterable
+from dataclasses import dataclass, field
+
+from batchline.kafka import headers as h
+from batchline.kafka.topics import JobTopics
+from schemas import DeadLetter, Lineage, Result, codec_for
+from tests.support.wire import Batch, Rec, read_batches
+
+__all__ = [
+    "Batch",
+    "OpenTxn",
+    "Outcomes",
+    "Rec",
+    "Settlement",
+    "assert_exactly_once",
+    "committed",
+    "job_outcomes",
+    "lineage_of",
+    "open_transactions",
+    "settle",
+    "settle_topics",
+]
+
+SETTLE_TIMEOUT_S = 30.0
+SHOW = 8  # how many ids or transactions a failure message names
+
+
+@dataclass(frozen=True)
+class OpenTxn:
+    """A transaction with records in one partition and no marker yet."""
+
+    topic: str
+    partition: int
+    producer_id: int
+    first_offset: int
+    last_offset: int
+    records: int
+
+    def __str__(self) -> str:
+        return (
+            f"{self.topic}[{self.partition}] producer {self.producer_id}: {self.records} records open "
+            f"at offsets {self.first_offset}-{self.last_offset}"
+        )
+
+
+@dataclass
+class Settlement:
+    """A log's records by fate. ``committed`` and ``aborted`` are in (topic, partition, offset) order."""
+
+    committed: list[Rec] = field(default_factory=list)
+    aborted: list[Rec] = field(default_factory=list)
+    open: list[OpenTxn] = field(default_factory=list)
+
+    def extend(self, other: Settlement) -> None:
+        self.committed.extend(other.committed)
+        self.aborted.extend(other.aborted)
+        self.open.extend(other.open)
+
+
+def settle(batches: Iterable[Batch]) -> Settlement:
+    """Settle one partition's batches (in offset order). Pure.
+
+    Each producer id has at most one transaction in progress per partition: its transactional data batches
+    since its last marker. A COMMIT marker commits them, an ABORT marker aborts them; a marker with nothing
+    in progress (a control batch first in the log, or a second marker) settles nothing.
+    """
+    out = Settlement()
+    pending: dict[int, list[Rec]] = {}
+    for batch in batches:
+        if batch.control:
+            records = pending.pop(batch.producer_id, [])
+            (out.committed if batch.commit else out.aborted).extend(records)
+        elif batch.transactional:
+            pending.setdefault(batch.producer_id, []).extend(batch.records)
+        else:
+            out.committed.extend(batch.records)
+    for pid, records in pending.items():
+        if records:
+            first, last = records[0], records[-1]
+            out.open.append(OpenTxn(first.topic, first.partition, pid, first.offset, last.offset, len(records)))
+    out.committed.sort(key=lambda r: r.offset)
+    out.aborted.sort(key=lambda r: r.offset)
+    out.open.sort(key=lambda t: t.first_offset)
+    return out
+
+
+def settle_topics(bootstrap: str, topics: Iterable[str]) -> Settlement:
+    """Every partition of ``topics`` read raw to its end and settled."""
+    out = Settlement()
+    for _, batches in sorted(read_batches(bootstrap, topics).items()):
+        out.extend(settle(batches))
+    return out
+
+
+def committed(bootstrap: str, topic: str) -> list[Rec]:
+    """The committed records of ``topic``, by partition and offset."""
+    return settle_topics(bootstrap, [topic]).committed
+
+
+def open_transactions(bootstrap: str, topics: Iterable[str]) -> list[OpenTxn]:
+    """The transactions with records on ``topics`` and no marker yet."""
+    return settle_topics(bootstrap, topics).open
+
+
+@dataclass
+class Outcomes:
+    """A job's committed outcomes by request id (lists: a second committed copy is visible), what is open on
+    its data topics, and how many records the log holds aborted (for reports, not a fault)."""
+
+    results: dict[str, list[tuple[Result, Rec]]]
+    dead: dict[str, list[tuple[DeadLetter, Rec]]]
+    open: list[OpenTxn]
+    aborted: int
+
+    def ids(self) -> set[str]:
+        return set(self.results) | set(self.dead)
+
+    def placed(self) -> dict[str, str]:
+        """Each id's committed outcome: 'result' or its dead letter's failure class (the last one, if several)."""
+        dead = {rid: letters[-1][0].failure_class for rid, letters in self.dead.items()}
+        return dead | dict.fromkeys(self.results, "result")
+
+    def where(self, rid: str) -> list[str]:
+        """Each committed outcome of ``rid``: 'result T[p]@o' or 'dead letter (class) T[p]@o'."""
+        return [f"result {rec.where}" for _, rec in self.results.get(rid, [])] + [
+            f"dead letter ({d.failure_class}) {rec.where}" for d, rec in self.dead.get(rid, [])
+        ]
+
+    def problems(self, ids: set[str] | None = None) -> list[str]:
+        """Every breach of exactly-once, one line each; ``ids``: the ids that must each have an outcome (and no
+        other id may have one). Empty when exactly-once holds."""
+        lines: list[str] = []
+        twice = sorted(rid for rid in self.ids() if len(self.where(rid)) > 1)
+        if twice:
+            lines.append(f"{len(twice)} ids with more than one committed outcome:")
+            lines += [f"  {rid}: {', '.join(self.where(rid))}" for rid in twice[:SHOW]]
+        if ids is not None:
+            missing, extra = sorted(ids - self.ids()), sorted(self.ids() - ids)
+            if missing:
+                lines.append(f"{len(missing)} ids without a committed outcome, e.g. {missing[:SHOW]}")
+            if extra:
+                lines.append(f"{len(extra)} unexpected ids with committed outcomes, e.g. {extra[:SHOW]}")
+        if self.open:
+            lines.append(f"{len(self.open)} transactions open:")
+            lines += [f"  {txn}" for txn in self.open[:SHOW]]
+        return lines
+
+
+def job_outcomes(bootstrap: str, topics: JobTopics) -> Outcomes:
+    """Read the job's requests, results, retry tiers and DLQ raw; decode the committed results and dead letters."""
+    data = [topics.requests, topics.results, *topics.retries, topics.dlq]
+    log = settle_topics(bootstrap, data)
+    results: dict[str, list[tuple[Result, Rec]]] = {}
+    dead: dict[str, list[tuple[DeadLetter, Rec]]] = {}
+    result_codec, letter_codec = codec_for("result"), codec_for("dead_letter")
+    for rec in log.committed:
+        if rec.topic == topics.results:
+            result = result_codec.decode(rec.value or b"")
+            results.setdefault(result.request_id, []).append((result, rec))
+        elif rec.topic == topics.dlq:
+            letter = letter_codec.decode(rec.value or b"")
+            dead.setdefault(letter.request_id, []).append((letter, rec))
+    return Outcomes(results, dead, log.open, len(log.aborted))
+
+
+def lineage_of(rec: Rec) -> Lineage:
+    """The lineage header of a result or dead letter."""
+    return codec_for("lineage").decode(rec.header(h.LINEAGE) or b"")
+
+
+def assert_exactly_once(
+    bootstrap: str, topics: JobTopics, ids: set[str] | None = None, settle_timeout_s: float = SETTLE_TIMEOUT_S
+) -> Outcomes:
+    """Assert that each of ``ids`` (or each id seen) has exactly one committed outcome, that no id has two, and
+    that nothing is open on the job's data topics. A transaction still open is given ``settle_timeout_s`` to
+    end (a stopping worker may be committing its last one); duplicates and losses fail at once."""
+    deadline = time.monotonic() + settle_timeout_s
+    outcomes = job_outcomes(bootstrap, topics)
+    while outcomes.open and time.monotonic() < deadline:
+        time.sleep(0.5)
+        outcomes = job_outcomes(bootstrap, topics)
+    problems = outcomes.problems(ids)
+    assert not problems, f"exactly-once broken on job {topics.job}:\n" + "\n".join(problems)
+    return outcomes
