@@ -43,7 +43,7 @@ from batchline.runs.status import TOP_QUARANTINED
 from schemas import codec_for
 from schemas.codec import DecodeError
 from streams.exceptions import StreamsError
-from streams.outcomes import outcome_of_record
+from streams.outcomes import OutcomeReader
 from streams.slots import TP, Layout
 from streams.store import LedgerStore
 from streams.tally import Outcome
@@ -111,6 +111,7 @@ class Ledger:
         settings: LedgerSettings | None = None,
     ) -> None:
         self.topics = JobTopics(config.job, config.retry.tiers)
+        self.outcomes = OutcomeReader(self.topics)
         self.settings = settings or LedgerSettings()
         self.snapshot_interval_s = snapshot_interval_s
         self.reader: Consumer = make_reader(kafka, **READER_LIMITS)
@@ -250,7 +251,7 @@ class Ledger:
 
     def _decode(self, msg: Message) -> Outcome | None:
         try:
-            return outcome_of_record(msg, self.topics)
+            return self.outcomes.read(msg)
         except DecodeError as exc:
             self.undecodable += 1
             log.warning("ledger skips unreadable %s[%d]@%d: %s", msg.topic(), msg.partition(), msg.offset(), exc)
