@@ -195,7 +195,9 @@ if d[p] > 1:
 {v} = d[p] == 1
 p += 1""",
     "timestamp": """
-{v}, p = _timestamp(d, p)""",
+{v}, p = _long(d, p)
+if not _MIN_MS < {v} < _MAX_MS:
+    raise _Unsure""",
 }
 _INLINE["int"] = _INLINE["long"]
 
@@ -242,7 +244,8 @@ def _compile(writer: dict[str, Any], reader: dict[str, Any], wanted: tuple[str, 
         raise _Unsure
     if any(n not in written and "default" not in f for n, f in read.items()):
         raise _Unsure
-    helpers: dict[str, Any] = {"_long": _long, "_timestamp": _timestamp, "_DOUBLE": _DOUBLE, "_Unsure": _Unsure}
+    helpers: dict[str, Any] = {"_long": _long, "_DOUBLE": _DOUBLE, "_Unsure": _Unsure}
+    helpers |= {"_MIN_MS": _MIN_MS, "_MAX_MS": _MAX_MS}
     lines = ["def walk(d, p):"]
     for f in writer["fields"]:
         target = f"v{wanted.index(f['name'])}" if f["name"] in wanted else "_"
@@ -270,8 +273,9 @@ class Skimmer:
         self.wanted = wanted
         self._walks: dict[bytes, Callable[[bytes, int], Any]] = {}
         for fp, writer in codec.writers.items():
-            with contextlib.suppress(_Unsure):
-                self._walks[fp] = _compile(writer, codec.parsed, wanted)
+            if isinstance(writer, dict) and isinstance(codec.parsed, dict):
+                with contextlib.suppress(_Unsure):
+                    self._walks[fp] = _compile(writer, codec.parsed, wanted)
         self._confluent = self._walks.get(codec.fingerprint)
 
     def read(self, data: bytes) -> tuple[Any, ...] | None:

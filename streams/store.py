@@ -156,12 +156,19 @@ class LedgerStore:
 
     # -- folding ---------------------------------------------------------------------------------------
     def fold(self, slot: int, outcomes: list[Outcome]) -> set[str]:
-        """Fold a batch of one slot's outcomes; returns the runs whose counts changed."""
-        by_run: dict[str, list[Outcome]] = {}
+        """Fold a batch of one slot's outcomes; returns the runs whose counts changed.
+
+        One SELECT of the batch's ids that the store has (per run, in chunks), the fold in memory, one executemany
+        of the ids that changed: two statements per poll, whatever the batch's size."""
+        by_run: dict[str | None, list[Outcome]] = {}
         for o in outcomes:
-            by_run.setdefault(run_of(o.run_id), []).append(o)
+            events = by_run.get(o.run_id)
+            if events is None:
+                events = by_run[o.run_id] = []
+            events.append(o)
         changed: set[str] = set()
-        for run, events in by_run.items():
+        for run_id, events in by_run.items():
+            run = run_of(run_id)
             rid = self._rid(run)
             counts = self.counts(slot, run)
             states = self._load(slot, rid, list({e.request_id for e in events}))
@@ -173,7 +180,7 @@ class LedgerStore:
             if touched:
                 self.db.executemany(
                     "INSERT OR REPLACE INTO ids VALUES (?, ?, ?, ?, ?, ?, ?)",
-                    [(slot, rid, i, s.status, s.failure_class, s.attempts, s.value) for i, s in touched.items()],
+                    [(slot, rid, i, *s) for i, s in touched.items()],
                 )
                 self._dirty.add((slot, rid))
                 changed.add(run)
@@ -212,8 +219,8 @@ class LedgerStore:
                 f"SELECT id, status, class, attempts, value FROM ids WHERE slot = ? AND rid = ? AND id IN ({marks})",
                 (slot, rid, *chunk),
             )
-            for i, status, cls, attempts, value in rows:
-                out[i] = IdState(status, cls, attempts, value)
+            for row in rows:
+                out[row[0]] = row[1:]
         return out
 
     # -- checkpoints -----------------------------------------------------------------------------------

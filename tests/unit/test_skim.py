@@ -16,12 +16,13 @@ from fastavro.schema import fingerprint, to_parsing_canonical_form
 from hypothesis import given, settings
 from hypothesis import strategies as st
 
+from batchline.kafka import headers as h
 from batchline.kafka.topics import JobTopics
 from schemas import codec_for
-from schemas.codec import DecodeError
+from schemas.codec import DecodeError, fallback_id
 from schemas.skim import Skimmer
 from streams.outcomes import OutcomeReader
-from streams.tally import DEAD, RESULT, Outcome
+from streams.tally import DEAD, RESULT, RETRY, Outcome
 from tests.unit.test_codec import HISTORY
 
 READER = OutcomeReader(JobTopics("skim", ("5s",)))
@@ -122,18 +123,14 @@ def by_reader(kind: str, data: bytes) -> Outcome | None:
 
 
 def same(a: Outcome | None, b: Outcome | None) -> bool:
+    """Equal outcomes, NaN equal to NaN (a record may carry one)."""
     if a is None or b is None:
         return a is b
-    nan = [isinstance(x, float) and math.isnan(x) for x in (a.value, b.value, a.latency_ms, b.latency_ms)]
-    if nan[0] != nan[1] or nan[2] != nan[3]:
-        return False
-    plain = {"value": 0.0} if nan[0] else {}
-    plain |= {"latency_ms": 0.0} if nan[2] else {}
-    return a.__class__(**{**_fields(a), **plain}) == b.__class__(**{**_fields(b), **plain})
+    return _comparable(a) == _comparable(b)
 
 
-def _fields(o: Outcome) -> dict[str, Any]:
-    return {name: getattr(o, name) for name in o.__slots__}
+def _comparable(o: Outcome) -> tuple[Any, ...]:
+    return tuple("nan" if isinstance(x, float) and math.isnan(x) else x for x in o)
 
 
 def corrupt(data: bytes, how: int, at: int, junk: bytes) -> bytes:
@@ -184,3 +181,19 @@ def test_a_corrupted_record_is_accepted_or_rejected_as_the_codec_does(
 def test_random_bodies_are_accepted_or_rejected_as_the_codec_does(kind: str, body: bytes) -> None:
     data = b"\xc3\x01" + codec_for(kind).fingerprint + body
     assert same(by_reader(kind, data), by_codec(kind, data))
+
+
+HEADER_VALUES = st.none() | st.binary(max_size=6) | st.sampled_from([b"1", b"7", b" 2 ", b"x", "\u00e9".encode()])
+
+
+@settings(max_examples=500, deadline=None)
+@given(
+    st.lists(st.tuples(st.sampled_from([h.REQUEST_ID, h.RUN_ID, h.ATTEMPT, "other"]), HEADER_VALUES), max_size=5),
+    st.none() | st.binary(max_size=4),
+    st.binary(max_size=4),
+)
+def test_a_retry_reads_its_headers_as_the_helpers_do(headers: list[Any], key: bytes | None, value: bytes) -> None:
+    seen = h.as_dict(headers)
+    rid = h.text(seen, h.REQUEST_ID) or fallback_id(key, value)
+    expected = Outcome(RETRY, rid, h.text(seen, h.RUN_ID), attempt=h.integer(seen, h.ATTEMPT, 0))
+    assert READER.retry(headers, key, value) == expected
