@@ -69,6 +69,9 @@ READER_LIMITS = {
     "fetch.max.bytes": 4 << 20,
     "max.partition.fetch.bytes": 1 << 20,
     "enable.partition.eof": False,
+    # A fetch of a caught-up partition waits at most this long at the broker, and a watermark or position request
+    # behind it on the same connection as long (librdkafka's 500 ms showed in every restart).
+    "fetch.wait.max.ms": 100,
 }
 
 
@@ -160,8 +163,7 @@ class Ledger:
         if self.store.meta("layout") != described or self.store.meta("cluster") != cluster:
             self.store.reset(f"new layout or cluster ({described}, {cluster})", layout=described, cluster=cluster)
         resumed = sorted(self.store.held_slots())
-        for slot in resumed:
-            self._start_slot(slot)
+        self._start_slots(resumed)
         log.info(
             "ledger of %s in %s: %s; resuming slots %s from their checkpoint",
             self.topics.job,
@@ -198,8 +200,8 @@ class Ledger:
         if msgs:
             self.last_activity = time.monotonic()
         self._empty_rounds = 0 if msgs else self._empty_rounds + 1
-        if not msgs and any(not p.caught_up for p in self.reading.values()):
-            self._check_caught_up()
+        if len(msgs) < POLL_BATCH and any(not p.caught_up for p in self.reading.values()):
+            self._check_caught_up()  # the queue ran dry: positions are local, no request
         ready = any(p.caught_up and p.dirty for p in self.reading.values())
         if ready and time.monotonic() >= self._next_publish:
             self.publish()
@@ -267,7 +269,8 @@ class Ledger:
         return False
 
     def _check_caught_up(self) -> None:
-        """A slot is caught up once an empty poll finds its partitions at or past their high watermarks at start.
+        """A slot is caught up once a poll that emptied the queue finds its partitions at or past their high
+        watermarks at start (waiting for an empty poll cost a poll timeout per restart).
 
         Ten empty polls in a row also count: under read_committed a trailing transaction marker can keep the
         position one short of the watermark. (The embedded broker under-reports high watermarks - the last
@@ -344,28 +347,40 @@ class Ledger:
         return Layout.of(self.topics.results, counts)
 
     def _start_slot(self, slot: int) -> None:
-        """Read a slot from its checkpoint (re-reading the last folded record to verify it), else from the start."""
-        if slot in self.reading or slot >= self._layout.slots:
-            return
-        checkpoint = self._store.offsets(slot)
-        progress = SlotProgress(targets={}, verify={})
+        self._start_slots([slot])
+
+    def _start_slots(self, slots: list[int]) -> None:
+        """Read slots from their checkpoint (re-reading the last folded record to verify it), else from the start.
+
+        Every watermark is asked for before any partition is assigned: once the reader fetches, each ListOffsets
+        request waits behind a fetch the broker holds for ``fetch.wait.max.ms`` (12 partitions took 3 s to resume
+        when asked slot by slot)."""
+        starting = [s for s in dict.fromkeys(slots) if s not in self.reading and s < self._layout.slots]
+        highs = {
+            tp: self.reader.get_watermark_offsets(TopicPartition(*tp), METADATA_TIMEOUT_S, cached=False)[1]
+            for slot in starting
+            for tp in self._layout.partitions(slot)
+        }
         assign = []
-        for tp in self._layout.partitions(slot):
-            _, high = self.reader.get_watermark_offsets(TopicPartition(*tp), METADATA_TIMEOUT_S, cached=False)
-            progress.targets[tp] = high
-            nxt, ts = checkpoint.get(tp, (0, 0))
-            if nxt > 0 and high == 0:
-                log.warning("ledger store of slot %d: %s[%d] is empty now: rebuilding the slot", slot, *tp)
+        for slot in starting:
+            checkpoint = self._store.offsets(slot)
+            if any(checkpoint.get(tp, (0, 0))[0] > 0 and highs[tp] == 0 for tp in self._layout.partitions(slot)):
+                log.warning("ledger store of slot %d: a partition is empty now: rebuilding the slot", slot)
                 self._store.drop_slot(slot)
-                return self._start_slot(slot)
-            if nxt > 0:
-                progress.verify[tp] = (nxt - 1, ts)
-                self._verifying = True
-            self.consumed[tp] = (nxt, ts)
-            self.slot_of[tp] = slot
-            assign.append(TopicPartition(*tp, nxt - 1 if nxt > 0 else OFFSET_BEGINNING))
-        self.reader.incremental_assign(assign)
-        self.reading[slot] = progress
+                checkpoint = {}
+            progress = SlotProgress(targets={}, verify={})
+            for tp in self._layout.partitions(slot):
+                progress.targets[tp] = highs[tp]
+                nxt, ts = checkpoint.get(tp, (0, 0))
+                if nxt > 0:
+                    progress.verify[tp] = (nxt - 1, ts)
+                    self._verifying = True
+                self.consumed[tp] = (nxt, ts)
+                self.slot_of[tp] = slot
+                assign.append(TopicPartition(*tp, nxt - 1 if nxt > 0 else OFFSET_BEGINNING))
+            self.reading[slot] = progress
+        if assign:
+            self.reader.incremental_assign(assign)
 
     def _stop_slot(self, slot: int) -> None:
         """Checkpoint a slot and stop reading it; its state stays on disk for a later resume."""
@@ -383,11 +398,9 @@ class Ledger:
     def _on_assign(self, consumer: Consumer, partitions: list[TopicPartition]) -> None:
         consumer.incremental_assign(partitions)
         consumer.pause(partitions)  # the group only says who owns what; the reader reads
-        for tp in partitions:
-            slot = self._layout.slot_of_assigned(tp.partition)
-            if slot is not None:
-                self.owned.add(slot)
-                self._start_slot(slot)
+        given = [s for tp in partitions if (s := self._layout.slot_of_assigned(tp.partition)) is not None]
+        self.owned.update(given)
+        self._start_slots(given)
         self._confirm()
 
     def _on_revoke(self, consumer: Consumer, partitions: list[TopicPartition]) -> None:
@@ -415,8 +428,7 @@ class Ledger:
             self._stop_slot(slot)
         self.layout = layout
         self._store.reset(f"layout changed to {layout.describe()}", layout=layout.describe(), cluster=self.cluster)
-        for slot in sorted(self.owned):
-            self._start_slot(slot)
+        self._start_slots(sorted(self.owned))
 
     def close(self) -> None:
         try:
