@@ -237,12 +237,13 @@ class Feeder:
     def _fill(self) -> None:
         """Move backlog records into the running batch, up to ``limit``."""
         engine: StreamingEngine = self.engine  # type: ignore[assignment]
+        now = time.time() if self._stops else 0.0
         while self._backlog and len(self._running) < self.limit:
             key = self._backlog.popleft()
             slot = self._slots.get(key)
             if slot is None:
                 continue
-            if self._stops and (stopped := self._stopped(slot)) is not None:
+            if self._stops and (stopped := self._stopped(slot, now)) is not None:
                 self._settle(key, stopped)
                 continue
             failure = engine.add(key, slot.inp)
@@ -251,11 +252,11 @@ class Feeder:
             else:
                 self._running.add(key)
 
-    def _stopped(self, slot: _Slot) -> RecordFailure | None:
-        """A ``cancelled`` / ``expired`` failure for a record whose run stopped before it started, else None."""
+    def _stopped(self, slot: _Slot, now: float) -> RecordFailure | None:
+        """A ``cancelled`` / ``expired`` failure for a record whose run stopped before ``now``, else None."""
         run_id = slot.flight.items[slot.index].run_id
         stop = self._stops.get(run_id or "")
-        if stop is None or time.time() < stop[0]:
+        if stop is None or now < stop[0]:
             return None
         kind = "RunCancelled" if stop[1] == CANCELLED else "RunExpired"
         return RecordFailure(kind, stop_message(stop[1], run_id), stop[1])  # type: ignore[arg-type]
@@ -299,8 +300,9 @@ class Feeder:
         keys = [self._backlog.popleft() for _ in range(min(len(self._backlog), self.config.batching.max_records))]
         keys = [k for k in keys if k in self._slots]
         if self._stops:
+            now = time.time()
             for key in keys:
-                if (stopped := self._stopped(self._slots[key])) is not None:
+                if (stopped := self._stopped(self._slots[key], now)) is not None:
                     self._settle(key, stopped)
             keys = [k for k in keys if k in self._slots]
         if keys:

@@ -38,7 +38,7 @@ from batchline.kafka.topics import (
     sized_topics,
     topic_message_bytes,
 )
-from batchline.runs.control import stop_message
+from batchline.runs.control import CANCELLED, stop_message
 from batchline.runs.identity import Fingerprint, fingerprint_of
 from batchline.telemetry import Health, WorkerMetrics
 from consumers.batcher import Batcher
@@ -354,7 +354,7 @@ class Worker:
             if item.runnable:
                 stop = stops.get(item.run_id or "")
                 if stop is not None and now >= stop[0]:
-                    kind = "RunCancelled" if stop[1] == "cancelled" else "RunExpired"
+                    kind = "RunCancelled" if stop[1] == CANCELLED else "RunExpired"
                     item.failure = Failure(stop[1], kind, stop_message(stop[1], item.run_id))  # type: ignore[arg-type]
 
     # -- sink ------------------------------------------------------------------------------------

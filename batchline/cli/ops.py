@@ -223,17 +223,26 @@ def export(
     )
 
 
+ENDED = ("complete", "incomplete-with-quarantine", "complete-via-replay", "expired")  # states cancel leaves alone
+
+
 def cancel(
     job: str,
     run: Annotated[str, typer.Option("--run", help="The run to cancel.")],
     bootstrap: Bootstrap = DEFAULT_BOOTSTRAP,
 ) -> None:
-    """Cancel run RUN: its records no worker has started end cancelled (no engine time); in-flight ones finish."""
+    """Cancel run RUN: its records no worker has started end cancelled (no engine time); in-flight ones finish.
+    A run that already ended (complete, with quarantine, expired) is left as it is."""
     from batchline.kafka.topics import JobTopics
     from batchline.runs.control import cancel_run
+    from batchline.runs.status import collect
 
     topics = JobTopics(job)
-    kafka = connect(bootstrap, topics, [topics.runs])
+    kafka = connect(bootstrap, topics, [topics.runs, topics.ledger])
+    ended = [st.state for st in collect(kafka, topics, run) if st.run_id == run and st.state in ENDED]
+    if ended:
+        out.print(f"run {run} is already {ended[0]}: not cancelled", highlight=False)
+        return
     manifest = cancel_run(kafka, topics, run)
     assert manifest.cancelled_at is not None
     out.print(f"run {run} cancelled at {manifest.cancelled_at.isoformat(timespec='seconds')}", highlight=False)

@@ -48,7 +48,8 @@ SYNC_TIMEOUT_S = 10.0
 
 
 class RunsView:
-    def __init__(self, kafka: KafkaSettings, topics: JobTopics) -> None:
+    def __init__(self, kafka: KafkaSettings, topics: JobTopics, start: int = 0) -> None:
+        """``start``: the offset of J.runs to read from (0: everything; later: only what was written since)."""
         self.kafka = kafka
         self.topics = topics
         self._runs: dict[str, RunManifest] = {}
@@ -58,12 +59,12 @@ class RunsView:
         # read without the lock by the worker's and the scheduler's threads: a dict lookup on their hot path.
         self.stops: dict[str, tuple[float, str]] = {}
         self._lock = threading.Lock()
-        self._position = 0
+        self._position = start
         self._stop = threading.Event()
         self._thread: threading.Thread | None = None
         # J.runs is small and a worker may wait on it (the open stream's claim read back): short fetch waits.
         self._consumer = make_reader(kafka, **{"fetch.wait.max.ms": 20, "fetch.error.backoff.ms": 20})
-        self._consumer.assign([TopicPartition(topics.runs, 0, 0)])
+        self._consumer.assign([TopicPartition(topics.runs, 0, start)])
         # A second handle for watermark queries: the first is busy in consume() on the view's thread.
         self._meta = make_reader(kafka)
 

@@ -15,6 +15,7 @@ from batchline.config import KafkaSettings
 from batchline.exceptions import NotFoundError
 from batchline.kafka.scan import scan
 from batchline.kafka.topics import JobTopics
+from batchline.runs.control import STOP_CLASSES
 from batchline.runs.identity import Fingerprint
 from batchline.runs.manifests import RunsView
 from batchline.runs.submit import Format, SubmitReport, publish_run, submit_file
@@ -35,7 +36,9 @@ def succeeded_ids(kafka: KafkaSettings, topics: JobTopics) -> set[str]:
 def quarantined(
     kafka: KafkaSettings, topics: JobTopics, run_id: str | None = None, failure_class: str | None = None
 ) -> dict[str, DeadLetter]:
-    """The latest dead letter of each id that has no result, filtered by run and class."""
+    """The latest dead letter of each id that has no result, filtered by run and class. Records of a cancelled or
+    expired run (classes ``cancelled``, ``expired``) are not quarantined: only an explicit ``failure_class`` names
+    them (``dlq J replay --run R --class cancelled`` runs them after all, as a child run)."""
     letters: dict[str, DeadLetter] = {}
     for msg in scan(kafka, topics.dlq):
         try:
@@ -49,7 +52,7 @@ def quarantined(
         for rid, dl in letters.items()
         if rid not in done
         and (run_id is None or dl.run_id == run_id)
-        and (failure_class is None or dl.failure_class == failure_class)
+        and (dl.failure_class == failure_class if failure_class is not None else dl.failure_class not in STOP_CLASSES)
     }
 
 

@@ -174,15 +174,17 @@ def submit_file(
     )
 
 
-def existing_run(kafka: KafkaSettings, topics: JobTopics, run_id: str) -> SubmitReport:
+def existing_run(kafka: KafkaSettings, topics: JobTopics, run_id: str, view: RunsView | None = None) -> SubmitReport:
     """The report of a run already submitted (an idempotency key's owner): nothing is published. Its manifest is
-    None while its submitter has not written it yet (a claim just won, or a submitter that died after claiming)."""
-    view = RunsView(kafka, topics)
+    None while its submitter has not written it yet (a claim just won, or a submitter that died after claiming).
+    ``view``: a started view to reuse, else one is read for this call."""
+    runs = view or RunsView(kafka, topics)
     try:
-        view.sync()
-        manifest = view.get(run_id)
+        runs.sync()
+        manifest = runs.get(run_id)
     finally:
-        view.stop()
+        if view is None:
+            runs.stop()
     report = SubmitReport(run_id, manifest=manifest, existing=True)
     if manifest is not None:
         report.records, report.invalid, report.value_total = (
@@ -205,17 +207,19 @@ def publish_run(
     progress: Callable[[int], None] | None = None,
     completion_window_s: float | None = None,
     idempotency_key: str | None = None,
+    view: RunsView | None = None,
 ) -> SubmitReport:
     """Publish ``(fallback id, record)`` pairs as one run pinned to ``fp`` and write its manifest.
 
     ``completion_window_s``: the run's records not finished that long after now end ``expired``.
     ``idempotency_key``: claimed for this run first (:func:`batchline.runs.control.claim_idempotency`); a key
-    another run owns returns that run's report (``existing``) and publishes nothing (``records`` is not read)."""
+    another run owns returns that run's report (``existing``) and publishes nothing (``records`` is not read).
+    ``view``: a started :class:`RunsView` of the job to decide the key with (a server keeps one), else one is read."""
     report = SubmitReport(run_id or new_run_id())
     if idempotency_key is not None:
-        owner = claim_idempotency(kafka, topics, idempotency_key, report.run_id)
+        owner = claim_idempotency(kafka, topics, idempotency_key, report.run_id, view)
         if owner != report.run_id:
-            return existing_run(kafka, topics, owner)
+            return existing_run(kafka, topics, owner, view)
     created = datetime.now(UTC)
     expires = created + timedelta(seconds=completion_window_s) if completion_window_s is not None else None
     # Pin the run before its first record exists, so no worker ever sees it unpinned.
@@ -230,7 +234,7 @@ def publish_run(
         expires_at=expires,
         idempotency_key=idempotency_key,
     )
-    write_manifest(kafka, topics, opening)
+    opened_at = write_manifest(kafka, topics, opening)
     producer = make_producer(kafka)
     errors: list[str] = []
 
@@ -278,14 +282,15 @@ def publish_run(
         }
     )
     write_manifest(kafka, topics, report.manifest)
-    report.manifest = _keep_cancel(kafka, topics, report.manifest)
+    report.manifest = _keep_cancel(kafka, topics, report.manifest, opened_at)
     return report
 
 
-def _keep_cancel(kafka: KafkaSettings, topics: JobTopics, final: RunManifest) -> RunManifest:
-    """A cancel written while the run was being published is kept: the final manifest is written again with its
-    ``cancelled_at``, so compaction (which keeps the latest manifest of a run) cannot lose it."""
-    view = RunsView(kafka, topics)
+def _keep_cancel(kafka: KafkaSettings, topics: JobTopics, final: RunManifest, since: int) -> RunManifest:
+    """A cancel written while the run was being published (after offset ``since`` of J.runs) is kept: the final
+    manifest is written again with its ``cancelled_at``, so compaction (which keeps the latest manifest of a run)
+    cannot lose it."""
+    view = RunsView(kafka, topics, start=since)
     try:
         view.sync()
         latest = view.get(final.run_id)

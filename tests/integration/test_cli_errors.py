@@ -220,7 +220,7 @@ def test_model_directory_that_is_not_a_model(model: str, nowhere: str, tmp_path:
 
 
 # -- 7: not found ----------------------------------------------------------------------------------
-@pytest.mark.parametrize("command", ["status", "replay", "export", "dlq replay"])
+@pytest.mark.parametrize("command", ["status", "replay", "export", "dlq replay", "cancel"])
 def test_unknown_run(
     command: str, kafka: KafkaSettings, job_name: str, make_job: Callable[..., JobTopics], tmp_path: Path
 ) -> None:
@@ -231,6 +231,7 @@ def test_unknown_run(
         "replay": ["replay", job_name, "--run", "r-none", "--config", cfg],
         "export": ["export", job_name, "--run", "r-none", "--out", str(tmp_path / "out.jsonl")],
         "dlq replay": ["dlq", job_name, "replay", "--run", "r-none", "--config", cfg],
+        "cancel": ["cancel", job_name, "--run", "r-none"],
     }[command]
     proc = run_cli(kafka.bootstrap, *args, check=False)
     assert proc.returncode == ExitCode.NOT_FOUND
@@ -241,6 +242,7 @@ def test_unknown_run(
             "replay": f"error: run r-none has no manifest with boundaries in {topics.runs}",
             "export": f"error: no run 'r-none' in {topics.runs} at {kafka.bootstrap}",
             "dlq replay": "error: no quarantined records for run r-none class (any)",
+            "cancel": f"error: no run 'r-none' in {topics.runs} at {kafka.bootstrap}",
         }[command]
     )
     assert not (tmp_path / "out.jsonl").exists()

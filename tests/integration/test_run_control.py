@@ -23,10 +23,11 @@ from batchline.kafka.topics import JobTopics
 from batchline.runs.control import cancel_run
 from batchline.runs.identity import fingerprint_of
 from batchline.runs.manifests import RunsView
-from batchline.runs.submit import SubmitReport, submit_file
+from batchline.runs.submit import SubmitReport, publish_run, submit_file
 from consumers.engines.base import EngineInput, Outcome
 from consumers.engines.deterministic import DeterministicEngine
 from consumers.worker import Worker
+from schemas import codec_for
 from tests.support.cli import run_cli, status_json
 from tests.support.jobs import job_toml, requests_file
 from tests.support.kafka import dead_letters, read_topic, results, wait_for
@@ -99,7 +100,7 @@ def test_cancel_mid_run_starts_nothing_more_and_every_record_ends(
     kafka: KafkaSettings, job_name: str, make_job: Callable[..., JobTopics], tmp_path: Path
 ) -> None:
     topics = make_job(job_name, partitions=2, tiers=("1s", "2s"))
-    cfg_path, config = _config(job_name, tmp_path / "job.toml", "batch_latency_ms = 100, max_running = 4")
+    cfg_path, config = _config(job_name, tmp_path / "job.toml", "batch_latency_ms = 100, max_running = 2")
     ids, _ = requests_file(tmp_path / "in.jsonl", 200)
     engine = CountingEngine(config)
     streams = _streams(job_name, cfg_path, kafka, tmp_path)
@@ -107,15 +108,13 @@ def test_cancel_mid_run_starts_nothing_more_and_every_record_ends(
         with _worker(config, kafka, engine):
             run = submit_file(kafka, topics, tmp_path / "in.jsonl", fingerprint_of(config)).run_id
             wait_for(lambda: len(engine.ran) >= 12, RUN_TIMEOUT_S, "a dozen records run")
-            printed = run_cli(kafka.bootstrap, "cancel", job_name, "--run", run).stdout.strip()
-            assert printed.startswith(f"run {run} cancelled at ") and "\n" not in printed
+            cancelled_at = cancel_run(kafka, topics, run).cancelled_at  # in-process: the CLI's start-up is seconds
+            assert cancelled_at is not None
             states: list[str] = []
             st = _settled(kafka, job_name, run, states, "cancelled")
             ran_after_settled = list(engine.ran)
-        again = run_cli(kafka.bootstrap, "cancel", job_name, "--run", run).stdout.strip()
-        assert again == printed, "cancel is idempotent: the first cancel's time"
-        unknown = run_cli(kafka.bootstrap, "cancel", job_name, "--run", "no-such-run", check=False)
-        assert unknown.returncode == ExitCode.NOT_FOUND and unknown.stderr.count("\n") == 1
+        again = run_cli(kafka.bootstrap, "cancel", job_name, "--run", run).stdout
+        assert again == f"run {run} cancelled at {cancelled_at.isoformat(timespec='seconds')}\n", "idempotent"
     finally:
         streams.stop()
 
@@ -124,6 +123,7 @@ def test_cancel_mid_run_starts_nothing_more_and_every_record_ends(
     assert len(ran_after_settled) == len(set(ran_after_settled)), "a record ran twice"
     assert set(engine.ran) == done, "the engine ran exactly the records with a result, none of the cancelled"
     assert done | cancelled == ids and not done & cancelled and set(letters) == cancelled
+    print(f"\ncancelled mid-run: {len(done)} records ran, {len(cancelled)} cancelled")
     assert 12 <= len(done) < 200 and cancelled
     assert (st["succeeded"], st["cancelled"], st["failed"], st["expired"]) == (len(done), len(cancelled), 0, 0)
     assert st["succeeded"] + st["failed"] + st["cancelled"] + st["expired"] == st["total"] == 200
@@ -200,6 +200,8 @@ def test_records_not_finished_within_the_completion_window_expire_and_partial_re
             )
             states: list[str] = []
             st = _settled(kafka, job_name, run, states, "expired")
+        ended = run_cli(kafka.bootstrap, "cancel", job_name, "--run", run).stdout.strip()
+        assert ended == f"run {run} is already expired: not cancelled"
     finally:
         streams.stop()
 
@@ -207,6 +209,7 @@ def test_records_not_finished_within_the_completion_window_expire_and_partial_re
     expired = {rid for rid, cls in letters.items() if cls == "expired"}
     assert set(engine.ran) == done and len(engine.ran) == len(done), "no expired record ran on the engine"
     assert done | expired == ids and not done & expired and set(letters) == expired
+    print(f"\nexpired after 3 s: {len(done)} records ran, {len(expired)} expired")
     assert done and expired, f"{len(done)} done, {len(expired)} expired: the window should cut the run"
     assert (st["succeeded"], st["expired"], st["failed"], st["cancelled"]) == (len(done), len(expired), 0, 0)
     assert st["expires_at"] is not None and "expired" in states
@@ -271,3 +274,60 @@ def test_a_bad_completion_window_is_one_line_at_submit(text: str, kafka: KafkaSe
                    check=False)  # fmt: skip
     assert proc.returncode == ExitCode.USAGE and "--completion-window" in proc.stderr
     assert proc.stderr.count("\n") == 1 and "Traceback" not in proc.stderr
+
+
+def test_a_cancel_written_while_the_run_is_submitted_survives_the_final_manifest(
+    kafka: KafkaSettings, job_name: str, make_job: Callable[..., JobTopics], tmp_path: Path
+) -> None:
+    """Submit writes the complete manifest after its records; a cancel that came in between must still be the
+    latest manifest of the run's key, so that compaction (which keeps only that one) cannot lose it."""
+    topics = make_job(job_name, partitions=2, tiers=("1s", "2s"))
+    _, config = _config(job_name, tmp_path / "job.toml", "")
+
+    def records() -> Iterator[tuple[str, dict[str, Any] | bytes]]:
+        for i in range(10):
+            if i == 5:
+                assert cancel_run(kafka, topics, "run-racing").complete is False
+            yield f"r-{i}", {"id": f"r-{i}", "prompt": "x"}
+
+    report = publish_run(kafka, topics, fingerprint_of(config), records(), run_id="run-racing")
+    assert report.manifest is not None and report.manifest.cancelled_at is not None and report.manifest.complete
+    latest = [r for r in read_topic(kafka, topics.runs) if r.key == b"run-racing"][-1]
+    manifest = codec_for("run_manifest").decode(latest.value or b"")
+    assert manifest.complete and manifest.record_count == 10 and manifest.cancelled_at is not None
+
+
+def test_runs_cancelled_or_expired_before_any_worker_reached_them_end_without_engine_time(
+    kafka: KafkaSettings, job_name: str, make_job: Callable[..., JobTopics], tmp_path: Path
+) -> None:
+    """No worker of the runs' fingerprint runs at first: the cancelled run reads ``cancelling`` and the one past its
+    window ``expired`` with every record counted expired; a worker then dead-letters all of both, running none."""
+    topics = make_job(job_name, partitions=2, tiers=("1s", "2s"))
+    cfg_path, config = _config(job_name, tmp_path / "job.toml", "")
+    fp = fingerprint_of(config)
+    ids_a, _ = requests_file(tmp_path / "a.jsonl", 30, prefix="a")
+    ids_b, _ = requests_file(tmp_path / "b.jsonl", 30, prefix="b")
+    run_a = submit_file(kafka, topics, tmp_path / "a.jsonl", fp).run_id
+    run_b = submit_file(kafka, topics, tmp_path / "b.jsonl", fp, completion_window_s=1.0).run_id
+    streams = _streams(job_name, cfg_path, kafka, tmp_path)
+    try:
+        cancel_run(kafka, topics, run_a)
+        before = wait_for(
+            lambda: (s := status_json(kafka.bootstrap, job_name))[run_b]["state"] == "expired" and s,
+            RUN_TIMEOUT_S,
+            "run B past its window",
+        )
+        assert (before[run_a]["state"], before[run_a]["pending"], before[run_a]["cancelled"]) == ("cancelling", 30, 0)
+        assert (before[run_b]["pending"], before[run_b]["expired"], before[run_b]["total"]) == (0, 30, 30)
+        engine = CountingEngine(config)
+        with _worker(config, kafka, engine):
+            st_a = _settled(kafka, job_name, run_a, [], "cancelled")
+            wait_for(lambda: len(_letters(kafka, topics)) >= 60, RUN_TIMEOUT_S, "every record dead-lettered")
+            st_b = _settled(kafka, job_name, run_b, [], "expired")
+    finally:
+        streams.stop()
+    letters = _letters(kafka, topics)
+    assert engine.ran == [] and not results(kafka, topics) and set(letters) == ids_a | ids_b
+    assert {letters[r] for r in ids_a} == {"cancelled"} and {letters[r] for r in ids_b} == {"expired"}
+    assert (st_a["cancelled"], st_a["succeeded"], st_a["total"]) == (30, 0, 30)
+    assert (st_b["expired"], st_b["succeeded"], st_b["total"]) == (30, 0, 30)

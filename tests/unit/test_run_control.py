@@ -94,3 +94,17 @@ def test_the_earlier_of_cancel_and_window_decides() -> None:
     assert stop_of(_manifest(expires_at=window, cancelled_at=NOW)) == (NOW.timestamp(), "cancelled")
     late_cancel = NOW + timedelta(hours=2)
     assert stop_of(_manifest(expires_at=window, cancelled_at=late_cancel)) == (window.timestamp(), "expired")
+
+
+def test_a_stopped_runs_held_retries_are_due_at_once_but_never_overtake_the_head() -> None:
+    from streams.retry_scheduler import Held, PartitionQueue
+
+    queue = PartitionQueue()
+    for offset, run in enumerate(["gone", "gone", "live", "gone"]):
+        queue.push(Held("J.retry.1m", 0, offset, b"k", b"v", [("batchline-run-id", run.encode())], 10_000))
+
+    def stopped(held: Held) -> bool:
+        return dict(held.headers)["batchline-run-id"] == b"gone"
+
+    assert [h.offset for h in queue.due(5_000, 100, stopped)] == [0, 1], "the live record holds the one behind it"
+    assert queue.due(5_000, 100) == [] and [h.offset for h in queue.due(10_000, 100, stopped)] == [0, 1, 2, 3]
