@@ -89,6 +89,7 @@ class WorkerStats:
     retries: int = 0
     dead_letters: int = 0
     passed_over: int = 0
+    aborted: int = 0  # requests of aborted transactions, passed over
     transactions: int = 0
     sink_failures: int = 0
     rewinds: int = 0

@@ -29,6 +29,7 @@ from confluent_kafka import Consumer, KafkaError, KafkaException, TopicPartition
 
 from batchline.config import JobConfig, KafkaSettings
 from batchline.exceptions import BatchlineError, ConfigError
+from batchline.kafka.aborted import AbortedIndex
 from batchline.kafka.client import make_consumer
 from batchline.kafka.liveness import BrokerLiveness
 from batchline.kafka.topics import (
@@ -112,6 +113,9 @@ class Worker:
         self.feeder = Feeder(self.engine, config, self.wake.set, self.pinning.view.stops)
         self.router = Router(config, self.fingerprint, self.topics, self.worker_id)
         self.group = self.topics.worker_group(self.fingerprint.value)
+        # requests of aborted transactions (a scheduler's failed re-publish) are passed over: the embedded broker's
+        # read_committed shows them (batchline/kafka/aborted.py); asked on this thread, in _poll
+        self.aborted = AbortedIndex(kafka)
         limits = message_limits(kafka, self.topics, config.max_request_bytes)
         self.sink = TransactionalSink(
             kafka, f"{self.group}.{self.worker_id}", sink_fail_batches, limits, self.router.replacement
@@ -222,6 +226,7 @@ class Worker:
         self.lanes.stop()
         self.liveness.close()
         self.pinning.stop()
+        self.aborted.close()
         try:
             self.consumer.close()
         finally:
@@ -261,6 +266,9 @@ class Worker:
             item.passed_over = self.pinning.pass_over(item)
             if item.passed_over:
                 self.stats.passed_over += 1
+            elif self.aborted.aborted(msg.topic(), msg.partition(), msg.offset()):
+                item.passed_over = "aborted"  # its offset commits with its batch's; nothing is produced for it
+                self.stats.aborted += 1
             self.batcher.add(item)
         if msgs:
             self._last_record = time.monotonic()

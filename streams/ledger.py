@@ -17,6 +17,10 @@ them; a partial from a process that no longer owns its slot is still exact, and 
 and re-reads the last record of each partition to check the store matches the topics (a recreated topic, a broker
 without the data): a mismatch rebuilds the slot from the beginning, as does a lost or unreadable store.
 
+Committed records only: every record the reader gets is checked against an
+:class:`~batchline.kafka.aborted.AbortedIndex` (the embedded broker's read_committed shows aborted transactions;
+the index finds them from the log's COMMIT/ABORT markers); an aborted one moves the checkpoint and counts nothing.
+
 ``J.requests`` is not read: results and dead letters carry the request's value, and a run's total comes from its
 manifest (README "Streams"). faust was not used, see ``retry_scheduler``.
 """
@@ -37,6 +41,7 @@ from pydantic import Field
 from pydantic_settings import BaseSettings, SettingsConfigDict
 
 from batchline.config import JobConfig, KafkaSettings
+from batchline.kafka.aborted import AbortedIndex
 from batchline.kafka.client import make_consumer, make_producer, make_reader
 from batchline.kafka.topics import JobTopics
 from batchline.runs.status import TOP_QUARANTINED
@@ -121,6 +126,7 @@ class Ledger:
         self.settings = settings or LedgerSettings()
         self.snapshot_interval_s = snapshot_interval_s
         self.reader: Consumer = make_reader(kafka, **READER_LIMITS)
+        self.aborted = AbortedIndex(kafka)  # read with the reader, on the ledger's one thread
         self.members: Consumer = make_consumer(kafka, f"{config.job}.ledger")
         self.producer = make_producer(kafka)
         self.store: LedgerStore | None = None
@@ -214,7 +220,7 @@ class Ledger:
         batches: dict[int, list[Outcome]] = {}
         last: dict[TP, Message] = {}
         stale: set[int] = set()
-        slot_of, read, verifying = self.slot_of, self.outcomes.read, self._verifying
+        slot_of, read, aborted, verifying = self.slot_of, self.outcomes.read, self.aborted.aborted, self._verifying
         for msg in msgs:
             if msg.error():
                 log.warning("ledger reader: %s", msg.error().str())
@@ -226,7 +232,9 @@ class Ledger:
             if verifying and not self._verified(slot, tp, msg):
                 stale.add(slot)
                 continue
-            last[tp] = msg
+            last[tp] = msg  # an aborted record moves the checkpoint too
+            if aborted(*tp, msg.offset()):
+                continue
             try:
                 outcome = read(msg)
             except DecodeError as exc:
@@ -393,6 +401,7 @@ class Ledger:
         for tp in tps:
             self.slot_of.pop(tp, None)
             self.consumed.pop(tp, None)
+            self.aborted.forget(*tp)
         del self.reading[slot]
         self._store.release(slot)
 
@@ -446,10 +455,12 @@ class Ledger:
                     self._checkpoint()
                     self.store.close()
                 self.reader.close()
+                self.aborted.close()
         log.info(
-            "ledger of %s stopped: %d records folded, %d snapshots, %d unreadable",
+            "ledger of %s stopped: %d records folded, %d snapshots, %d unreadable, %d aborted left out",
             self.topics.job,
             self.events,
             self.snapshots,
             self.undecodable,
+            self.aborted.skipped,
         )

@@ -47,6 +47,7 @@ from confluent_kafka import Consumer, KafkaError, KafkaException, TopicPartition
 
 from batchline.config import JobConfig, KafkaSettings
 from batchline.kafka import headers as h
+from batchline.kafka.aborted import AbortedIndex
 from batchline.kafka.client import make_consumer
 from batchline.kafka.topics import JobTopics, effective_max_message_bytes
 from batchline.runs.manifests import RunsView
@@ -124,6 +125,7 @@ class SchedulerStats:
     duplicates_ignored: int = 0
     already_committed: int = 0  # held records dropped after an ambiguous commit: the broker had committed them
     stopped: int = 0  # held records of cancelled or expired runs, dead-lettered instead of re-published
+    aborted: int = 0  # retries of aborted transactions, never held (batchline/kafka/aborted.py)
 
 
 class RetryScheduler:
@@ -135,6 +137,7 @@ class RetryScheduler:
         self.instance_id = instance_id or f"{socket.gethostname()}-{os.getpid()}-{uuid.uuid4().hex[:6]}"
         # A small prefetch: paused partitions are not fetched, but a due tier should not flood memory.
         self.consumer: Consumer = make_consumer(kafka, self.group, **{"queued.max.messages.kbytes": 16384})
+        self.aborted = AbortedIndex(kafka)  # asked on the scheduler's thread, in step()
         limits = effective_max_message_bytes(kafka, [self.topics.requests, self.topics.dlq])
         self.republisher = Republisher(kafka, self.topics, f"{self.group}.{self.instance_id}", limits)
         self.runs = RunsView(kafka, self.topics)  # cancels and completion windows (RunsView.stops)
@@ -172,7 +175,11 @@ class RetryScheduler:
                 if msg.error().code() != KafkaError._PARTITION_EOF:
                     log.warning("retry consumer: %s", msg.error().str())
                 continue
-            if (msg.topic(), msg.partition()) in self.assigned:  # not a straggler of a partition given away
+            if (msg.topic(), msg.partition()) not in self.assigned:
+                continue  # a straggler of a partition given away
+            if self.aborted.aborted(msg.topic(), msg.partition(), msg.offset()):
+                self.stats.aborted += 1  # a worker's aborted transaction: the worker redoes that record itself
+            else:
                 self._hold(held_of(msg))
         if time.monotonic() >= self._backoff_until and self._settle():
             self._release_due()
@@ -331,6 +338,7 @@ class RetryScheduler:
             self.unsettled.discard(key)
 
     def close(self) -> None:
+        self.aborted.close()
         try:
             self.consumer.close()
         finally:

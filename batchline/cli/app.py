@@ -243,7 +243,8 @@ def worker(
     stats = w.run()
     console.print(
         f"worker {w.worker_id} stopped: {stats.batches} batches, {stats.results} results, "
-        f"{stats.retries} retries, {stats.dead_letters} dead letters, {stats.passed_over} passed over",
+        f"{stats.retries} retries, {stats.dead_letters} dead letters, {stats.passed_over} passed over"
+        + (f", {stats.aborted} aborted requests skipped" if stats.aborted else ""),
         soft_wrap=True,
     )
 

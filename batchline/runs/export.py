@@ -15,9 +15,10 @@
 - ``parquet``: one row per result (``scores`` a map, ``embedding`` a list, ``lineage`` a struct), written in row
   groups; the error file is JSONL as above.
 
-It streams. Results are read once, in topic order, and written as they come; the request ids already written
-live in a SQLite file in a temporary directory (not in memory), so the same id written twice (a redelivery, or
-an aborted transaction the embedded broker shows) is skipped, and memory stays flat whatever the run's size.
+It streams. Results are read once, in topic order, committed ones only (``scan`` leaves records of aborted
+transactions out, on the embedded broker too), and written as they come; the request ids already written live in
+a SQLite file in a temporary directory (not in memory), so the same id written twice (a copy written outside a
+transaction) is skipped, and memory stays flat whatever the run's size.
 Dead letters go to the same file (the latest per id) and are written at the end for the ids without a result.
 Both files are written under a ``.part`` name and renamed when complete.
 """

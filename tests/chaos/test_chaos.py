@@ -23,7 +23,7 @@ from batchline.runs.submit import submit_file
 from consumers.engines.deterministic import DeterministicEngine
 from tests.support.jobs import job_toml
 from tests.support.kafka import wait_for
-from tests.support.oracle import assert_exactly_once, job_outcomes
+from tests.support.oracle import assert_exactly_once, outcome_ids
 from tests.support.procs import CliProcess
 
 pytestmark = pytest.mark.chaos
@@ -80,7 +80,7 @@ def test_chaos_no_id_lost_and_every_id_has_one_terminal_outcome(
         ).start()
 
     def terminal() -> int:
-        return len(job_outcomes(kafka.bootstrap, topics).ids())
+        return len(outcome_ids(kafka.bootstrap, topics))
 
     scheduler = CliProcess(
         ["streams", job_name, "--config", str(cfg)], kafka.bootstrap, logs_dir / "streams.log"

@@ -38,7 +38,7 @@ from streams.retry_scheduler import scheduler_group
 from tests.chaos.test_chaos import expected_outcome
 from tests.support.jobs import job_toml
 from tests.support.kafka import produce_raw, read_topic, wait_for
-from tests.support.oracle import assert_exactly_once, job_outcomes, lineage_of
+from tests.support.oracle import assert_exactly_once, lineage_of, outcome_ids
 from tests.support.procs import CliProcess
 
 pytestmark = pytest.mark.chaos
@@ -169,7 +169,7 @@ def _stream(kafka: KafkaSettings, topics: JobTopics, lo: int, hi: int) -> dict[s
 
 def _diagnose(kafka: KafkaSettings, topics: JobTopics, ids: set[str], fps: dict[str, str]) -> str:
     """Where the ids without an outcome are, and how far each group has committed, for the failure message."""
-    missing = ids - job_outcomes(kafka.bootstrap, topics).ids()
+    missing = ids - outcome_ids(kafka.bootstrap, topics)
     where: dict[str, list[str]] = {}
     for topic in [topics.requests, *topics.retries]:
         for rec in read_topic(kafka, topic):
@@ -237,7 +237,7 @@ def test_liveness_under_rebalance_storms_pauses_and_kills(
         cluster.thaw(float("inf"))
 
         def terminal() -> bool:
-            return job_outcomes(kafka.bootstrap, topics).ids() >= set(texts)
+            return outcome_ids(kafka.bootstrap, topics) >= set(texts)
 
         try:
             wait_for(terminal, COMPLETION_BOUND_S, "every id's outcome after the storm", interval=2)

@@ -37,7 +37,7 @@ from batchline.runs.identity import fingerprint_of
 from batchline.runs.submit import submit_file
 from tests.support.jobs import job_toml, requests_file
 from tests.support.kafka import wait_for
-from tests.support.oracle import assert_exactly_once, job_outcomes
+from tests.support.oracle import assert_exactly_once, outcome_ids
 from tests.support.procs import CliProcess
 
 LOSS_BOUND_S = 4
@@ -168,7 +168,7 @@ def _ending(worker: CliProcess) -> str:
 
 def _outcomes(kafka: KafkaSettings, topics: JobTopics) -> set[str]:
     """The ids with a committed result or dead letter."""
-    return job_outcomes(kafka.bootstrap, topics).ids()
+    return outcome_ids(kafka.bootstrap, topics)
 
 
 def _committed(kafka: KafkaSettings, topics: JobTopics, group: str) -> dict[int, int]:

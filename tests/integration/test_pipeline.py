@@ -15,7 +15,7 @@ from batchline.runs.identity import fingerprint_of
 from batchline.runs.submit import submit_file
 from tests.support.jobs import job_toml, requests_file
 from tests.support.kafka import produce_raw, wait_for
-from tests.support.oracle import assert_exactly_once, job_outcomes, lineage_of
+from tests.support.oracle import assert_exactly_once, lineage_of, outcome_ids
 from tests.support.procs import CliProcess
 
 RUN_TIMEOUT_S = 180.0
@@ -31,7 +31,7 @@ def _worker(job: str, cfg: Path, kafka: KafkaSettings, logs: Path, name: str, id
 
 def _done(kafka: KafkaSettings, topics: JobTopics) -> int:
     """How many ids have a committed outcome."""
-    return len(job_outcomes(kafka.bootstrap, topics).ids())
+    return len(outcome_ids(kafka.bootstrap, topics))
 
 
 def test_2000_requests_through_two_workers(

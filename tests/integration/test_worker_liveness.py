@@ -17,7 +17,7 @@ from batchline.runs.identity import fingerprint_of
 from batchline.runs.replay import replay_dlq
 from tests.support.jobs import job_toml
 from tests.support.kafka import produce_raw, wait_for
-from tests.support.oracle import assert_exactly_once, job_outcomes
+from tests.support.oracle import assert_exactly_once, outcome_ids
 from tests.support.procs import CliProcess
 
 OUTCOME_TIMEOUT_S = 90.0  # bound on every id's outcome once the workers run
@@ -26,7 +26,7 @@ NEAR = 1_040_000  # just under max_request_bytes (1 MiB) and above librdkafka's 
 
 
 def _outcomes(kafka: KafkaSettings, topics: JobTopics) -> set[str]:
-    return job_outcomes(kafka.bootstrap, topics).ids()
+    return outcome_ids(kafka.bootstrap, topics)
 
 
 def _worker(job: str, cfg: Path, kafka: KafkaSettings, logs: Path, name: str) -> CliProcess:

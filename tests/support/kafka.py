@@ -1,4 +1,6 @@
-"""Read whole topics from the real broker, and the deduplicated views the tests assert on."""
+"""Read whole topics from the real broker (through the product's ``scan``: committed records only), and the views
+by request id the tests assert on. Fault tests judge outcomes with the oracle (tests/support/oracle.py) instead:
+it reads the log raw, with code that is not batchline's."""
 
 from __future__ import annotations
 
@@ -27,7 +29,7 @@ class Record:
 
 
 def read_topic(kafka: KafkaSettings, topic: str) -> list[Record]:
-    """Every record of ``topic`` up to its high watermarks at the time of the call."""
+    """Every committed record of ``topic`` up to its high watermarks at the time of the call."""
     return [
         Record(m.topic(), m.partition(), m.offset(), m.key(), m.value(), h.as_dict(m.headers()), m.timestamp()[1])
         for m in scan(kafka, topic)

@@ -35,6 +35,7 @@ __all__ = [
     "job_outcomes",
     "lineage_of",
     "open_transactions",
+    "outcome_ids",
     "settle",
     "settle_topics",
 ]
@@ -164,9 +165,12 @@ class Outcomes:
         return lines
 
 
-def job_outcomes(bootstrap: str, topics: JobTopics) -> Outcomes:
-    """Read the job's requests, results, retry tiers and DLQ raw; decode the committed results and dead letters."""
-    data = [topics.requests, topics.results, *topics.retries, topics.dlq]
+def job_outcomes(bootstrap: str, topics: JobTopics, outcomes_only: bool = False) -> Outcomes:
+    """Read the job's requests, results, retry tiers and DLQ raw; decode the committed results and dead letters.
+    ``outcomes_only``: read results and DLQ only (cheaper, for polling; ``open`` then covers those two)."""
+    data = [topics.results, topics.dlq]
+    if not outcomes_only:
+        data = [topics.requests, *data, *topics.retries]
     log = settle_topics(bootstrap, data)
     results: dict[str, list[tuple[Result, Rec]]] = {}
     dead: dict[str, list[tuple[DeadLetter, Rec]]] = {}
@@ -179,6 +183,11 @@ def job_outcomes(bootstrap: str, topics: JobTopics) -> Outcomes:
             letter = letter_codec.decode(rec.value or b"")
             dead.setdefault(letter.request_id, []).append((letter, rec))
     return Outcomes(results, dead, log.open, len(log.aborted))
+
+
+def outcome_ids(bootstrap: str, topics: JobTopics) -> set[str]:
+    """The ids with a committed result or dead letter (what a test polls on while a job runs)."""
+    return job_outcomes(bootstrap, topics, outcomes_only=True).ids()
 
 
 def lineage_of(rec: Rec) -> Lineage:

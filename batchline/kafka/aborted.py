@@ -1,0 +1,222 @@
+"""Aborted transactions read from the log itself, for readers on a broker that does not hide them.
+
+A read_committed consumer relies on the broker to list a fetch's aborted transactions. Apache Kafka does; the
+embedded broker (tansu 0.6) never does, so there its read_committed readers get aborted records too (they do stop
+at the last stable offset: an open transaction's records are not delivered). :class:`AbortedIndex` finds the
+aborted records the way a broker does: it reads a partition's record batches raw (kafka-python's Fetch at
+read_uncommitted, batch headers only - data is never decompressed) and settles each producer's transactional
+batches by its next control record, ABORT or COMMIT. A reader asks :meth:`AbortedIndex.aborted` about each
+record it got; the index reads ahead on that partition as far as the record.
+
+It speaks plaintext Kafka only. On a TLS or SASL connection (``security_protocol`` other than PLAINTEXT) it
+answers "not aborted" without reading: such a broker is Apache Kafka (batchline serves the embedded broker on
+plaintext only), whose read_committed already leaves aborted records out. On a plaintext Apache Kafka it reads
+the batch headers a second time and finds nothing the broker did not hide: correct, at that cost.
+
+When a raw read fails (the broker unreachable: nothing commits then either), the index logs it and answers
+"not aborted" - the broker's read_committed - for :data:`UNREACHABLE_S`, then reads again.
+
+Who owns what: one index belongs to one reader thread; it keeps per partition the offset it has read to, the
+batch ranges of each producer's transaction in progress, and the aborted ranges not yet passed.
+"""
+
+from __future__ import annotations
+
+import bisect
+import logging
+import socket
+import time
+from dataclasses import dataclass, field
+from typing import Any
+
+from kafka.protocol.consumer import FetchRequest
+from kafka.protocol.metadata import ApiVersionsRequest, MetadataRequest
+from kafka.protocol.parser import KafkaProtocol
+from kafka.record.default_records import DefaultRecordBatch
+from kafka.record.memory_records import MemoryRecords
+
+from batchline.kafka.settings import KafkaSettings
+
+log = logging.getLogger(__name__)
+IO_TIMEOUT_S = 5.0  # a raw read must not hold a worker's loop for long
+UNREACHABLE_S = 5.0  # after a raw read failed, the broker's read_committed is trusted this long
+FETCH_WAIT_MS = 100
+PARTITION_MAX_BYTES = 1 << 20  # one fetch's bytes: the index holds no records, only their batches' offsets
+SETTLE_TRIES = 20  # fetches that may pass before a record's transaction shows its marker
+FETCH_MAX, METADATA_MAX = 11, 8  # highest versions asked for (non-flexible; Fetch names topics up to v12)
+NOT_LEADER = {3, 5, 6}  # unknown topic or partition, leader not available, not leader: ask metadata again
+TP = tuple[str, int]
+
+
+@dataclass
+class _Partition:
+    """What the index knows of one partition, from where it started reading up to ``read_to``."""
+
+    asked: int  # the last offset asked about (readers ask in offset order)
+    read_to: int
+    pending: dict[int, list[tuple[int, int]]] = field(default_factory=dict)  # producer -> its open batches
+    aborted: list[tuple[int, int]] = field(default_factory=list)  # sorted (first, last) offsets
+
+    def add(self, batch: DefaultRecordBatch) -> None:
+        first, last = batch.base_offset, batch.last_offset
+        if last < self.read_to:
+            return  # a fetch starts at the batch holding the offset asked for: already settled
+        self.read_to = last + 1
+        if batch.is_control_batch:
+            ranges = self.pending.pop(batch.producer_id, [])
+            if ranges and any(record.abort for record in batch):
+                for r in ranges:
+                    bisect.insort(self.aborted, r)
+        elif batch.is_transactional:
+            self.pending.setdefault(batch.producer_id, []).append((first, last))
+
+    def open_at(self, offset: int) -> bool:
+        """Whether ``offset`` lies in a batch of a transaction still in progress (each producer's ranges are
+        appended in offset order: one bisection each)."""
+        for ranges in self.pending.values():
+            i = bisect.bisect_right(ranges, (offset, offset)) - 1
+            if i >= 0 and ranges[i][0] <= offset <= ranges[i][1]:
+                return True
+        return False
+
+    def aborted_at(self, offset: int) -> bool:
+        while self.aborted and self.aborted[0][1] < offset:
+            self.aborted.pop(0)  # readers ask in offset order: ranges passed are done with
+        return bool(self.aborted) and self.aborted[0][0] <= offset
+
+
+class _Conn:
+    """One plaintext socket to one broker, requests answered in turn."""
+
+    def __init__(self, host: str, port: int) -> None:
+        self.sock = socket.create_connection((host, port), IO_TIMEOUT_S)
+        self.proto = KafkaProtocol(client_id="batchline-aborted-index")
+        keys = {k.api_key: k.max_version for k in self.call(ApiVersionsRequest(version=0)).api_keys}
+        self.fetch_version, self.metadata_version = min(FETCH_MAX, keys[1]), min(METADATA_MAX, keys[3])
+
+    def call(self, request: Any) -> Any:
+        self.proto.send_request(request)
+        self.sock.sendall(self.proto.send_bytes())
+        while True:
+            data = self.sock.recv(1 << 20)
+            if not data:
+                raise ConnectionError("the broker closed the connection")
+            for _, response in self.proto.receive_bytes(data):
+                return response
+
+    def close(self) -> None:
+        self.sock.close()
+
+
+class AbortedIndex:
+    """Answers whether a record a read_committed reader got belongs to an aborted transaction."""
+
+    def __init__(self, kafka: KafkaSettings) -> None:
+        self.enabled = kafka.security_protocol == "PLAINTEXT"
+        host, _, port = kafka.bootstrap.split(",")[0].strip().rpartition(":")
+        self.bootstrap = (host.strip("[]"), int(port))
+        self.parts: dict[TP, _Partition] = {}
+        self.conns: dict[tuple[str, int], _Conn] = {}
+        self.leaders: dict[TP, tuple[str, int]] = {}
+        self.skipped = 0  # aborted records answered as such
+        self.unreachable_until = 0.0
+
+    def aborted(self, topic: str, partition: int, offset: int) -> bool:
+        if not self.enabled or time.monotonic() < self.unreachable_until:
+            return False
+        tp = (topic, partition)
+        part = self.parts.get(tp)
+        if part is None or offset < part.asked:
+            # (re)start here - a first read, or a reader that sought back (a rewind): settling from any offset is
+            # exact for the records after it, and ranges already passed were let go
+            part = self.parts[tp] = _Partition(offset, offset)
+        part.asked = offset
+        for _ in range(SETTLE_TRIES):
+            if offset < part.read_to and not part.open_at(offset):
+                break
+            try:
+                self._read(tp, part)
+            except (OSError, ValueError) as exc:  # socket errors, a response that does not parse
+                self._unreachable(tp, exc)
+                return False
+        else:
+            log.warning("%s[%d]@%d: no transaction marker found after it; counted as committed", *tp, offset)
+            return False
+        hit = part.aborted_at(offset)
+        self.skipped += hit
+        return hit
+
+    def forget(self, topic: str, partition: int) -> None:
+        """Drop what is known of a partition (a reader that lets it go)."""
+        self.parts.pop((topic, partition), None)
+
+    def _unreachable(self, tp: TP, exc: Exception) -> None:
+        log.warning(
+            "raw read of %s[%d] failed (%s: %s): trusting the broker's read_committed for %.0f s",
+            *tp,
+            type(exc).__name__,
+            exc,
+            UNREACHABLE_S,
+        )
+        self.unreachable_until = time.monotonic() + UNREACHABLE_S
+        self.parts.pop(tp, None)  # read again from the next record asked about
+        self.leaders.clear()
+        self.close()
+
+    def _read(self, tp: TP, part: _Partition) -> None:
+        """One fetch from ``part.read_to``; its batches' headers settle what they can."""
+        conn = self._conn(tp)
+        partition = FetchRequest.FetchTopic.FetchPartition(
+            partition=tp[1], fetch_offset=part.read_to, partition_max_bytes=PARTITION_MAX_BYTES
+        )
+        request = FetchRequest(
+            version=conn.fetch_version,
+            replica_id=-1,
+            max_wait_ms=FETCH_WAIT_MS,
+            min_bytes=1,
+            max_bytes=PARTITION_MAX_BYTES,
+            isolation_level=0,  # read_uncommitted: the control batches too
+            session_id=0,
+            session_epoch=-1,
+            topics=[FetchRequest.FetchTopic(topic=tp[0], partitions=[partition])],
+            forgotten_topics_data=[],
+            rack_id="",
+        )
+        for topic in conn.call(request).responses:
+            for data in topic.partitions:
+                if data.error_code in NOT_LEADER:
+                    self.leaders.pop(tp, None)
+                elif data.error_code:
+                    log.warning("raw fetch of %s[%d]@%d: error %d", *tp, part.read_to, data.error_code)
+                for batch in MemoryRecords(bytes(data.records or b"")):
+                    if isinstance(batch, DefaultRecordBatch):
+                        part.add(batch)
+
+    def _conn(self, tp: TP) -> _Conn:
+        if tp not in self.leaders:
+            self._metadata(tp[0])
+        address = self.leaders.get(tp, self.bootstrap)
+        if address not in self.conns:
+            self.conns[address] = _Conn(*address)
+        return self.conns[address]
+
+    def _metadata(self, topic: str) -> None:
+        conn = self.conns.get(self.bootstrap) or self.conns.setdefault(self.bootstrap, _Conn(*self.bootstrap))
+        request = MetadataRequest(
+            version=conn.metadata_version,
+            topics=[MetadataRequest.MetadataRequestTopic(name=topic)],
+            allow_auto_topic_creation=False,
+        )
+        meta = conn.call(request)
+        nodes = {b.node_id: (b.host, b.port) for b in meta.brokers}
+        for t in meta.topics:
+            for p in t.partitions:
+                if p.leader_id in nodes:
+                    self.leaders[(t.name, p.partition_index)] = nodes[p.leader_id]
+        if not any(tp[0] == topic for tp in self.leaders):
+            time.sleep(0.2)  # a topic just created: its leaders are known in a moment
+
+    def close(self) -> None:
+        for conn in self.conns.values():
+            conn.close()
+        self.conns.clear()

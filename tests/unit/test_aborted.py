@@ -1,0 +1,72 @@
+"""The product's aborted-transaction index (batchline/kafka/aborted.py) on hand-built logs, checked against the
+tests' oracle: both settle the same log, by different code, to the same aborted records."""
+
+from __future__ import annotations
+
+import pytest
+from hypothesis import given, settings
+from kafka.record.default_records import DefaultRecordBatch
+from kafka.record.memory_records import MemoryRecords
+
+from batchline.config import KafkaSettings
+from batchline.kafka.aborted import AbortedIndex, _Partition
+from batchline.kafka.broker import free_port
+from tests.support.oracle import settle
+from tests.unit.test_oracle import ABORT, COMMIT, STEPS, data, log, marker
+
+
+def index(*chunks: bytes, start: int = 0) -> _Partition:
+    part = _Partition(start, start)
+    for batch in MemoryRecords(b"".join(chunks)):
+        assert isinstance(batch, DefaultRecordBatch)
+        part.add(batch)
+    return part
+
+
+def test_aborted_and_open_offsets_of_interleaved_producers() -> None:
+    part = index(
+        data(0, 1, ["a", "b"]),  # 0-1: producer 1, aborted at 5
+        data(2, 2, ["c"]),  # 2: producer 2, committed at 4
+        data(3, -1, ["p"], txn=False),
+        marker(4, 2, COMMIT),
+        marker(5, 1, ABORT),
+        data(6, 1, ["d"]),  # 6: producer 1 again, still open
+    )
+    assert part.read_to == 7
+    assert [o for o in range(7) if part.open_at(o)] == [6]
+    assert [o for o in range(6) if part.aborted_at(o)] == [0, 1]
+
+
+def test_a_read_started_mid_log_settles_what_follows() -> None:
+    """The ledger resumes from a checkpoint: the index starts there, knowing nothing of earlier batches."""
+    part = index(data(10, 3, ["x", "y"]), marker(12, 3, ABORT), marker(13, 4, COMMIT), start=10)
+    assert part.aborted_at(10) and part.aborted_at(11) and not part.aborted_at(12) and not part.pending
+
+
+@settings(max_examples=150, deadline=None)
+@given(STEPS)
+def test_the_index_finds_the_records_the_oracle_settles_as_aborted(steps: list[tuple[int, str]]) -> None:
+    chunks, records = [], set()
+    for offset, (pid, kind) in enumerate(steps):
+        if kind == "data" or not pid:
+            chunks.append(data(offset, pid if pid else -1, [f"r{offset}"], txn=pid > 0))
+            records.add(offset)
+        else:
+            chunks.append(marker(offset, pid, COMMIT if kind == "commit" else ABORT))
+    oracle = settle(log(*chunks))
+    part = index(*chunks)
+    settled = {r.offset for r in [*oracle.committed, *oracle.aborted]}
+    assert {o for o in records if part.open_at(o)} == records - settled
+    assert {o for o in range(len(steps)) if part.aborted_at(o)} == {r.offset for r in oracle.aborted}
+
+
+def test_an_unreachable_broker_is_trusted_for_a_while_not_waited_for(caplog: pytest.LogCaptureFixture) -> None:
+    """No broker at the address: the index answers 'not aborted' (the broker's read_committed) at once, says so
+    once, and does not try again on every record."""
+    index_ = AbortedIndex(KafkaSettings(bootstrap=f"127.0.0.1:{free_port()}"))
+    try:
+        assert [index_.aborted("t", 0, o) for o in range(3)] == [False, False, False]
+    finally:
+        index_.close()
+    assert len([r for r in caplog.records if "trusting the broker's read_committed" in r.message]) == 1
+    assert AbortedIndex(KafkaSettings(security_protocol="SSL")).enabled is False
