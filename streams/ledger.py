@@ -27,6 +27,8 @@ manifest (README "Streams"). faust was not used, see ``retry_scheduler``.
 
 from __future__ import annotations
 
+import ctypes
+import ctypes.util
 import logging
 import os
 import socket
@@ -79,6 +81,29 @@ READER_LIMITS = {
     # behind it on the same connection as long (librdkafka's 500 ms showed in every restart).
     "fetch.wait.max.ms": 100,
 }
+
+
+TRIM_EVERY = 50  # polls with records between returns of freed memory to the OS (malloc_trim)
+
+
+def _malloc_trim() -> None:
+    """Give the memory freed since the last call back to the OS (glibc's ``malloc_trim``; elsewhere nothing).
+
+    The reader's fetch buffers are freed in librdkafka's threads' malloc arenas and stayed resident: at 1M ids a
+    fold ended at 155 MB RSS, 93 MB when trimmed every 50 polls, and the peak went from 151 to 140 MB."""
+    if _LIBC is not None:
+        _LIBC.malloc_trim(0)
+
+
+def _libc() -> ctypes.CDLL | None:
+    try:
+        libc = ctypes.CDLL(ctypes.util.find_library("c"))
+    except OSError:
+        return None
+    return libc if hasattr(libc, "malloc_trim") else None
+
+
+_LIBC = _libc()
 
 
 def _default_dir() -> Path:
@@ -145,6 +170,7 @@ class Ledger:
         self._next_publish = 0.0
         self._last_commit = self._last_refresh = time.monotonic()
         self._empty_rounds = 0
+        self._polls = 0
         self._verifying = False  # some slot still has a checkpointed record to re-read (SlotProgress.verify)
 
     @property
@@ -206,6 +232,9 @@ class Ledger:
         self._fold(msgs)
         if msgs:
             self.last_activity = time.monotonic()
+            self._polls += 1
+            if self._polls % TRIM_EVERY == 0:
+                _malloc_trim()
         self._empty_rounds = 0 if msgs else self._empty_rounds + 1
         if len(msgs) < POLL_BATCH and any(not p.caught_up for p in self.reading.values()):
             self._check_caught_up()  # the queue ran dry: positions are local, no request
