@@ -394,6 +394,8 @@ class Ledger:
         request waits behind a fetch the broker holds for ``fetch.wait.max.ms`` (12 partitions took 3 s to resume
         when asked slot by slot)."""
         starting = [s for s in dict.fromkeys(slots) if s not in self.reading and s < self._layout.slots]
+        if starting:
+            self._empty_rounds = 0  # polls before a slot read anything (the group join) say nothing of its catch-up
         highs = {
             tp: self.reader.get_watermark_offsets(TopicPartition(*tp), METADATA_TIMEOUT_S, cached=False)[1]
             for slot in starting
