@@ -35,7 +35,9 @@ log = logging.getLogger(__name__)
 SCHEMA_VERSION = "1"
 CACHE_KIB = 16 * 1024
 MAX_FOLDERS = 64
-CHUNK = 500  # ids per SELECT ... IN (...)
+CHUNK = 512  # ids per SELECT ... IN (...)
+_SELECT = "SELECT id, status, class, attempts, value FROM ids WHERE slot = ? AND rid = ? AND id IN ({})"
+_SELECT_IDS = {1 << n: _SELECT.format(",".join("?" * (1 << n))) for n in range(CHUNK.bit_length())}
 TP = tuple[str, int]
 Checkpoint = dict[TP, tuple[int, int]]  # (topic, partition) -> (next offset, timestamp of the last record read)
 
@@ -212,13 +214,12 @@ class LedgerStore:
         return rid
 
     def _load(self, slot: int, rid: int, ids: list[str]) -> dict[str, IdState]:
+        """The stored states of ``ids``. Each chunk is padded (with its last id) to a power of two, so the
+        connection's statement cache holds ten SELECTs, not one compiled statement per batch size seen."""
         out: dict[str, IdState] = {}
         for chunk in _chunks(ids, CHUNK):
-            marks = ",".join("?" * len(chunk))
-            rows = self.db.execute(
-                f"SELECT id, status, class, attempts, value FROM ids WHERE slot = ? AND rid = ? AND id IN ({marks})",
-                (slot, rid, *chunk),
-            )
+            size = 1 << (len(chunk) - 1).bit_length()
+            rows = self.db.execute(_SELECT_IDS[size], (slot, rid, *chunk, *[chunk[-1]] * (size - len(chunk))))
             for row in rows:
                 out[row[0]] = row[1:]
         return out

@@ -1,8 +1,9 @@
 """The completion ledger's arithmetic, with no Kafka and no store in it: one request id's state and a run's counts.
 
 The ledger (``streams/ledger.py``) decodes outcome records (``J.results``, ``J.dlq``, ``J.retry.*``) into
-:class:`Outcome` events; :func:`fold` moves one id's :class:`IdState` and the run's :class:`RunCounts` by exactly
-the difference the event makes, so counts are maintained incrementally and a snapshot never costs O(ids).
+:class:`Outcome` events; :func:`fold` moves one id's state (:data:`IdState`, a tuple) and the run's
+:class:`RunCounts` by exactly the difference the event makes, so counts are maintained incrementally and a
+snapshot never costs O(ids).
 The store (``streams/store.py``) keeps the id states on disk; :func:`compute_run_stats` is the same fold over
 plain lists in memory, for tests and tools, merged exactly as ``batchline status`` merges the ledger's partials.
 
