@@ -27,6 +27,8 @@ manifest (README "Streams"). faust was not used, see ``retry_scheduler``.
 
 from __future__ import annotations
 
+import ctypes
+import ctypes.util
 import logging
 import os
 import socket
@@ -49,7 +51,7 @@ from batchline.runs.status import TOP_QUARANTINED
 from schemas import codec_for
 from schemas.codec import DecodeError
 from streams.exceptions import StreamsError
-from streams.outcomes import outcome_of_record
+from streams.outcomes import OutcomeReader
 from streams.slots import TP, Layout
 from streams.store import LedgerStore
 from streams.tally import Outcome
@@ -65,15 +67,44 @@ CHECKPOINT_S = 5.0  # longest time between commits while a slot is still catchin
 SNAPSHOT_SHARE = 10  # the next snapshot round waits at least this many times as long as the last one took
 UNCONFIRMED_S = 60.0  # resumed slots the group has not confirmed by then are let go
 # Bounded prefetch: librdkafka's own queues count towards the ledger's memory (default 64 MiB, and its fetch
-# buffers stay resident in its threads' malloc arenas). Measured at 450k records: these keep the peak RSS near
-# 120 MB at the full fold rate; halving them again gave 95 MB at half the rate (consume() waits on fetches).
+# buffers stay resident in its threads' malloc arenas). Measured on a fresh fold of 200k ids (300k records):
+# 2 MiB fetches (1 MiB a partition) left the reader waiting on the broker for 40 % of the fold (a bare consume of
+# the same topics: 84k records/s); 4 MiB fetches and 100k queued messages removed the waits but took the peak RSS
+# from ~120 to ~175 MB. These - 4 MiB fetches of at most 256 KiB a partition, 1 MiB and 10k messages queued -
+# kept ~123 MB with the waits at about half of the 2 MiB ones.
 READER_LIMITS = {
-    "queued.max.messages.kbytes": 4096,
-    "queued.min.messages": 20000,
-    "fetch.max.bytes": 2 << 20,
-    "max.partition.fetch.bytes": 1 << 20,
+    "queued.max.messages.kbytes": 1024,
+    "queued.min.messages": 10_000,
+    "fetch.max.bytes": 4 << 20,
+    "max.partition.fetch.bytes": 256 << 10,
     "enable.partition.eof": False,
+    # A fetch of a caught-up partition waits at most this long at the broker, and a watermark or position request
+    # behind it on the same connection as long (librdkafka's 500 ms showed in every restart).
+    "fetch.wait.max.ms": 100,
 }
+
+
+TRIM_EVERY = 50  # polls with records between returns of freed memory to the OS (malloc_trim)
+
+
+def _malloc_trim() -> None:
+    """Give the memory freed since the last call back to the OS (glibc's ``malloc_trim``; elsewhere nothing).
+
+    The reader's fetch buffers are freed in librdkafka's threads' malloc arenas and stayed resident: at 1M ids a
+    fold ended at 155 MB RSS, 93 MB when trimmed every 50 polls, and the peak went from 151 to 140 MB."""
+    if _LIBC is not None:
+        _LIBC.malloc_trim(0)
+
+
+def _libc() -> ctypes.CDLL | None:
+    try:
+        libc = ctypes.CDLL(ctypes.util.find_library("c"))
+    except OSError:
+        return None
+    return libc if hasattr(libc, "malloc_trim") else None
+
+
+_LIBC = _libc()
 
 
 def _default_dir() -> Path:
@@ -117,6 +148,7 @@ class Ledger:
         settings: LedgerSettings | None = None,
     ) -> None:
         self.topics = JobTopics(config.job, config.retry.tiers)
+        self.outcomes = OutcomeReader(self.topics)
         self.settings = settings or LedgerSettings()
         self.snapshot_interval_s = snapshot_interval_s
         self.reader: Consumer = make_reader(kafka, **READER_LIMITS)
@@ -142,6 +174,8 @@ class Ledger:
         self._next_publish = 0.0
         self._last_commit = self._last_refresh = time.monotonic()
         self._empty_rounds = 0
+        self._polls = 0
+        self._verifying = False  # some slot still has a checkpointed record to re-read (SlotProgress.verify)
 
     @property
     def outcome_topics(self) -> list[str]:
@@ -166,8 +200,7 @@ class Ledger:
         if self.store.meta("layout") != described or self.store.meta("cluster") != cluster:
             self.store.reset(f"new layout or cluster ({described}, {cluster})", layout=described, cluster=cluster)
         resumed = sorted(self.store.held_slots())
-        for slot in resumed:
-            self._start_slot(slot)
+        self._start_slots(resumed)
         log.info(
             "ledger of %s in %s: %s; resuming slots %s from their checkpoint",
             self.topics.job,
@@ -204,9 +237,12 @@ class Ledger:
         self._fold(msgs)
         if msgs:
             self.last_activity = time.monotonic()
+            self._polls += 1
+            if self._polls % TRIM_EVERY == 0:
+                _malloc_trim()
         self._empty_rounds = 0 if msgs else self._empty_rounds + 1
-        if not msgs and any(not p.caught_up for p in self.reading.values()):
-            self._check_caught_up()
+        if len(msgs) < POLL_BATCH and any(not p.caught_up for p in self.reading.values()):
+            self._check_caught_up()  # the queue ran dry: positions are local, no request
         ready = any(p.caught_up and p.dirty for p in self.reading.values())
         if ready and time.monotonic() >= self._next_publish:
             self.publish()
@@ -214,25 +250,37 @@ class Ledger:
             self._checkpoint()
 
     def _fold(self, msgs: list[Message]) -> None:
+        """Fold one poll's records, slot by slot (one store batch each); the hot loop of the ledger."""
         batches: dict[int, list[Outcome]] = {}
+        last: dict[TP, Message] = {}
         stale: set[int] = set()
+        slot_of, read, aborted, verifying = self.slot_of, self.outcomes.read, self.aborted.aborted, self._verifying
         for msg in msgs:
             if msg.error():
                 log.warning("ledger reader: %s", msg.error().str())
                 continue
             tp = (msg.topic(), msg.partition())
-            slot = self.slot_of.get(tp)
+            slot = slot_of.get(tp)
             if slot is None or slot in stale:
                 continue  # a partition let go of since the fetch
-            if not self._verified(slot, tp, msg):
+            if verifying and not self._verified(slot, tp, msg):
                 stale.add(slot)
                 continue
-            self.consumed[tp] = (msg.offset() + 1, msg.timestamp()[1])
-            if self.aborted.aborted(*tp, msg.offset()):
+            last[tp] = msg  # an aborted record moves the checkpoint too
+            if aborted(*tp, msg.offset()):
                 continue
-            outcome = self._decode(msg)
-            if outcome is not None:
-                batches.setdefault(slot, []).append(outcome)
+            try:
+                outcome = read(msg)
+            except DecodeError as exc:
+                self.undecodable += 1
+                log.warning("ledger skips unreadable %s[%d]@%d: %s", *tp, msg.offset(), exc)
+                continue
+            batch = batches.get(slot)
+            if batch is None:
+                batch = batches[slot] = []
+            batch.append(outcome)
+        for tp, msg in last.items():
+            self.consumed[tp] = (msg.offset() + 1, msg.timestamp()[1])
         for slot, outcomes in batches.items():
             if slot not in stale:
                 self.reading[slot].dirty |= self._store.fold(slot, outcomes)
@@ -241,6 +289,8 @@ class Ledger:
             self._stop_slot(slot)
             self._store.drop_slot(slot)
             self._start_slot(slot)
+        if verifying:
+            self._verifying = any(p.verify for p in self.reading.values())
 
     def _verified(self, slot: int, tp: TP, msg: Message) -> bool:
         """The first record read from a checkpoint must be the one the store folded last, else the store is stale."""
@@ -261,16 +311,9 @@ class Ledger:
         )
         return False
 
-    def _decode(self, msg: Message) -> Outcome | None:
-        try:
-            return outcome_of_record(msg, self.topics)
-        except DecodeError as exc:
-            self.undecodable += 1
-            log.warning("ledger skips unreadable %s[%d]@%d: %s", msg.topic(), msg.partition(), msg.offset(), exc)
-            return None
-
     def _check_caught_up(self) -> None:
-        """A slot is caught up once an empty poll finds its partitions at or past their high watermarks at start.
+        """A slot is caught up once a poll that emptied the queue finds its partitions at or past their high
+        watermarks at start (waiting for an empty poll cost a poll timeout per restart).
 
         Ten empty polls in a row also count: under read_committed a trailing transaction marker can keep the
         position one short of the watermark. (The embedded broker under-reports high watermarks - the last
@@ -347,27 +390,42 @@ class Ledger:
         return Layout.of(self.topics.results, counts)
 
     def _start_slot(self, slot: int) -> None:
-        """Read a slot from its checkpoint (re-reading the last folded record to verify it), else from the start."""
-        if slot in self.reading or slot >= self._layout.slots:
-            return
-        checkpoint = self._store.offsets(slot)
-        progress = SlotProgress(targets={}, verify={})
+        self._start_slots([slot])
+
+    def _start_slots(self, slots: list[int]) -> None:
+        """Read slots from their checkpoint (re-reading the last folded record to verify it), else from the start.
+
+        Every watermark is asked for before any partition is assigned: once the reader fetches, each ListOffsets
+        request waits behind a fetch the broker holds for ``fetch.wait.max.ms`` (12 partitions took 3 s to resume
+        when asked slot by slot)."""
+        starting = [s for s in dict.fromkeys(slots) if s not in self.reading and s < self._layout.slots]
+        if starting:
+            self._empty_rounds = 0  # polls before a slot read anything (the group join) say nothing of its catch-up
+        highs = {
+            tp: self.reader.get_watermark_offsets(TopicPartition(*tp), METADATA_TIMEOUT_S, cached=False)[1]
+            for slot in starting
+            for tp in self._layout.partitions(slot)
+        }
         assign = []
-        for tp in self._layout.partitions(slot):
-            _, high = self.reader.get_watermark_offsets(TopicPartition(*tp), METADATA_TIMEOUT_S, cached=False)
-            progress.targets[tp] = high
-            nxt, ts = checkpoint.get(tp, (0, 0))
-            if nxt > 0 and high == 0:
-                log.warning("ledger store of slot %d: %s[%d] is empty now: rebuilding the slot", slot, *tp)
+        for slot in starting:
+            checkpoint = self._store.offsets(slot)
+            if any(checkpoint.get(tp, (0, 0))[0] > 0 and highs[tp] == 0 for tp in self._layout.partitions(slot)):
+                log.warning("ledger store of slot %d: a partition is empty now: rebuilding the slot", slot)
                 self._store.drop_slot(slot)
-                return self._start_slot(slot)
-            if nxt > 0:
-                progress.verify[tp] = (nxt - 1, ts)
-            self.consumed[tp] = (nxt, ts)
-            self.slot_of[tp] = slot
-            assign.append(TopicPartition(*tp, nxt - 1 if nxt > 0 else OFFSET_BEGINNING))
-        self.reader.incremental_assign(assign)
-        self.reading[slot] = progress
+                checkpoint = {}
+            progress = SlotProgress(targets={}, verify={})
+            for tp in self._layout.partitions(slot):
+                progress.targets[tp] = highs[tp]
+                nxt, ts = checkpoint.get(tp, (0, 0))
+                if nxt > 0:
+                    progress.verify[tp] = (nxt - 1, ts)
+                    self._verifying = True
+                self.consumed[tp] = (nxt, ts)
+                self.slot_of[tp] = slot
+                assign.append(TopicPartition(*tp, nxt - 1 if nxt > 0 else OFFSET_BEGINNING))
+            self.reading[slot] = progress
+        if assign:
+            self.reader.incremental_assign(assign)
 
     def _stop_slot(self, slot: int) -> None:
         """Checkpoint a slot and stop reading it; its state stays on disk for a later resume."""
@@ -386,11 +444,9 @@ class Ledger:
     def _on_assign(self, consumer: Consumer, partitions: list[TopicPartition]) -> None:
         consumer.incremental_assign(partitions)
         consumer.pause(partitions)  # the group only says who owns what; the reader reads
-        for tp in partitions:
-            slot = self._layout.slot_of_assigned(tp.partition)
-            if slot is not None:
-                self.owned.add(slot)
-                self._start_slot(slot)
+        given = [s for tp in partitions if (s := self._layout.slot_of_assigned(tp.partition)) is not None]
+        self.owned.update(given)
+        self._start_slots(given)
         self.group_watch.assigned(len(self.owned))
         self._confirm()
 
@@ -425,8 +481,7 @@ class Ledger:
             self._stop_slot(slot)
         self.layout = layout
         self._store.reset(f"layout changed to {layout.describe()}", layout=layout.describe(), cluster=self.cluster)
-        for slot in sorted(self.owned):
-            self._start_slot(slot)
+        self._start_slots(sorted(self.owned))
 
     def close(self) -> None:
         self.group_sampler.close()

@@ -35,7 +35,9 @@ log = logging.getLogger(__name__)
 SCHEMA_VERSION = "1"
 CACHE_KIB = 16 * 1024
 MAX_FOLDERS = 64
-CHUNK = 500  # ids per SELECT ... IN (...)
+CHUNK = 512  # ids per SELECT ... IN (...)
+_SELECT = "SELECT id, status, class, attempts, value FROM ids WHERE slot = ? AND rid = ? AND id IN ({})"
+_SELECT_IDS = {1 << n: _SELECT.format(",".join("?" * (1 << n))) for n in range(CHUNK.bit_length())}
 TP = tuple[str, int]
 Checkpoint = dict[TP, tuple[int, int]]  # (topic, partition) -> (next offset, timestamp of the last record read)
 
@@ -156,12 +158,19 @@ class LedgerStore:
 
     # -- folding ---------------------------------------------------------------------------------------
     def fold(self, slot: int, outcomes: list[Outcome]) -> set[str]:
-        """Fold a batch of one slot's outcomes; returns the runs whose counts changed."""
-        by_run: dict[str, list[Outcome]] = {}
+        """Fold a batch of one slot's outcomes; returns the runs whose counts changed.
+
+        One SELECT of the batch's ids that the store has (per run, in chunks), the fold in memory, one executemany
+        of the ids that changed: two statements per poll, whatever the batch's size."""
+        by_run: dict[str | None, list[Outcome]] = {}
         for o in outcomes:
-            by_run.setdefault(run_of(o.run_id), []).append(o)
+            events = by_run.get(o.run_id)
+            if events is None:
+                events = by_run[o.run_id] = []
+            events.append(o)
         changed: set[str] = set()
-        for run, events in by_run.items():
+        for run_id, events in by_run.items():
+            run = run_of(run_id)
             rid = self._rid(run)
             counts = self.counts(slot, run)
             states = self._load(slot, rid, list({e.request_id for e in events}))
@@ -173,7 +182,7 @@ class LedgerStore:
             if touched:
                 self.db.executemany(
                     "INSERT OR REPLACE INTO ids VALUES (?, ?, ?, ?, ?, ?, ?)",
-                    [(slot, rid, i, s.status, s.failure_class, s.attempts, s.value) for i, s in touched.items()],
+                    [(slot, rid, i, *s) for i, s in touched.items()],
                 )
                 self._dirty.add((slot, rid))
                 changed.add(run)
@@ -205,15 +214,14 @@ class LedgerStore:
         return rid
 
     def _load(self, slot: int, rid: int, ids: list[str]) -> dict[str, IdState]:
+        """The stored states of ``ids``. Each chunk is padded (with its last id) to a power of two, so the
+        connection's statement cache holds ten SELECTs, not one compiled statement per batch size seen."""
         out: dict[str, IdState] = {}
         for chunk in _chunks(ids, CHUNK):
-            marks = ",".join("?" * len(chunk))
-            rows = self.db.execute(
-                f"SELECT id, status, class, attempts, value FROM ids WHERE slot = ? AND rid = ? AND id IN ({marks})",
-                (slot, rid, *chunk),
-            )
-            for i, status, cls, attempts, value in rows:
-                out[i] = IdState(status, cls, attempts, value)
+            size = 1 << (len(chunk) - 1).bit_length()
+            rows = self.db.execute(_SELECT_IDS[size], (slot, rid, *chunk, *[chunk[-1]] * (size - len(chunk))))
+            for row in rows:
+                out[row[0]] = row[1:]
         return out
 
     # -- checkpoints -----------------------------------------------------------------------------------

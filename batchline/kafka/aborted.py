@@ -126,6 +126,9 @@ class AbortedIndex:
             return False
         tp = (topic, partition)
         part = self.parts.get(tp)
+        if part is not None and part.asked <= offset < part.read_to and not part.pending and not part.aborted:
+            part.asked = offset  # read past already, no transaction open or aborted in reach: the common case
+            return False
         if part is None or offset < part.asked:
             # (re)start here - a first read, or a reader that sought back (a rewind): settling from any offset is
             # exact for the records after it, and ranges already passed were let go

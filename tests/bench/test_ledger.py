@@ -1,8 +1,14 @@
-"""Ledger at archive scale: fold rate, peak RSS at 1M and 5M ids, restart-to-snapshot after a SIGKILL at 1M ids.
+"""Ledger at archive scale: fold rate, peak RSS, and SIGKILL -> ``status`` shows every id again, per run size.
 
 Run with ``make bench``; figures go to stdout and to ``out/bench.json`` under "ledger" (merged with what other
 benchmarks wrote there). Nothing is asserted on time or memory; the counts are checked, so a fast wrong ledger
-does not pass. ``BENCH_LEDGER_IDS`` (default ``1000000,5000000``) sets the run sizes.
+does not pass. ``BENCH_LEDGER_IDS`` (default ``1000000,10000000``) sets the run sizes.
+
+Figures per size: ``fold_records_per_s`` from the first record folded to the first full snapshot (the group join
+before it, ~3 s on the embedded broker, is in ``start_to_first_full_snapshot_s``); its ceiling
+``raw_consume_records_per_s``, a bare confluent-kafka reader with the ledger's fetch limits over the same
+partitions, no decoding, in the same run; ``restart_to_status_s``, from the restart after a SIGKILL to a
+``status`` read (``latest_stats``) that shows every id, the tail written while it was down included.
 
 Per id: one outcome (a result, or a dead letter for every tenth id) and, for every other id, a retry record first:
 1.5 records per id, written as the worker writes them (keyed by id, librdkafka's partitioner, the project's Avro).
@@ -24,18 +30,20 @@ from pathlib import Path
 from typing import Any
 
 import fastavro
+from confluent_kafka import OFFSET_BEGINNING, TopicPartition
 
 from batchline.config import KafkaSettings
 from batchline.kafka import headers as h
-from batchline.kafka.client import make_producer
+from batchline.kafka.client import make_producer, make_reader
 from batchline.kafka.topics import JobTopics
 from batchline.runs.identity import Fingerprint
 from batchline.runs.manifests import manifest_for, write_manifest
 from batchline.runs.status import latest_stats
 from schemas import codec_for
+from streams.ledger import READER_LIMITS
 
 OUT = Path(__file__).resolve().parents[2] / "out"
-SIZES = [int(n) for n in os.environ.get("BENCH_LEDGER_IDS", "1000000,5000000").split(",") if n]
+SIZES = [int(n) for n in os.environ.get("BENCH_LEDGER_IDS", "1000000,10000000").split(",") if n]
 PARTITIONS = 4
 TAIL = 10_000  # ids written while the ledger is down, before the restart
 PROC_TIMEOUT_S = 3600.0
@@ -49,17 +57,20 @@ from streams.ledger import Ledger, LedgerSettings
 spawned, job, root = float(sys.argv[1]), sys.argv[2], Path(sys.argv[3])
 ledger = Ledger(load_job_config(job, None, {"retry.tiers": ["5s"]}), KafkaSettings(), 1.0, LedgerSettings(dir=root))
 ledger.start()
-reported = False
+reported, first = False, None
 def hwm():
     for line in open("/proc/self/status"):
         if line.startswith("VmHWM"):
             return int(line.split()[1]) / 1024
 while True:
     ledger.step()
+    if first is None and ledger.events:
+        first = time.time()
     done = ledger.reading and all(p.caught_up and not p.dirty for p in ledger.reading.values())
     if done and ledger.snapshots and not reported:
         reported = ledger.producer.flush(30) == 0  # the snapshot is on J.ledger, not only queued
         print(json.dumps({"since_spawn_s": time.time() - spawned, "folded": ledger.events,
+                          "first_fold_s": (first or time.time()) - spawned,
                           "snapshots": ledger.snapshots, "peak_rss_mb": hwm()}), flush=True)
 """
 
@@ -129,6 +140,25 @@ def produce_outcomes(kafka: KafkaSettings, topics: JobTopics, run: str, lo: int,
     return sent
 
 
+def raw_consume_rate(kafka: KafkaSettings, topics: JobTopics, records: int) -> float:
+    """Records/s of a bare reader (the ledger's fetch limits, no decoding) over the outcome partitions: the
+    ceiling of the fold rate on this broker and machine. Timed from its first batch, as the fold rate is."""
+    reader = make_reader(kafka, **READER_LIMITS)
+    names = [topics.results, topics.dlq, topics.retry("5s")]
+    reader.assign([TopicPartition(t, p, OFFSET_BEGINNING) for t in names for p in range(PARTITIONS)])
+    seen, started, deadline = 0, 0.0, time.monotonic() + PROC_TIMEOUT_S
+    try:
+        while seen < records and time.monotonic() < deadline:
+            got = len(reader.consume(1000, 0.5))
+            if got and not seen:
+                started = time.monotonic()
+            seen += got
+    finally:
+        reader.close()
+    assert seen == records, f"read {seen} of {records}"
+    return records / (time.monotonic() - started)
+
+
 def start_ledger(kafka: KafkaSettings, job: str, root: Path, log: Path) -> subprocess.Popen[str]:
     env = os.environ | {"BATCHLINE_BOOTSTRAP": kafka.bootstrap, "PYTHONPATH": os.getcwd()}
     with log.open("a") as err:
@@ -162,6 +192,7 @@ def measure(kafka: KafkaSettings, make_job: Callable[..., JobTopics], n: int, tm
     started = time.monotonic()
     records = produce_outcomes(kafka, topics, run, 0, n)
     produce_s = time.monotonic() - started
+    raw_rate = raw_consume_rate(kafka, topics, records)
     root = tmp / job
     proc = start_ledger(kafka, job, root, tmp / f"{job}.log")
     first = first_report(proc)
@@ -169,26 +200,31 @@ def measure(kafka: KafkaSettings, make_job: Callable[..., JobTopics], n: int, tm
         "ids": n,
         "records": records,
         "produce_s": round(produce_s, 1),
-        "fold_records_per_s": round(first["folded"] / first["since_spawn_s"]),
+        "fold_records_per_s": round(first["folded"] / (first["since_spawn_s"] - first["first_fold_s"])),
+        "raw_consume_records_per_s": round(raw_rate),
         "start_to_first_full_snapshot_s": round(first["since_spawn_s"], 1),
         "peak_rss_mb": round(first["peak_rss_mb"], 1),
         "store_mb": round(sum(f.stat().st_size for f in root.rglob("ledger.sqlite*")) / 2**20, 1),
     }
+    figures["fold_vs_raw"] = round(figures["fold_records_per_s"] / figures["raw_consume_records_per_s"], 2)
     proc.send_signal(signal.SIGKILL)
     proc.wait(PROC_TIMEOUT_S)
     tail = produce_outcomes(kafka, topics, run, n, n + TAIL)  # written while the ledger is down
-    restarted = start_ledger(kafka, job, root, tmp / f"{job}.log")
-    again = first_report(restarted)
-    restarted.send_signal(signal.SIGTERM)
-    restarted.wait(PROC_TIMEOUT_S)
     manifest = manifest_for(job, run, FP, record_count=n + TAIL, value_total=0.0)
     write_manifest(kafka, topics, manifest)
-    stats = latest_stats(kafka, topics, {run: manifest})[run]
+    spawned = time.monotonic()
+    restarted = start_ledger(kafka, job, root, tmp / f"{job}.log")
+    again = first_report(restarted)
+    stats = latest_stats(kafka, topics, {run: manifest})[run]  # what `batchline status` reads
+    restart_to_status = time.monotonic() - spawned
+    restarted.send_signal(signal.SIGTERM)
+    restarted.wait(PROC_TIMEOUT_S)
     succeeded, quarantined, retried = expected(n + TAIL)
     assert (stats.succeeded, stats.quarantined, stats.retried, stats.pending) == (succeeded, quarantined, retried, 0)
     figures |= {
         "restart_tail_records": tail,
         "restart_to_first_snapshot_s": round(again["since_spawn_s"], 2),
+        "restart_to_status_s": round(restart_to_status, 2),
         "restart_folded": again["folded"],
         "restart_peak_rss_mb": round(again["peak_rss_mb"], 1),
     }
