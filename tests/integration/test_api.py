@@ -16,16 +16,8 @@ import pytest
 
 from batchline.config import KafkaSettings, load_job_config
 from batchline.kafka.topics import JobTopics
-from tests.support.api import (
-    KEYS,
-    ApiServer,
-    CountingEngine,
-    batch_lines,
-    jsonl,
-    wait_batch,
-    worker_thread,
-    write_lines,
-)
+from tests.support.api import KEYS, ApiServer, batch_lines, jsonl, wait_batch, write_lines
+from tests.support.counting import CountingEngine, worker_thread
 from tests.support.jobs import job_toml
 from tests.support.kafka import read_topic, wait_for
 from tests.support.probes import get, scrape, total
