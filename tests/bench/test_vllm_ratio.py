@@ -61,6 +61,42 @@ def _shutdown(llm: Any) -> None:
     llm.llm_engine.engine_core.shutdown()
 
 
+def _alone(tiny_llama: Path, prompts: list[str], budgets: list[int], warm: bool = False) -> tuple[float, int]:
+    """``LLM.generate(all prompts)`` in one call: its wall time and output tokens (``warm``: after a small call)."""
+    import vllm
+
+    llm = vllm.LLM(model=str(tiny_llama), max_model_len=MAX_MODEL_LEN, enforce_eager=True, seed=0)
+    params = [vllm.SamplingParams(temperature=0.0, max_tokens=m) for m in budgets]
+    if warm:
+        llm.generate(prompts[:8], params[:8], use_tqdm=False)
+    started = time.perf_counter()
+    outs = llm.generate(prompts, params, use_tqdm=False)
+    alone_s = time.perf_counter() - started
+    _shutdown(llm)
+    return alone_s, sum(len(o.outputs[0].token_ids) for o in outs)
+
+
+def _rows(prefix: str, prompts: list[str], budgets: list[int]) -> list[tuple[bytes, bytes]]:
+    return [
+        (
+            f"{prefix}-{i}".encode(),
+            f'{{"id": "{prefix}-{i}", "prompt": "{p}", "sampling": {{"max_tokens": {m}}}}}'.encode(),
+        )
+        for i, (p, m) in enumerate(zip(prompts, budgets, strict=True))
+    ]
+
+
+def _generate_config(job: str, tiny_llama: Path, max_records: int) -> Any:
+    overrides = {
+        "engine.name": "vllm",
+        "engine.model": str(tiny_llama),
+        "engine.max_model_len": MAX_MODEL_LEN,
+        "engine.engine_kwargs": {"enforce_eager": True},
+        "batching.max_records": max_records,
+    }
+    return load_job_config(job, None, overrides)
+
+
 @pytest.fixture(scope="module")
 def tiny_llama(tmp_path_factory: pytest.TempPathFactory) -> Path:
     return build_tiny_llama(tmp_path_factory.mktemp("models") / "tiny-llama")
@@ -75,34 +111,11 @@ def test_generate_against_llm_generate(
     n: int,
     max_records: int,
 ) -> None:
-    import vllm
-
     prompts, budgets = _prompts(n), _max_tokens(n)
-    llm = vllm.LLM(model=str(tiny_llama), max_model_len=MAX_MODEL_LEN, enforce_eager=True, seed=0)
-    params = [vllm.SamplingParams(temperature=0.0, max_tokens=m) for m in budgets]
-    started = time.perf_counter()
-    outs = llm.generate(prompts, params, use_tqdm=False)
-    alone_s = time.perf_counter() - started
-    alone_tokens = sum(len(o.outputs[0].token_ids) for o in outs)
-    _shutdown(llm)
-
+    alone_s, alone_tokens = _alone(tiny_llama, prompts, budgets)
     topics = make_job(job_name, partitions=4)
-    rows = [
-        (f"g-{i}".encode(), f'{{"id": "g-{i}", "prompt": "{p}", "sampling": {{"max_tokens": {m}}}}}'.encode())
-        for i, (p, m) in enumerate(zip(prompts, budgets, strict=True))
-    ]
-    publish(kafka, topics.requests, rows)
-    config = load_job_config(
-        job_name,
-        None,
-        {
-            "engine.name": "vllm",
-            "engine.model": str(tiny_llama),
-            "engine.max_model_len": MAX_MODEL_LEN,
-            "engine.engine_kwargs": {"enforce_eager": True},
-            "batching.max_records": max_records,
-        },
-    )
+    publish(kafka, topics.requests, _rows("g", prompts, budgets))
+    config = _generate_config(job_name, tiny_llama, max_records)
     stats, first = run_measured_worker(config, kafka)
     out = outputs(kafka, topics)
     assert out.count == n == stats.results
@@ -131,35 +144,12 @@ def test_generate_end_to_end(
     timestamp to the last result's, against ``LLM.generate(all prompts)``; and the pipeline's fixed latencies:
     publish -> the first micro-batch in the engine, last inference -> its committed result. (Publish -> first
     result is reported too: it includes the first micro-batch's inference, which ends with its longest record.)"""
-    import vllm
-
     n = END_TO_END_PROMPTS
     prompts, budgets = _prompts(n), _max_tokens(n)
-    llm = vllm.LLM(model=str(tiny_llama), max_model_len=MAX_MODEL_LEN, enforce_eager=True, seed=0)
-    params = [vllm.SamplingParams(temperature=0.0, max_tokens=m) for m in budgets]
-    llm.generate(prompts[:8], params[:8], use_tqdm=False)  # warm, as the worker's engine is when records arrive
-    started = time.perf_counter()
-    outs = llm.generate(prompts, params, use_tqdm=False)
-    alone_s = time.perf_counter() - started
-    alone_tokens = sum(len(o.outputs[0].token_ids) for o in outs)
-    _shutdown(llm)
-
+    alone_s, alone_tokens = _alone(tiny_llama, prompts, budgets, warm=True)  # warm, as the worker's engine is
     topics = make_job(job_name, partitions=4)
-    rows = [
-        (f"e-{i}".encode(), f'{{"id": "e-{i}", "prompt": "{p}", "sampling": {{"max_tokens": {m}}}}}'.encode())
-        for i, (p, m) in enumerate(zip(prompts, budgets, strict=True))
-    ]
-    config = load_job_config(
-        job_name,
-        None,
-        {
-            "engine.name": "vllm",
-            "engine.model": str(tiny_llama),
-            "engine.max_model_len": MAX_MODEL_LEN,
-            "engine.engine_kwargs": {"enforce_eager": True},
-            "batching.max_records": 64,
-        },
-    )
+    config = _generate_config(job_name, tiny_llama, 64)
+    rows = _rows("e", prompts, budgets)
     run = run_end_to_end(config, kafka, topics, rows)
     out = outputs(kafka, topics)
     assert out.count == n == run.stats.results
