@@ -498,7 +498,8 @@ class Worker:
         """Partitions taken from us (session timeout): commit nothing for them, forget everything uncommitted
         and re-read the partitions still ours."""
         lost = {(p.topic, p.partition) for p in partitions}
-        log.warning("lost %s: dropping uncommitted work", sorted(lost))
+        held = len(self.batcher) + sum(len(f.items) for f in self.in_flight)
+        log.warning("lost %s: dropping uncommitted work (%d records held)", sorted(lost), held)
         self.ownership.fence(lost)  # the sink aborts what holds their records: their new owner re-reads them
         self._rewind(self.pauses.assigned - lost, in_callback=True)
         self.pauses.gone(partitions)
