@@ -67,6 +67,7 @@ class Claim:
     owner: Ownership
     epochs: tuple[tuple[TP, int], ...]
     member: str | None  # None: the metadata's form is unknown, only the epochs are checked
+    taken: float = 0.0  # when (monotonic): a claim older than the owner's claim_ttl_s is stale
 
     def stale(self) -> str | None:
         """Why this transaction must not commit any more, or None while its partitions are still ours."""
@@ -84,6 +85,11 @@ class Ownership:
     def __init__(self, consumer: GroupMember, lease_s: float | None = None) -> None:
         self.consumer = consumer
         self.lease_s = lease_s
+        # The broker evicts a member a session timeout after its last heartbeat (every sixth of it,
+        # batchline.kafka.client), and librdkafka may notice seconds later (13 s for a 6 s session on a loaded
+        # machine, while the other worker already re-processed the partitions): a transaction held longer than
+        # this may belong to a generation that is gone, whatever the member id still says.
+        self.claim_ttl_s = None if lease_s is None else lease_s * 2 / 3
         self._epochs: dict[TP, int] = {}
         self._lock = threading.Lock()
         self._metadata: Any = None  # the consumer's group metadata as its thread last read it
@@ -119,7 +125,7 @@ class Ownership:
         found = member_of(self.observe())
         with self._lock:
             epochs = tuple(sorted((tp, self._epochs.get(tp, 0)) for tp in set(partitions)))
-        return Claim(self, epochs, None if found is None else found[1])
+        return Claim(self, epochs, None if found is None else found[1], time.monotonic())
 
     def fence(self, partitions: Iterable[TP]) -> None:
         """``partitions`` are no longer ours: every claim on them is stale from now on."""
@@ -133,6 +139,9 @@ class Ownership:
             moved = [tp for tp, epoch in claim.epochs if self._epochs.get(tp, 0) != epoch]
         if moved:
             return "partitions " + ", ".join(f"{t}[{p}]" for t, p in moved) + " were lost or revoked"
+        age = time.monotonic() - claim.taken
+        if self.claim_ttl_s is not None and claim.taken and age > self.claim_ttl_s:
+            return f"held {age:.1f}s, past {self.claim_ttl_s:.1f}s: the member may have been evicted meanwhile"
         if claim.member is None:
             return None
         if not claim.member:

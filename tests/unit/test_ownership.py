@@ -296,9 +296,25 @@ def test_a_look_older_than_the_session_proves_nothing() -> None:
     """A process frozen past its session timeout resumes before librdkafka noticed: its claims are stale until
     the consumer's thread has looked again (and then librdkafka has reset the member, or it is still one)."""
     own = Ownership(Member(), lease_s=0.05)
+    own.claim_ttl_s = None  # the lease alone (the claim's own age is the next test's)
     claim = own.claim([(T, 0)])
     assert _other_thread(claim.stale) is None
     threading.Event().wait(0.1)  # the consumer's thread looked nowhere for longer than the lease
     assert "no look at the group membership" in str(_other_thread(claim.stale))
     own.observe()
     assert _other_thread(claim.stale) is None
+
+
+def test_a_claim_held_past_its_ttl_is_stale_whatever_the_member_id_says() -> None:
+    """The broker evicts a member a session timeout after its last heartbeat and librdkafka may notice seconds
+    later (13 s for a 6 s session on a loaded machine): a transaction older than two thirds of the session must not
+    commit, though the member id is unchanged and the consumer's thread keeps looking."""
+    own = Ownership(Member(), lease_s=0.3)
+    assert own.claim_ttl_s == pytest.approx(0.2)
+    claim = own.claim([(T, 0)])
+    assert _other_thread(claim.stale) is None
+    for _ in range(3):  # the consumer's thread goes on looking: the lease alone would hold
+        threading.Event().wait(0.1)
+        own.observe()
+    assert "the member may have been evicted" in str(_other_thread(claim.stale))
+    assert _other_thread(own.claim([(T, 0)]).stale) is None  # a fresh claim holds
