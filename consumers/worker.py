@@ -212,7 +212,7 @@ class Worker:
             self.stats,
             self.engine,
             self.kafka,
-            in_flight=lambda: len(self.batcher) + sum(len(f.items) for f in self.in_flight),
+            in_flight=self._held,
             assigned=lambda: list(self.pauses.assigned),
         )
         try:
@@ -318,8 +318,12 @@ class Worker:
         due = self.batcher.due_in()
         return cap if due is None else max(0.0, min(cap, due))
 
+    def _held(self) -> int:
+        """Records this worker holds uncommitted: buffered, inferring, or committing."""
+        return len(self.batcher) + sum(len(f.items) for f in self.in_flight)
+
     def _flow_control(self) -> None:
-        held = len(self.batcher) + sum(len(f.items) for f in self.in_flight)
+        held = self._held()
         limit = self.config.batching.max_in_flight_records
         if held >= limit:
             self.pauses.hold("flow")
@@ -498,7 +502,7 @@ class Worker:
         """Partitions taken from us (session timeout): commit nothing for them, forget everything uncommitted
         and re-read the partitions still ours."""
         lost = {(p.topic, p.partition) for p in partitions}
-        held = len(self.batcher) + sum(len(f.items) for f in self.in_flight)
+        held = self._held()
         log.warning("lost %s: dropping uncommitted work (%d records held)", sorted(lost), held)
         self.ownership.fence(lost)  # the sink aborts what holds their records: their new owner re-reads them
         self._rewind(self.pauses.assigned - lost, in_callback=True)
