@@ -34,6 +34,7 @@ replacement goes in the same transaction:
 from __future__ import annotations
 
 import logging
+import threading
 import time
 from collections.abc import Callable, Iterable, Mapping
 from dataclasses import dataclass, field
@@ -52,6 +53,7 @@ CALL_TIMEOUT_S = 30.0  # one transactional call (begin, flush, send offsets, com
 ABORT_BUDGET_S = 60.0  # an abort keeps resuming this long, also while the broker is suspected down (see _abort)
 CALL_SLICE_S = 2.0  # the longest one librdkafka call blocks before the guard is asked again (session timeout: 6 s+)
 CALL_RETRIES = 5  # errors other than a slice's time-out, per call
+HANG_GRACE_S = 10.0  # a call still blocked this long past its own timeout is hung (librdkafka #5456): abandoned
 MAX_ROUNDS = 4  # real transactions of one commit: the first, and re-tries each with more replacements
 LIBRDKAFKA_MESSAGE_MAX_BYTES = 1_000_000  # librdkafka's default message.max.bytes
 RECORD_V2_MAX_OVERHEAD = 36  # librdkafka's RD_KAFKAP_MESSAGE_V2_MAX_OVERHEAD: length, attributes, deltas, lengths
@@ -153,6 +155,58 @@ class ReplacementTooLarge(TransactionFailed):
     """``fit`` returned a replacement that does not fit either: a bug of the caller's ``fit``."""
 
 
+class CallHung(BatchlineError):
+    """A transactional call still blocked :data:`HANG_GRACE_S` past its own timeout: its producer is abandoned."""
+
+
+class _BoundedCalls:
+    """Runs one producer's blocking transactional calls on a daemon thread of their own, so the caller waits at
+    most the call's timeout plus :data:`HANG_GRACE_S`. librdkafka 2.16 may block such a call for good whatever
+    timeout it is given: ``send_offsets_to_transaction`` after a connection reset or behind a blackhole waits in
+    ``rd_kafka_txn_op_req0`` for a coordinator request that never times out (librdkafka issue #5456). A call that
+    hangs keeps its thread: the runner is abandoned with its producer (see
+    :meth:`TransactionalProducer._recreate`), and a daemon thread never holds the process's exit.
+
+    Hand-off: the caller's thread puts one call in ``_call`` and waits on ``_done``; the runner's thread runs it
+    and stores its outcome. One call at a time (the producer's owner is one thread)."""
+
+    def __init__(self, name: str) -> None:
+        self._ready = threading.Event()
+        self._done = threading.Event()
+        self._call: Callable[[], Any] | None = None
+        self._outcome: tuple[bool, Any] = (True, None)
+        self.hung = False
+        self._thread = threading.Thread(target=self._run, name=f"txn-calls {name}", daemon=True)
+        self._thread.start()
+
+    def call(self, fn: Callable[[float], T], timeout: float) -> T:
+        """``fn(timeout)`` on the runner's thread; its result or its exception, or :class:`CallHung`."""
+        if self.hung:
+            raise CallHung("an earlier call of this producer is still blocked")
+        self._done.clear()
+        self._call = lambda: fn(timeout)
+        self._ready.set()
+        if not self._done.wait(timeout + HANG_GRACE_S):
+            self.hung = True
+            raise CallHung(f"a transactional call still blocked {timeout + HANG_GRACE_S:.0f}s after it began")
+        ok, value = self._outcome
+        if not ok:
+            raise value
+        return value
+
+    def _run(self) -> None:
+        while True:
+            self._ready.wait()
+            self._ready.clear()
+            call, self._call = self._call, None
+            assert call is not None
+            try:
+                self._outcome = (True, call())
+            except BaseException as exc:  # handed to the caller's thread, raised there
+                self._outcome = (False, exc)
+            self._done.set()
+
+
 def _varint_size(n: int) -> int:
     zigzag = (n << 1) ^ (n >> 63)
     size = 1
@@ -198,14 +252,35 @@ class TransactionalProducer:
         # cut off from the broker aborted its transaction). So the timed-out call is kept (``_pending``) and
         # resumed before an abort, and a producer whose commit is pending is retired, kept referenced, not
         # destroyed. Owned by the thread that calls commit().
+        # A call that hangs (librdkafka #5456, :class:`_BoundedCalls`) leaves its producer blocked inside it: the
+        # producer and its runner are retired the same way, and the next commit (or close) makes a new producer,
+        # whose init_transactions fences the transaction the hung one held. Not at once: the broker that did not
+        # answer would keep the caller waiting as long again (``_replace``).
         self._pending: Callable[[float], Any] | None = None
-        self._retired: list[Producer] = []
-        self.producer = self._new_producer()
+        self._retired: list[tuple[Producer, _BoundedCalls]] = []
+        self._replace = False
+        self.hung = 0
+        self.producer, self._calls = self._new_producer()
 
-    def _new_producer(self) -> Producer:
+    def _new_producer(self) -> tuple[Producer, _BoundedCalls]:
+        """A producer whose init_transactions fenced every earlier epoch of our id (its open transaction aborted),
+        or TransactionFailed (fatal: the next commit tries again)."""
         producer = make_producer(self.kafka, self.transactional_id, **self.overrides)
-        producer.init_transactions(CALL_TIMEOUT_S)
-        return producer
+        calls = _BoundedCalls(self.transactional_id)
+        try:
+            calls.call(producer.init_transactions, CALL_TIMEOUT_S)
+        except (CallHung, KafkaException) as exc:
+            self.hung += isinstance(exc, CallHung)
+            self._retired.append((producer, calls))
+            why = exc if isinstance(exc, CallHung) else exc.args[0].str()
+            raise TransactionFailed(f"init_transactions of {self.transactional_id} failed: {why}", True) from None
+        return producer, calls
+
+    def _ensure_producer(self) -> None:
+        """Replace a producer retired after a hung call (:meth:`_recreate`), before it is used again."""
+        if self._replace:
+            self.producer, self._calls = self._new_producer()
+            self._replace = False
 
     # -- the commit --------------------------------------------------------------------------------
     def commit(
@@ -225,6 +300,7 @@ class TransactionalProducer:
         transaction commits only while its partitions are ours (else TransactionFenced), and the offsets go with
         ``guard.group_metadata()`` instead of ``group_metadata``.
         """
+        self._ensure_producer()
         outgoing = list(messages)
         report = CommitReport()
         if fit is not None:
@@ -311,6 +387,13 @@ class TransactionalProducer:
             committing = True
             self._call(self._commit_transaction, guard, check_first=False)
             return {}
+        except CallHung as exc:
+            # The call never returned: nothing more can be asked of this producer, so it is replaced, and the new
+            # one's epoch aborts its transaction - unless the commit was under way (the outcome is unknown then).
+            self.hung += 1
+            log.error("transaction of %s: %s; recreating its producer", self.transactional_id, exc)
+            self._recreate()
+            raise TransactionFailed(str(exc), True, ambiguous=committing) from None
         except TransactionFenced as exc:
             if not began:  # never begun (a queued transaction whose partitions moved on): nothing to undo
                 raise
@@ -427,6 +510,10 @@ class TransactionalProducer:
         except KafkaException as exc:
             self._abort_or_recreate(exc.args[0])
             raise TransactionFailed(f"probe transaction failed: {exc.args[0].str()}", False) from exc
+        except CallHung as exc:
+            self.hung += 1
+            self._recreate()
+            raise TransactionFailed(f"probe transaction failed: {exc}", True) from None
         by_broker = _per_record(delivery, outgoing)
         self._abort_or_recreate(None, resync=bool(by_broker))
         return rejected | by_broker
@@ -445,7 +532,8 @@ class TransactionalProducer:
         again), other retriable errors are retried (CALL_RETRIES), all within one CALL_TIMEOUT_S budget. ``guard``
         is asked before every slice (but the first when not ``check_first``). Retries stop while the broker is
         suspected down (its liveness detector decides when to give up): a lost broker costs one slice - unless
-        ``while_down``. A slice that times out leaves its operation pending (``_pending``) until the call ends."""
+        ``while_down``. A slice that times out leaves its operation pending (``_pending``) until the call ends; one
+        that never returns raises :class:`CallHung` (:class:`_BoundedCalls`)."""
         deadline = time.monotonic() + budget_s
         errors = 0
         first = True
@@ -454,7 +542,7 @@ class TransactionalProducer:
                 self._check(guard)
             first = False
             try:
-                result = fn(_slice(deadline))
+                result = self._calls.call(fn, _slice(deadline))
                 self._pending = None
                 return result
             except KafkaException as exc:
@@ -509,26 +597,41 @@ class TransactionalProducer:
         except KafkaException as exc:
             log.error("abort of transaction %s failed: %s", self.transactional_id, exc.args[0].str())
             return False
+        except CallHung as exc:
+            self.hung += 1
+            log.error("abort of transaction %s: %s", self.transactional_id, exc)
+            return False
         return True
 
     def _recreate(self, purge: bool = False) -> None:
         """``purge``: what the old producer still holds is dropped unsent, not flushed."""
         log.warning("recreating transactional producer %s", self.transactional_id)
         self.recreated += 1
-        old = self.producer
+        old, calls = self.producer, self._calls
         try:
-            if purge:
+            if calls.hung:
+                pass  # blocked inside a call: touched by nothing more
+            elif purge:
                 old.purge()
             else:
                 old.flush(5)
         finally:
-            if self._pending is not None:  # destroying it now would abort the process: keep it (see __init__)
+            if self._pending is not None or calls.hung:  # destroying it would abort the process (see __init__)
                 log.warning("keeping the old producer of %s: a call of it is still pending", self.transactional_id)
-                self._retired.append(old)
+                self._retired.append((old, calls))
                 self._pending = None
-            self.producer = self._new_producer()
+            if calls.hung:
+                self._replace = True  # by the next commit or close: _ensure_producer
+            else:
+                self.producer, self._calls = self._new_producer()
 
     def close(self, timeout: float = CALL_TIMEOUT_S) -> None:
+        """Flush; after a hung call, first make the producer that fences its transaction (bounded like a call)."""
+        try:
+            self._ensure_producer()
+        except TransactionFailed as exc:
+            log.error("closing %s with a transaction left to the broker's timeout: %s", self.transactional_id, exc)
+            return
         self.producer.flush(timeout)
 
 

@@ -1,0 +1,100 @@
+"""A transactional call that never returns (librdkafka #5456) is abandoned, and its transaction aborted.
+
+librdkafka 2.16's ``send_offsets_to_transaction`` sends its coordinator requests without a time-out of their own:
+behind a link that accepts connections and never answers (a blackhole, :class:`~tests.support.fault_proxy.FaultProxy`)
+a call given 2 s stays blocked until the link heals - minutes, in the lossy-link runs, with the worker's or the
+scheduler's transaction open all that time. :class:`~batchline.kafka.transactions.TransactionalProducer` runs each
+transactional call on a thread of its own and gives up on one still blocked ``HANG_GRACE_S`` past its time-out: the
+commit fails while the link is still down, and the next commit's new producer fences the abandoned transaction.
+Before that change this test's commit stayed blocked until the watchdog lifted the blackhole.
+"""
+
+from __future__ import annotations
+
+import threading
+import uuid
+from collections.abc import Iterator
+from pathlib import Path
+from typing import Any
+
+import pytest
+from confluent_kafka import Consumer, TopicPartition
+
+from batchline.config import KafkaSettings
+from batchline.kafka.broker import EmbeddedBroker, free_port
+from batchline.kafka.client import make_consumer
+from batchline.kafka.topics import JobTopics, create_job_topics
+from batchline.kafka.transactions import HANG_GRACE_S, Outgoing, TransactionalProducer, TransactionFailed
+from tests.support.fault_proxy import FaultProxy
+from tests.support.kafka import wait_for
+from tests.support.oracle import committed, open_transactions
+
+WATCHDOG_S = HANG_GRACE_S + 50.0  # lifts the blackhole if the commit is still blocked: the test then fails
+RECORDS = 5
+
+
+@pytest.fixture
+def proxied(tmp_path: Path) -> Iterator[tuple[KafkaSettings, FaultProxy]]:
+    broker_port, proxy_port = free_port(), free_port()
+    with (
+        EmbeddedBroker(broker_port, str(tmp_path / "broker.log"), advertised=f"127.0.0.1:{proxy_port}"),
+        FaultProxy(broker_port, proxy_port) as proxy,
+    ):
+        yield KafkaSettings(bootstrap=proxy.address), proxy
+
+
+class _BlackholeBeforeOffsets:
+    """A guard that never fences, and cuts the link (a blackhole) just before the offsets are sent."""
+
+    def __init__(self, proxy: FaultProxy, consumer: Consumer, cut: bool) -> None:
+        self.proxy, self.consumer, self.cut = proxy, consumer, cut
+        self.watchdog: threading.Timer | None = None
+
+    def stale(self) -> str | None:
+        return None
+
+    def group_metadata(self) -> Any:
+        if self.cut:
+            self.proxy.blackhole(True)
+            self.watchdog = threading.Timer(WATCHDOG_S, self.proxy.blackhole, [False])
+            self.watchdog.start()
+        return self.consumer.consumer_group_metadata()
+
+
+def test_a_send_offsets_call_that_never_returns_is_abandoned_and_its_transaction_aborted(
+    proxied: tuple[KafkaSettings, FaultProxy], job_name: str
+) -> None:
+    kafka, proxy = proxied
+    topics = JobTopics(job_name, ("1s",))
+    create_job_topics(kafka, topics, 1)
+    consumer = make_consumer(kafka, f"g-{uuid.uuid4().hex[:6]}")
+    txn = TransactionalProducer(kafka, f"t-{uuid.uuid4().hex[:6]}")
+    messages: list[Outgoing] = [(topics.results, f"v{i}".encode(), f"id-{i}".encode(), []) for i in range(RECORDS)]
+    offsets = [TopicPartition(topics.requests, 0, RECORDS)]
+    cutting = _BlackholeBeforeOffsets(proxy, consumer, cut=True)
+    try:
+        with pytest.raises(TransactionFailed, match="still blocked") as failed:
+            txn.commit(messages, offsets, None, guard=cutting)
+        still_cut = cutting.watchdog is not None and cutting.watchdog.is_alive()
+        assert cutting.watchdog is not None
+        cutting.watchdog.cancel()
+        proxy.blackhole(False)
+        assert still_cut, "the commit stayed blocked until the watchdog lifted the blackhole"
+        assert failed.value.fatal and not failed.value.ambiguous, "not under way: its transaction is aborted"
+        assert txn.hung == 1
+
+        # After the heal the next commit makes a new producer, whose epoch aborts the abandoned transaction.
+        txn.commit(messages, offsets, None, guard=_BlackholeBeforeOffsets(proxy, consumer, cut=False))
+        wait_for(
+            lambda: open_transactions(kafka.bootstrap, [topics.results]) == [],
+            10,
+            "the abandoned transaction aborted by the new producer's epoch",
+        )
+        keys = sorted(r.key for r in committed(kafka.bootstrap, topics.results))
+        assert keys == sorted(m[2] for m in messages), "each record committed once: the first copy was aborted"
+        offset = consumer.committed([TopicPartition(topics.requests, 0)], timeout=15)[0].offset
+        assert offset == RECORDS
+    finally:
+        proxy.blackhole(False)
+        consumer.close()
+        txn.close()
