@@ -30,7 +30,7 @@ from confluent_kafka import Consumer, KafkaError, KafkaException, TopicPartition
 
 from batchline.config import JobConfig, KafkaSettings
 from batchline.exceptions import BatchlineError, ConfigError
-from batchline.kafka.aborted import AbortedIndex
+from batchline.kafka.aborted import AbortedIndex, Unsettled
 from batchline.kafka.client import make_admin, make_consumer
 from batchline.kafka.groups import close_member, watch_member
 from batchline.kafka.liveness import BrokerLiveness
@@ -281,17 +281,27 @@ class Worker:
                 first = self.consumer.poll(self._linger_left(WAIT_IDLE_S))
                 if first is not None:
                     msgs = [first, *self.consumer.consume(POLL_BATCH - 1, 0)]
+        unsettled: set[TP] = set()
         for msg in msgs:
             if msg.error():
                 if msg.error().code() != KafkaError._PARTITION_EOF:
                     log.warning("consume error: %s", msg.error())
                     self.liveness.on_error(msg.error())
                 continue
+            tp = (msg.topic(), msg.partition())
+            if tp in unsettled:
+                continue  # read again from an earlier record of its partition
+            try:
+                aborted = self.aborted.aborted(*tp, msg.offset())
+            except Unsettled:  # cannot tell whether it was aborted: read it again, later (AbortedIndex)
+                unsettled.add(tp)
+                self.rewinder.seek(*tp, msg.offset())
+                continue
             item = self.intake.admit(msg)
             item.passed_over = self.pinning.pass_over(item)
             if item.passed_over:
                 self.stats.passed_over += 1
-            elif self.aborted.aborted(msg.topic(), msg.partition(), msg.offset()):
+            elif aborted:
                 item.passed_over = "aborted"  # its offset commits with its batch's; nothing is produced for it
                 self.stats.aborted += 1
             self.batcher.add(item)

@@ -57,6 +57,7 @@ from streams.store import LedgerStore
 from streams.tally import Outcome
 
 log = logging.getLogger(__name__)
+UNSETTLED_WAIT_S = 60.0  # how long the fold waits for a record's transaction to be told committed or aborted
 POLL_BATCH = 1000
 POLL_TIMEOUT_S = 0.2
 METADATA_TIMEOUT_S = 10.0
@@ -254,7 +255,12 @@ class Ledger:
         batches: dict[int, list[Outcome]] = {}
         last: dict[TP, Message] = {}
         stale: set[int] = set()
-        slot_of, read, aborted, verifying = self.slot_of, self.outcomes.read, self.aborted.aborted, self._verifying
+        slot_of, read, verifying = self.slot_of, self.outcomes.read, self._verifying
+        index = self.aborted
+
+        def aborted(topic: str, partition: int, offset: int) -> bool:  # waits out a raw read that fails
+            return index.aborted_waiting(topic, partition, offset, UNSETTLED_WAIT_S)
+
         for msg in msgs:
             if msg.error():
                 log.warning("ledger reader: %s", msg.error().str())

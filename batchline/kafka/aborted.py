@@ -13,8 +13,13 @@ answers "not aborted" without reading: such a broker is Apache Kafka (batchline 
 plaintext only), whose read_committed already leaves aborted records out. On a plaintext Apache Kafka it reads
 the batch headers a second time and finds nothing the broker did not hide: correct, at that cost.
 
-When a raw read fails (the broker unreachable: nothing commits then either), the index logs it and answers
-"not aborted" - the broker's read_committed - for :data:`UNREACHABLE_S`, then reads again.
+When a raw read fails, the index tries once more on a new connection, then raises :class:`Unsettled` - and goes
+on raising it for :data:`UNREACHABLE_S` without reading: the reader must not use the record yet. The worker and the
+retry scheduler seek the partition back to it and ask again when it comes back; one-shot readers wait
+(:meth:`AbortedIndex.aborted_waiting`). Answering "not aborted" instead - the broker's read_committed - let aborted
+records through: a connection reset fails the raw read while the consumer, on its own connection, goes on
+reading, and the embedded broker's read_committed serves aborted records (a lossy link made the retry scheduler
+re-publish an aborted copy of three retries beside their committed copy).
 
 Who owns what: one index belongs to one reader thread; it keeps per partition the offset it has read to, the
 batch ranges of each producer's transaction in progress, and the aborted ranges not yet passed.
@@ -35,11 +40,13 @@ from kafka.protocol.parser import KafkaProtocol
 from kafka.record.default_records import DefaultRecordBatch
 from kafka.record.memory_records import MemoryRecords
 
+from batchline.exceptions import BatchlineError
 from batchline.kafka.settings import KafkaSettings
 
 log = logging.getLogger(__name__)
 IO_TIMEOUT_S = 5.0  # a raw read must not hold a worker's loop for long
-UNREACHABLE_S = 5.0  # after a raw read failed, the broker's read_committed is trusted this long
+UNREACHABLE_S = 1.0  # after a raw read failed twice, Unsettled is raised this long without reading
+WAIT_POLL_S = 0.5  # aborted_waiting's pause between tries
 FETCH_WAIT_MS = 100
 PARTITION_MAX_BYTES = 1 << 20  # one fetch's bytes: the index holds no records, only their batches' offsets
 SETTLE_TRIES = 20  # fetches that may pass before a record's transaction shows its marker
@@ -108,6 +115,11 @@ class _Conn:
         self.sock.close()
 
 
+class Unsettled(BatchlineError):
+    """Whether a record belongs to an aborted transaction cannot be told now (raw reads of its partition fail): the
+    record must not be used yet."""
+
+
 class AbortedIndex:
     """Answers whether a record a read_committed reader got belongs to an aborted transaction."""
 
@@ -122,8 +134,11 @@ class AbortedIndex:
         self.unreachable_until = 0.0
 
     def aborted(self, topic: str, partition: int, offset: int) -> bool:
-        if not self.enabled or time.monotonic() < self.unreachable_until:
+        """Whether the record at ``offset`` belongs to an aborted transaction, or :class:`Unsettled`."""
+        if not self.enabled:
             return False
+        if time.monotonic() < self.unreachable_until:
+            raise Unsettled(f"{topic}[{partition}]@{offset}: raw reads of the log failed a moment ago")
         tp = (topic, partition)
         part = self.parts.get(tp)
         if part is not None and part.asked <= offset < part.read_to and not part.pending and not part.aborted:
@@ -139,9 +154,14 @@ class AbortedIndex:
                 break
             try:
                 self._read(tp, part)
-            except (OSError, ValueError) as exc:  # socket errors, a response that does not parse
-                self._unreachable(tp, exc)
-                return False
+            except (OSError, ValueError):  # socket errors, a response that does not parse: once more, anew
+                self.leaders.clear()
+                self.close()
+                try:
+                    self._read(tp, part)
+                except (OSError, ValueError) as exc:
+                    self._unreachable(tp, exc)
+                    raise Unsettled(f"{topic}[{partition}]@{offset}: raw read failed: {exc}") from None
         else:
             log.warning("%s[%d]@%d: no transaction marker found after it; counted as committed", *tp, offset)
             return False
@@ -149,17 +169,27 @@ class AbortedIndex:
         self.skipped += hit
         return hit
 
+    def aborted_waiting(self, topic: str, partition: int, offset: int, wait_s: float) -> bool:
+        """:meth:`aborted`, asked again while it is :class:`Unsettled`, for up to ``wait_s`` (one-shot readers)."""
+        deadline = time.monotonic() + wait_s
+        while True:
+            try:
+                return self.aborted(topic, partition, offset)
+            except Unsettled:
+                if time.monotonic() >= deadline:
+                    raise
+                time.sleep(WAIT_POLL_S)
+
     def forget(self, topic: str, partition: int) -> None:
         """Drop what is known of a partition (a reader that lets it go)."""
         self.parts.pop((topic, partition), None)
 
     def _unreachable(self, tp: TP, exc: Exception) -> None:
         log.warning(
-            "raw read of %s[%d] failed (%s: %s): trusting the broker's read_committed for %.0f s",
+            "raw read of %s[%d] failed twice (%s: %s): its records wait until it can be read",
             *tp,
             type(exc).__name__,
             exc,
-            UNREACHABLE_S,
         )
         self.unreachable_until = time.monotonic() + UNREACHABLE_S
         self.parts.pop(tp, None)  # read again from the next record asked about

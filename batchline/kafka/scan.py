@@ -54,7 +54,7 @@ def scan(
         if not starts:
             return
         for msg in _read(reader, topic, starts, ends, exact=ranges is not None, idle_s=idle_s):
-            if index is None or not index.aborted(topic, msg.partition(), msg.offset()):
+            if index is None or not index.aborted_waiting(topic, msg.partition(), msg.offset(), READ_TIMEOUT_S):
                 yield msg
     finally:
         reader.close()

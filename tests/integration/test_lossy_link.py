@@ -26,7 +26,7 @@ from batchline.kafka.topics import JobTopics, create_job_topics
 from tests.support.fault_proxy import FaultProxy
 from tests.support.jobs import job_toml
 from tests.support.kafka import produce_raw, wait_for
-from tests.support.oracle import assert_exactly_once, job_outcomes
+from tests.support.oracle import assert_exactly_once, dump_batches, job_outcomes
 from tests.support.procs import CliProcess
 
 RECORDS = 2000
@@ -75,7 +75,7 @@ def _longest_gap_s(stamps: list[int]) -> float:
 
 @pytest.mark.skipif(
     not os.environ.get("BATCHLINE_LOSSY_LINK"),
-    reason="both schedules still stall (see their xfail reasons) and a stall costs minutes: run with "
+    reason="duplicates are still seen in some runs (see the xfail reasons) and a run costs about a minute: run with "
     "BATCHLINE_LOSSY_LINK=1",
 )
 @pytest.mark.parametrize(
@@ -86,8 +86,9 @@ def _longest_gap_s(stamps: list[int]) -> float:
             id="latency-and-resets",
             marks=pytest.mark.xfail(
                 strict=False,
-                reason="open: after the resets the retry scheduler's transaction stays open on every J.requests "
-                "partition (records, no marker after them, no failure logged), so read_committed workers stop there",
+                reason="open: in 2 of ~10 runs before the AbortedIndex stopped trusting read_committed after a failed "
+                "raw read, one worker committed results of the same source offset from two consecutive micro-batches "
+                "(62 and 80 ids; cause not traced); 6 of 6 runs since passed",
             ),
         ),
         pytest.param(
@@ -97,10 +98,10 @@ def _longest_gap_s(stamps: list[int]) -> float:
                 pytest.mark.chaos,
                 pytest.mark.xfail(
                     strict=False,
-                    reason="open: after resets and a blackhole past the session timeout, workers' sinks stay blocked "
-                    "for minutes inside librdkafka 2.16's send_offsets_to_transaction (rd_kafka_txn_op_req0 waits "
-                    "without a timeout, whatever timeout is passed), so their lost-partition rewind never ends; the "
-                    "run before the fence stalled the same way",
+                    reason="open: in 2 of 3 runs the retry scheduler, whose partitions were lost and re-assigned "
+                    "around "
+                    "a hung re-publish, held the aborted copy of the first record of a worker's aborted retry batch "
+                    "beside its committed copy, and re-published both (1-2 ids with two results; cause not traced)",
                 ),
             ],
         ),
@@ -148,7 +149,15 @@ def test_no_loss_no_duplicate_and_bounded_stalls_through_a_lossy_link(
     finally:
         for proc in procs:
             proc.stop()
-    outcomes = assert_exactly_once(kafka.bootstrap, topics, ids)
+    # Every connection reset may make librdkafka re-send a produce request the broker had appended: the embedded
+    # broker appends it again (it does not enforce idempotence), Apache Kafka drops it. The oracle leaves such
+    # repeats out (tests/support/oracle.settle) and they are reported below; two transactions committing one id
+    # would still fail here.
+    try:
+        outcomes = assert_exactly_once(kafka.bootstrap, topics, ids, repeated_ok=True)
+    except AssertionError:
+        dump_batches(kafka.bootstrap, [topics.requests, topics.results, *topics.retries], logs_dir / "batches.txt")
+        raise
     stamps = [rec.timestamp for copies in outcomes.results.values() for _, rec in copies]
     stamps += [rec.timestamp for copies in outcomes.dead.values() for _, rec in copies]
     during = [s for s in stamps if faults_from * 1000 <= s <= faults_to * 1000 + COMPLETION_BOUND_S * 1000]
@@ -156,5 +165,5 @@ def test_no_loss_no_duplicate_and_bounded_stalls_through_a_lossy_link(
         f"\nlossy link: {len(ids)} ids ({len(outcomes.dead)} dead-lettered), faults {faults_to - faults_from:.0f}s "
         f"({proxy.resets} connections reset, {proxy.unanswered} accepted in the blackhole); every id committed "
         f"{finished:.1f}s after the last fault; longest gap between committed outcomes {_longest_gap_s(during):.1f}s; "
-        f"{outcomes.aborted} records aborted"
+        f"{outcomes.aborted} records aborted; {len(outcomes.repeated)} records appended twice by the broker"
     )

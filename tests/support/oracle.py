@@ -18,6 +18,7 @@ from __future__ import annotations
 import time
 from collections.abc import Iterable
 from dataclasses import dataclass, field
+from pathlib import Path
 
 from batchline.kafka import headers as h
 from batchline.kafka.topics import JobTopics
@@ -69,11 +70,13 @@ class Settlement:
     committed: list[Rec] = field(default_factory=list)
     aborted: list[Rec] = field(default_factory=list)
     open: list[OpenTxn] = field(default_factory=list)
+    repeated: list[Rec] = field(default_factory=list)  # a batch the broker appended again (see settle)
 
     def extend(self, other: Settlement) -> None:
         self.committed.extend(other.committed)
         self.aborted.extend(other.aborted)
         self.open.extend(other.open)
+        self.repeated.extend(other.repeated)
 
 
 def settle(batches: Iterable[Batch]) -> Settlement:
@@ -82,10 +85,22 @@ def settle(batches: Iterable[Batch]) -> Settlement:
     Each producer id has at most one transaction in progress per partition: its transactional data batches
     since its last marker. A COMMIT marker commits them, an ABORT marker aborts them; a marker with nothing
     in progress (a control batch first in the log, or a second marker) settles nothing.
+
+    A data batch with the same producer id, epoch and base sequence as an earlier one is a produce request the
+    broker appended twice: librdkafka re-sends a request whose answer a connection reset lost, and Apache Kafka
+    drops the repeat by its sequence number (idempotence), the embedded broker does not. The repeat is settled
+    as a broker that enforces idempotence would: left out, and listed in ``repeated``.
     """
     out = Settlement()
     pending: dict[int, list[Rec]] = {}
+    sequences: set[tuple[int, int, int]] = set()
     for batch in batches:
+        if not batch.control and batch.base_sequence >= 0:
+            sequence = (batch.producer_id, batch.producer_epoch, batch.base_sequence)
+            if sequence in sequences:
+                out.repeated.extend(batch.records)
+                continue
+            sequences.add(sequence)
         if batch.control:
             records = pending.pop(batch.producer_id, [])
             (out.committed if batch.commit else out.aborted).extend(records)
@@ -130,6 +145,7 @@ class Outcomes:
     dead: dict[str, list[tuple[DeadLetter, Rec]]]
     open: list[OpenTxn]
     aborted: int
+    repeated: list[Rec] = field(default_factory=list)  # records the broker appended twice (Settlement.repeated)
 
     def ids(self) -> set[str]:
         return set(self.results) | set(self.dead)
@@ -145,14 +161,35 @@ class Outcomes:
             f"dead letter ({d.failure_class}) {rec.where}" for d, rec in self.dead.get(rid, [])
         ]
 
-    def problems(self, ids: set[str] | None = None) -> list[str]:
+    def provenance(self, rid: str) -> list[str]:
+        """Who wrote each committed outcome of ``rid``, from what: enough to trace a duplicate after the test."""
+        copies = [(f"result attempt {r.attempt}", rec) for r, rec in self.results.get(rid, [])]
+        copies += [(f"dead letter ({d.failure_class}) attempts {d.attempts}", rec) for d, rec in self.dead.get(rid, [])]
+        lines = []
+        for what, rec in copies:
+            try:
+                lin = lineage_of(rec)
+                origin = f"worker {lin.worker_id} batch {lin.batch_id} from {lin.source_topic}[{lin.source_partition}]"
+                origin += f"@{lin.source_offset}"
+            except Exception as exc:  # a record without a readable lineage (the scheduler's dead letters)
+                origin = f"no lineage ({type(exc).__name__})"
+            written = f"producer {rec.producer_id} batch {rec.batch} ts {rec.timestamp}"
+            lines.append(f"{what} {rec.where} {written}: {origin}")
+        return lines
+
+    def problems(self, ids: set[str] | None = None, repeated_ok: bool = False) -> list[str]:
         """Every breach of exactly-once, one line each; ``ids``: the ids that must each have an outcome (and no
-        other id may have one). Empty when exactly-once holds."""
+        other id may have one). Empty when exactly-once holds. ``repeated_ok``: a produce request the broker
+        appended twice is the broker's fault, not one (it is left out of the outcomes either way)."""
         lines: list[str] = []
+        if self.repeated and not repeated_ok:
+            lines.append(f"{len(self.repeated)} records appended twice by the broker (a retried produce request):")
+            lines += [f"  {rec.where} producer {rec.producer_id}" for rec in self.repeated[:SHOW]]
         twice = sorted(rid for rid in self.ids() if len(self.where(rid)) > 1)
         if twice:
             lines.append(f"{len(twice)} ids with more than one committed outcome:")
             lines += [f"  {rid}: {', '.join(self.where(rid))}" for rid in twice[:SHOW]]
+            lines += [f"    {copy}" for rid in twice[:SHOW] for copy in self.provenance(rid)]
         if ids is not None:
             missing, extra = sorted(ids - self.ids()), sorted(self.ids() - ids)
             if missing:
@@ -182,7 +219,7 @@ def job_outcomes(bootstrap: str, topics: JobTopics, outcomes_only: bool = False)
         elif rec.topic == topics.dlq:
             letter = letter_codec.decode(rec.value or b"")
             dead.setdefault(letter.request_id, []).append((letter, rec))
-    return Outcomes(results, dead, log.open, len(log.aborted))
+    return Outcomes(results, dead, log.open, len(log.aborted), log.repeated)
 
 
 def outcome_ids(bootstrap: str, topics: JobTopics) -> set[str]:
@@ -195,17 +232,37 @@ def lineage_of(rec: Rec) -> Lineage:
     return codec_for("lineage").decode(rec.header(h.LINEAGE) or b"")
 
 
+def dump_batches(bootstrap: str, topics: Iterable[str], path: Path) -> None:
+    """Every record batch of ``topics`` as the log holds it, one line each (offsets, producer, epoch, sequence,
+    marker, and each record's key), to trace a failure after the broker is gone."""
+    with path.open("w") as out:
+        for (topic, partition), batches in sorted(read_batches(bootstrap, topics).items()):
+            for b in batches:
+                kind = ("COMMIT" if b.commit else "ABORT") if b.control else ("txn" if b.transactional else "plain")
+                keys = " ".join(f"{r.offset}:{(r.key or b'').decode('utf-8', 'replace')}" for r in b.records)
+                out.write(
+                    f"{topic}[{partition}] {b.base_offset}-{b.last_offset} pid {b.producer_id} epoch "
+                    f"{b.producer_epoch} seq {b.base_sequence} {kind} {keys}\n"
+                )
+
+
 def assert_exactly_once(
-    bootstrap: str, topics: JobTopics, ids: set[str] | None = None, settle_timeout_s: float = SETTLE_TIMEOUT_S
+    bootstrap: str,
+    topics: JobTopics,
+    ids: set[str] | None = None,
+    settle_timeout_s: float = SETTLE_TIMEOUT_S,
+    repeated_ok: bool = False,
 ) -> Outcomes:
     """Assert that each of ``ids`` (or each id seen) has exactly one committed outcome, that no id has two, and
     that nothing is open on the job's data topics. A transaction still open is given ``settle_timeout_s`` to
-    end (a stopping worker may be committing its last one); duplicates and losses fail at once."""
+    end (a stopping worker may be committing its last one); duplicates and losses fail at once. Records the
+    broker appended twice (a retried produce request, :func:`settle`) fail too, unless ``repeated_ok`` (a test
+    that resets connections on the embedded broker, which does not enforce idempotence)."""
     deadline = time.monotonic() + settle_timeout_s
     outcomes = job_outcomes(bootstrap, topics)
     while outcomes.open and time.monotonic() < deadline:
         time.sleep(0.5)
         outcomes = job_outcomes(bootstrap, topics)
-    problems = outcomes.problems(ids)
+    problems = outcomes.problems(ids, repeated_ok)
     assert not problems, f"exactly-once broken on job {topics.job}:\n" + "\n".join(problems)
     return outcomes

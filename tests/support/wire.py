@@ -50,6 +50,7 @@ class Rec:
     timestamp: int
     producer_id: int
     transactional: bool
+    batch: str = ""  # its record batch: "base offset/producer epoch/base sequence", to trace a duplicate
 
     @property
     def where(self) -> str:
@@ -73,6 +74,7 @@ class Batch:
     control: bool
     commit: bool | None
     records: tuple[Rec, ...]
+    base_sequence: int = -1  # the producer's sequence number of the first record (-1: not idempotent)
 
 
 class _Conn:
@@ -247,6 +249,7 @@ def to_batch(tp: tuple[str, int], raw: DefaultRecordBatch) -> Batch:
                 r.timestamp,
                 raw.producer_id,
                 bool(raw.is_transactional),
+                f"{raw.base_offset}/{raw.producer_epoch}/{raw.base_sequence}",
             )
             for r in recs
         )
@@ -262,4 +265,5 @@ def to_batch(tp: tuple[str, int], raw: DefaultRecordBatch) -> Batch:
         control,
         commit,
         records,
+        raw.base_sequence,
     )

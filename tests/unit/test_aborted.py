@@ -9,7 +9,7 @@ from kafka.record.default_records import DefaultRecordBatch
 from kafka.record.memory_records import MemoryRecords
 
 from batchline.config import KafkaSettings
-from batchline.kafka.aborted import AbortedIndex, _Partition
+from batchline.kafka.aborted import AbortedIndex, Unsettled, _Partition
 from batchline.kafka.broker import free_port
 from tests.support.oracle import settle
 from tests.unit.test_oracle import ABORT, COMMIT, STEPS, data, log, marker
@@ -60,13 +60,19 @@ def test_the_index_finds_the_records_the_oracle_settles_as_aborted(steps: list[t
     assert {o for o in range(len(steps)) if part.aborted_at(o)} == {r.offset for r in oracle.aborted}
 
 
-def test_an_unreachable_broker_is_trusted_for_a_while_not_waited_for(caplog: pytest.LogCaptureFixture) -> None:
-    """No broker at the address: the index answers 'not aborted' (the broker's read_committed) at once, says so
-    once, and does not try again on every record."""
+def test_an_unreachable_broker_leaves_records_unsettled_not_trusted(caplog: pytest.LogCaptureFixture) -> None:
+    """No broker at the address: the index never answers 'not aborted' (the embedded broker's read_committed serves
+    aborted records): it raises Unsettled, says so once, and does not read again on every record for a moment;
+    aborted_waiting asks again until its wait is over."""
     index_ = AbortedIndex(KafkaSettings(bootstrap=f"127.0.0.1:{free_port()}"))
     try:
-        assert [index_.aborted("t", 0, o) for o in range(3)] == [False, False, False]
+        for offset in range(3):
+            with pytest.raises(Unsettled):
+                index_.aborted("t", 0, offset)
+        with pytest.raises(Unsettled):
+            index_.aborted_waiting("t", 0, 3, wait_s=1.5)
     finally:
         index_.close()
-    assert len([r for r in caplog.records if "trusting the broker's read_committed" in r.message]) == 1
+    failed = [r for r in caplog.records if "failed twice" in r.message]
+    assert 1 <= len(failed) <= 3, "read once per UNREACHABLE_S, not once per record"
     assert AbortedIndex(KafkaSettings(security_protocol="SSL")).enabled is False

@@ -4,6 +4,7 @@ back with kafka-python's parser, settled by tests/support/oracle.settle."""
 
 from __future__ import annotations
 
+import itertools
 import struct
 
 from hypothesis import given, settings
@@ -16,6 +17,7 @@ from tests.support.wire import Batch, Rec, parse_batches
 
 GZIP, LZ4 = Builder.CODEC_GZIP, Builder.CODEC_LZ4
 ABORT, COMMIT = 0, 1
+SEQUENCES = itertools.count()  # a fresh base sequence for every batch unless a test repeats one
 
 
 def _finish(buf: bytearray, base: int, control: bool = False) -> bytes:
@@ -27,10 +29,12 @@ def _finish(buf: bytearray, base: int, control: bool = False) -> bytes:
     return bytes(buf)
 
 
-def data(base: int, pid: int, values: list[str], txn: bool = True, codec: int = 0) -> bytes:
-    """A batch of ``values`` at offsets ``base``...; ``pid`` -1 with ``txn`` False is a plain producer's."""
+def data(base: int, pid: int, values: list[str], txn: bool = True, codec: int = 0, seq: int | None = None) -> bytes:
+    """A batch of ``values`` at offsets ``base``...; ``pid`` -1 with ``txn`` False is a plain producer's. ``seq``:
+    its base sequence (default: one no other batch has)."""
+    sequence = (next(SEQUENCES) if seq is None else seq) if pid >= 0 else -1
     b = Builder(magic=2, compression_type=codec, is_transactional=txn, producer_id=pid, producer_epoch=0,
-                base_sequence=0 if pid >= 0 else -1, batch_size=1 << 20)  # fmt: skip
+                base_sequence=sequence, batch_size=1 << 20)  # fmt: skip
     for i, v in enumerate(values):
         b.append(i, timestamp=1_000 + i, key=v.encode(), value=(v * 40).encode(), headers=[("h", b"x")])
     return _finish(b.build(), base)
@@ -166,3 +170,27 @@ def test_problems_name_the_ids_the_places_and_the_open_transactions() -> None:
     assert "1 ids without a committed outcome, e.g. ['b']" in text
     assert "J.results[1] producer 7: 50 records open at offsets 901-950" in text
     assert not Outcomes({"b": [(result, rec("J.results", 1))]}, {}, [], 3).problems({"b"})  # type: ignore[list-item]
+
+
+def test_a_batch_the_broker_appended_twice_is_left_out_and_listed() -> None:
+    """A produce request re-sent after a connection reset, appended again by a broker that does not enforce
+    idempotence (the embedded one): same producer, epoch and base sequence. Apache Kafka would have dropped it."""
+    out = settle(
+        log(
+            data(0, 4, ["a", "b"], seq=100),
+            data(2, 4, ["a", "b"], seq=100),  # the repeat
+            data(4, 4, ["c"], seq=102),
+            data(5, 5, ["x"], seq=100),  # another producer's sequence 100: not a repeat
+            marker(6, 4, COMMIT),
+            marker(7, 5, COMMIT),
+        )
+    )
+    assert keys(out.committed) == ["a", "b", "c", "x"]
+    assert [(r.offset, r.producer_id) for r in out.repeated] == [(2, 4), (3, 4)]
+    outcomes = Outcomes({}, {}, [], 0, out.repeated)
+    assert outcomes.problems() == [
+        "2 records appended twice by the broker (a retried produce request):",
+        "  t[0]@2 producer 4",
+        "  t[0]@3 producer 4",
+    ]
+    assert outcomes.problems(repeated_ok=True) == []

@@ -18,7 +18,7 @@ from confluent_kafka import KafkaError, KafkaException, TopicPartition
 
 from batchline.config import KafkaSettings
 from batchline.kafka.ownership import Ownership, member_of
-from batchline.kafka.transactions import Outgoing, TransactionalProducer, TransactionFenced
+from batchline.kafka.transactions import Outgoing, TransactionalProducer, TransactionFenced, _BoundedCalls
 
 T = "unit.requests"
 
@@ -189,14 +189,14 @@ def _txn(calls: list[str], script: dict[str, list[Exception]] | None = None) -> 
     txn.kafka = KafkaSettings(bootstrap="unit.invalid:9092")
     txn.transactional_id, txn.overrides, txn.topic_limits = "unit-txn", {}, {}
     txn.max_message_bytes, txn.aborts, txn.recreated = 1_000_000, 0, 0
-    txn._pending, txn._retired = None, []
+    txn._pending, txn._retired, txn._replace, txn.hung = None, [], False, 0
     producer = Producer(calls, script)
-    txn.producer = producer
+    txn.producer, txn._calls = producer, _BoundedCalls("unit-txn")
 
-    def new_producer() -> Producer:  # as TransactionalProducer._new_producer: init_transactions fences the epoch
+    def new_producer() -> tuple[Producer, _BoundedCalls]:  # as _new_producer: init_transactions fences the epoch
         fresh = Producer(calls)
         fresh.init_transactions(30)
-        return fresh
+        return fresh, _BoundedCalls("unit-txn")
 
     txn._new_producer = new_producer  # type: ignore[method-assign]
     return txn, producer
@@ -257,7 +257,7 @@ def test_a_commit_under_way_when_the_claim_goes_stale_recreates_the_producer() -
     assert calls == ["begin", "produce", "flush", "offsets", "commit", "purge", "init"]  # the commit not resumed
     assert exc.value.ambiguous and exc.value.fatal and txn.recreated == 1
     # its commit is still pending inside librdkafka: destroying it would abort the process, so it is kept
-    assert txn._retired == [producer] and txn._pending is None
+    assert [p for p, _ in txn._retired] == [producer] and txn._pending is None
 
 
 def test_a_call_that_timed_out_is_resumed_to_its_end_before_the_fenced_abort() -> None:
