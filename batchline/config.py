@@ -6,12 +6,16 @@ descriptions (``batchline config-doc``). Errors are reported as one line by :fun
 
 from __future__ import annotations
 
+import os
 import re
+import socket
+import tempfile
 import tomllib
 from pathlib import Path
 from typing import Any, Literal
 
 from pydantic import BaseModel, ConfigDict, Field, ValidationError, field_validator
+from pydantic_settings import BaseSettings, SettingsConfigDict
 
 from batchline.exceptions import ConfigError
 
@@ -223,6 +227,26 @@ class JobConfig(_Frozen):
     schedule: ScheduleConfig = Field(default_factory=ScheduleConfig)
     telemetry: TelemetryConfig = Field(default_factory=TelemetryConfig)
     max_request_bytes: int = Field(1 << 20, ge=64, description="Larger payloads are invalid_input.")
+
+
+def _default_dir() -> Path:
+    return Path(tempfile.gettempdir()) / "batchline-ledger"
+
+
+class LedgerSettings(BaseSettings):
+    """Where the ledger keeps its store, and how its snapshots name it. Env prefix ``BATCHLINE_LEDGER_``."""
+
+    model_config = SettingsConfigDict(env_prefix="BATCHLINE_LEDGER_", frozen=True, extra="ignore")
+
+    dir: Path = Field(
+        default_factory=_default_dir,
+        description="Root of the ledger's on-disk stores (each process locks <dir>/<job>/<n>). Keep it across "
+        "restarts to resume from the checkpoint in seconds; lost, the ledger rebuilds from the topics.",
+    )
+    instance: str = Field(
+        default_factory=lambda: f"{socket.gethostname()}-{os.getpid()}",
+        description="Name of this ledger process in its snapshots (for operators; not used for ownership).",
+    )
 
 
 def _set_dotted(tree: dict[str, Any], dotted: str, value: Any) -> None:
