@@ -329,18 +329,25 @@ def _default_dir() -> Path:
 
 
 class LedgerSettings(BaseSettings):
-    """Where the ledger keeps its store, and how its snapshots name it. Env prefix ``BATCHLINE_LEDGER_``."""
+    """Where the ledger keeps its store, and how its snapshots name it. Env prefix ``BATCHLINE_LEDGER_``.
+
+    Settings of a ledger process, not of a job (like :class:`KafkaSettings`): not in :class:`JobConfig`, where a
+    job file would pin one host's disk and name for every process that runs the job.
+    """
 
     model_config = SettingsConfigDict(env_prefix="BATCHLINE_LEDGER_", frozen=True, extra="ignore")
 
     dir: Path = Field(
         default_factory=_default_dir,
         description="Root of the ledger's on-disk stores (each process locks <dir>/<job>/<n>). Keep it across "
-        "restarts to resume from the checkpoint in seconds; lost, the ledger rebuilds from the topics.",
+        "restarts to resume from the checkpoint in seconds; lost, the ledger rebuilds from the topics. "
+        "`batchline streams --ledger-dir` wins.",
+        json_schema_extra={"shown_default": "<temp dir>/batchline-ledger"},
     )
     instance: str = Field(
         default_factory=lambda: f"{socket.gethostname()}-{os.getpid()}",
         description="Name of this ledger process in its snapshots (for operators; not used for ownership).",
+        json_schema_extra={"shown_default": "<hostname>-<pid>"},
     )
 
 

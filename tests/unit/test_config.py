@@ -204,3 +204,14 @@ def test_the_deterministic_engine_runs_with_the_typed_knobs() -> None:
     cfg = load_job_config("j", None, {"engine.streaming": False, "engine.deterministic.poison_marker": "P"})
     engine = create_engine(cfg)
     assert engine.streaming is False and engine.is_poison("a P here")
+
+
+def test_ledger_settings_live_in_config_and_read_their_env(tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> None:
+    from streams import ledger
+
+    monkeypatch.setenv("BATCHLINE_LEDGER_DIR", str(tmp_path))
+    monkeypatch.setenv("BATCHLINE_LEDGER_INSTANCE", "ledger-7")
+    assert ledger.LedgerSettings is config_module.LedgerSettings
+    settings = config_module.LedgerSettings()
+    assert (settings.dir, settings.instance) == (tmp_path, "ledger-7")
+    assert config_module.LedgerSettings(dir=tmp_path / "flag").dir == tmp_path / "flag"  # --ledger-dir wins
