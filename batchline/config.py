@@ -57,15 +57,15 @@ class SamplingConfig(_Frozen):
 
 
 # Whole milliseconds stay ints: the fingerprint hashes ``batch_latency_ms`` as written (batchline/runs/identity.py).
-Millis = int | float
+_Millis = int | float
 
 
 class DeterministicConfig(_Frozen):
     """The deterministic engine's knobs (consumers/engines/deterministic.py): simulated compute time and injected
     faults, each a pure function of (request id, attempt, ``fault_seed``) so a test can predict every outcome."""
 
-    latency_ms: Millis = Field(0, ge=0, description="Simulated compute time per record in each step.")
-    batch_latency_ms: Millis = Field(0, ge=0, description="Simulated compute time per step, whatever its size.")
+    latency_ms: _Millis = Field(0, ge=0, description="Simulated compute time per record in each step.")
+    batch_latency_ms: _Millis = Field(0, ge=0, description="Simulated compute time per step, whatever its size.")
     transient_rate: float = Field(
         0.0, ge=0.0, le=1.0, description="Share of (id, attempt) pairs that fail with a transient failure."
     )
