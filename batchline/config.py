@@ -6,12 +6,17 @@ descriptions (``batchline config-doc``). Errors are reported as one line by :fun
 
 from __future__ import annotations
 
+import logging
+import os
 import re
+import socket
+import tempfile
 import tomllib
 from pathlib import Path
 from typing import Any, Literal
 
-from pydantic import BaseModel, ConfigDict, Field, ValidationError, field_validator
+from pydantic import BaseModel, ConfigDict, Field, ValidationError, field_validator, model_validator
+from pydantic_settings import BaseSettings, SettingsConfigDict
 
 from batchline.exceptions import ConfigError
 
@@ -28,6 +33,7 @@ DEFAULT_ROUTES: dict[str, Route] = {
     "poison": "dlq",
 }
 _DURATION = re.compile(r"^(\d+)(ms|s|m|h)$")
+log = logging.getLogger(__name__)
 
 
 def parse_duration(text: str) -> float:
@@ -48,6 +54,60 @@ class SamplingConfig(_Frozen):
     top_p: float = Field(1.0, gt=0.0, le=1.0, description="Nucleus sampling mass.")
     max_tokens: int = Field(64, ge=1, description="Completion token limit per record.")
     seed: int = Field(0, description="Base seed; a record's seed is derived from it and the request id.")
+
+
+# Whole milliseconds stay ints: the fingerprint hashes ``batch_latency_ms`` as written (batchline/runs/identity.py).
+_Millis = int | float
+
+
+class DeterministicConfig(_Frozen):
+    """The deterministic engine's knobs (consumers/engines/deterministic.py): simulated compute time and injected
+    faults, each a pure function of (request id, attempt, ``fault_seed``) so a test can predict every outcome."""
+
+    latency_ms: _Millis = Field(0, ge=0, description="Simulated compute time per record in each step.")
+    batch_latency_ms: _Millis = Field(0, ge=0, description="Simulated compute time per step, whatever its size.")
+    transient_rate: float = Field(
+        0.0, ge=0.0, le=1.0, description="Share of (id, attempt) pairs that fail with a transient failure."
+    )
+    poison_marker: str | None = Field(
+        None, description="A step whose batch holds a record containing this text crashes, like a poison record."
+    )
+    invalid_output_rate: float = Field(
+        0.0, ge=0.0, le=1.0, description="Share of ids whose output never passes validation."
+    )
+    oom_above: int | None = Field(None, ge=0, description="Steps or calls with more records raise EngineOOM.")
+    embed_dim: int = Field(32, ge=1, description="Embedding size.")
+    fault_seed: int | str = Field(0, description="Salt of the fault functions: another seed, other faulty ids.")
+    max_running: int = Field(256, ge=1, description="Records in the running batch at most.")
+    decode_steps: bool = Field(
+        False,
+        description="A record needs one step per completion token (records of one batch finish at different "
+        "times, as in vLLM); false: one step.",
+    )
+    hang_marker: str | None = Field(
+        None,
+        description="A step whose batch holds a record containing this text blocks until the engine is closed "
+        "(a hung engine).",
+    )
+    load_gate: Path | None = Field(
+        None, description="The engine waits for this file to exist before it starts (a model still loading)."
+    )
+
+
+# batchline's own knobs, once written in engine_kwargs: lifted to their typed place (EngineConfig._lift_knobs).
+ENGINE_KNOBS = ("infer_timeout_s", "streaming")
+DETERMINISTIC_KNOBS = tuple(DeterministicConfig.model_fields)
+_warned: set[str] = set()
+
+
+def engine_arg_path(key: str) -> str:
+    """The dotted config key of an engine option given as ``key`` (``--engine-arg key=value``): batchline's own
+    knobs have typed places, anything else passes through to the engine in ``engine_kwargs``."""
+    if key in ENGINE_KNOBS:
+        return f"engine.{key}"
+    if key in DETERMINISTIC_KNOBS:
+        return f"engine.deterministic.{key}"
+    return f"engine.engine_kwargs.{key}"
 
 
 class EngineConfig(_Frozen):
@@ -79,12 +139,51 @@ class EngineConfig(_Frozen):
         None, description="Structured-output JSON schema for generate jobs (also validated after inference)."
     )
     sampling: SamplingConfig = Field(default_factory=SamplingConfig)
+    infer_timeout_s: float | None = Field(
+        None,
+        ge=0,
+        description="vllm: a call that runs longer is taken as a hung engine, which is restarted (its records are "
+        "re-run). Too short restarts a healthy engine on a long batch; unset or 0: never (only `/healthz` "
+        "notices). Also sets the default `telemetry.progress_bound_s`.",
+    )
+    streaming: bool = Field(
+        True,
+        description="Continuous batching: records join and leave the engine's running batch one by one, so it "
+        "stays full across micro-batches. false: the worker drives the engine one micro-batch call at a time "
+        "(`batching.pipeline_depth` calls queued). vllm pooling (embed, classify by embedding) never streams.",
+    )
+    deterministic: DeterministicConfig = Field(default_factory=DeterministicConfig)
     engine_kwargs: dict[str, Any] = Field(
         default_factory=dict,
-        description="Passed through to the engine: vLLM `LLM(...)` kwargs (plus `infer_timeout_s`: a call that "
-        "runs longer restarts the engine), or the deterministic engine's knobs: latency_ms, transient_rate, "
-        "poison_marker, invalid_output_rate, oom_above, embed_dim, hang_marker, load_gate.",
+        description="Passed through to the engine: vLLM `LLM(...)` kwargs (`enforce_eager`, `dtype`, ...). "
+        "batchline's own knobs written here (`infer_timeout_s`, `streaming`, the deterministic engine's) are "
+        "deprecated: they still load, moved to `engine.<knob>` / `engine.deterministic.<knob>`, with a warning.",
     )
+
+    @model_validator(mode="before")
+    @classmethod
+    def _lift_knobs(cls, data: Any) -> Any:
+        """Old configs kept batchline's own knobs in ``engine_kwargs``: move them to their typed place, once."""
+        if not isinstance(data, dict) or not isinstance(data.get("engine_kwargs"), dict):
+            return data
+        kwargs = dict(data["engine_kwargs"])
+        lifted = {k: kwargs.pop(k) for k in (*ENGINE_KNOBS, *DETERMINISTIC_KNOBS) if k in kwargs}
+        if not lifted:
+            return data
+        data = {**data, "engine_kwargs": kwargs}
+        det = data.get("deterministic") or {}
+        deterministic = det.model_dump(exclude_unset=True) if isinstance(det, BaseModel) else dict(det)
+        for key, value in lifted.items():
+            where, place = (data, f"engine.{key}") if key in ENGINE_KNOBS else (deterministic, engine_arg_path(key))
+            if key in where:
+                raise ValueError(f"{key} is set both in engine_kwargs and as {place}: keep {place}")
+            where[key] = value
+            if key not in _warned:
+                _warned.add(key)
+                log.warning("engine.engine_kwargs.%s is deprecated: write it as %s", key, place)
+        if deterministic:
+            data["deterministic"] = deterministic
+        return data
 
 
 class BatchingConfig(_Frozen):
@@ -223,6 +322,33 @@ class JobConfig(_Frozen):
     schedule: ScheduleConfig = Field(default_factory=ScheduleConfig)
     telemetry: TelemetryConfig = Field(default_factory=TelemetryConfig)
     max_request_bytes: int = Field(1 << 20, ge=64, description="Larger payloads are invalid_input.")
+
+
+def _default_dir() -> Path:
+    return Path(tempfile.gettempdir()) / "batchline-ledger"
+
+
+class LedgerSettings(BaseSettings):
+    """Where the ledger keeps its store, and how its snapshots name it. Env prefix ``BATCHLINE_LEDGER_``.
+
+    Settings of a ledger process, not of a job (like :class:`KafkaSettings`): not in :class:`JobConfig`, where a
+    job file would pin one host's disk and name for every process that runs the job.
+    """
+
+    model_config = SettingsConfigDict(env_prefix="BATCHLINE_LEDGER_", frozen=True, extra="ignore")
+
+    dir: Path = Field(
+        default_factory=_default_dir,
+        description="Root of the ledger's on-disk stores (each process locks <dir>/<job>/<n>). Keep it across "
+        "restarts to resume from the checkpoint in seconds; lost, the ledger rebuilds from the topics. "
+        "`batchline streams --ledger-dir` wins.",
+        json_schema_extra={"shown_default": "<temp dir>/batchline-ledger"},
+    )
+    instance: str = Field(
+        default_factory=lambda: f"{socket.gethostname()}-{os.getpid()}",
+        description="Name of this ledger process in its snapshots (for operators; not used for ownership).",
+        json_schema_extra={"shown_default": "<hostname>-<pid>"},
+    )
 
 
 def _set_dotted(tree: dict[str, Any], dotted: str, value: Any) -> None:

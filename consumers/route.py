@@ -123,7 +123,7 @@ class Router:
             out.completion_tokens,
             item.attempt,
             tail,
-            item.value,
+            item.weight,
         )
         topic, partition, offset = self._source(item)
         lineage = self._lineage.encode(run_id, topic, partition, offset, ctx.batch_id)
@@ -188,7 +188,7 @@ class Router:
             payload=item.payload,
             first_failure_at=item.first_failure_at or now,
             last_failure_at=now,
-            value=item.value,
+            value=item.weight,
             invalid_output=failure.invalid_output,
         )
         if small:

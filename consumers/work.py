@@ -76,7 +76,8 @@ class WorkItem:
         return raw.decode("utf-8", "replace") if raw else None
 
     @property
-    def value(self) -> float:
+    def weight(self) -> float:
+        """The record's weight in value-weighted completion (``Request.value`` on the wire; 1.0 when unparsed)."""
         return self.request.value if self.request else 1.0
 
 

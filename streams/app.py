@@ -14,12 +14,12 @@ from dataclasses import dataclass
 
 from confluent_kafka import KafkaException
 
-from batchline.config import JobConfig, KafkaSettings
+from batchline.config import JobConfig, KafkaSettings, LedgerSettings
 from batchline.kafka.client import make_admin
 from batchline.kafka.topics import JobTopics
 from batchline.telemetry import Health, watch_streams
 from streams.exceptions import MissingTopicsError, StreamsError
-from streams.ledger import Ledger, LedgerSettings
+from streams.ledger import Ledger
 from streams.retry_scheduler import RetryScheduler
 
 log = logging.getLogger(__name__)

@@ -30,19 +30,13 @@ from __future__ import annotations
 import ctypes
 import ctypes.util
 import logging
-import os
-import socket
-import tempfile
 import time
 from dataclasses import dataclass, field
 from datetime import UTC, datetime
-from pathlib import Path
 
 from confluent_kafka import OFFSET_BEGINNING, Consumer, KafkaError, KafkaException, Message, TopicPartition
-from pydantic import Field
-from pydantic_settings import BaseSettings, SettingsConfigDict
 
-from batchline.config import JobConfig, KafkaSettings
+from batchline.config import JobConfig, KafkaSettings, LedgerSettings
 from batchline.kafka.aborted import AbortedIndex
 from batchline.kafka.client import make_admin, make_consumer, make_producer, make_reader
 from batchline.kafka.groups import close_member, watch_member
@@ -106,26 +100,6 @@ def _libc() -> ctypes.CDLL | None:
 
 
 _LIBC = _libc()
-
-
-def _default_dir() -> Path:
-    return Path(tempfile.gettempdir()) / "batchline-ledger"
-
-
-class LedgerSettings(BaseSettings):
-    """Where the ledger keeps its store, and how its snapshots name it. Env prefix ``BATCHLINE_LEDGER_``."""
-
-    model_config = SettingsConfigDict(env_prefix="BATCHLINE_LEDGER_", frozen=True, extra="ignore")
-
-    dir: Path = Field(
-        default_factory=_default_dir,
-        description="Root of the ledger's on-disk stores (each process locks <dir>/<job>/<n>). Keep it across "
-        "restarts to resume from the checkpoint in seconds; lost, the ledger rebuilds from the topics.",
-    )
-    instance: str = Field(
-        default_factory=lambda: f"{socket.gethostname()}-{os.getpid()}",
-        description="Name of this ledger process in its snapshots (for operators; not used for ownership).",
-    )
 
 
 @dataclass

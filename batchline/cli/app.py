@@ -27,7 +27,7 @@ from batchline.cli.common import (
     out,
 )
 from batchline.cli.options import FileFormat, JobOptions, LogLevel, root, uses
-from batchline.config import DEFAULT_BOOTSTRAP, JobConfig, KafkaSettings
+from batchline.config import DEFAULT_BOOTSTRAP, JobConfig, KafkaSettings, LedgerSettings
 from batchline.exceptions import InputFileError
 
 app = typer.Typer(
@@ -285,7 +285,6 @@ def streams_cmd(
     from batchline.kafka.topics import JobTopics
     from batchline.telemetry import Health, serve_probes, setup_telemetry
     from streams import StreamsApp
-    from streams.ledger import LedgerSettings
 
     cfg = opts.load(job)
     topics = JobTopics(job, cfg.retry.tiers)

@@ -9,7 +9,7 @@ from typing import Any
 from pydantic import ValidationError
 from rich.console import Console
 
-from batchline.config import JobConfig, KafkaSettings, load_job_config, parse_scalar
+from batchline.config import JobConfig, KafkaSettings, engine_arg_path, load_job_config, parse_scalar
 from batchline.exceptions import BatchlineError, ConfigError, ExitCode, MissingTopicError, ModelError
 from batchline.kafka.topics import JobTopics
 
@@ -86,7 +86,7 @@ def job_config(
     if model:
         overrides["engine.model"] = model
     for key, value in _pairs(engine_args, "--engine-arg").items():
-        overrides[f"engine.engine_kwargs.{key}"] = value
+        overrides[engine_arg_path(key)] = value
     return load_job_config(job, config, overrides)
 
 

@@ -27,28 +27,14 @@ _MODEL_FILES = (
     "modules.json",
 )
 _WEIGHT_SUFFIXES = (".safetensors", ".bin", ".pt", ".gguf")
-# Engine knobs that inject faults or pace the run without changing what a record's output is.
+# vLLM options that change speed or memory, not what a record's output is.
 _NON_SEMANTIC_KWARGS = frozenset(
-    {
-        "latency_ms",
-        "transient_rate",
-        "poison_marker",
-        "invalid_output_rate",
-        "oom_above",
-        "fault_seed",
-        "hang_marker",
-        "load_gate",
-        "enforce_eager",
-        "gpu_memory_utilization",
-        "tensor_parallel_size",
-        "max_num_seqs",
-        "dtype_cpu_threads",
-        "infer_timeout_s",
-        "streaming",
-        "max_running",
-        "decode_steps",
-    }
+    {"enforce_eager", "gpu_memory_utilization", "tensor_parallel_size", "max_num_seqs", "dtype_cpu_threads"}
 )
+# The deterministic engine's knobs that were always hashed (when set) with the engine kwargs, where they were
+# written before they had a typed place: ``embed_dim`` changes outputs; ``batch_latency_ms`` does not, but was
+# never left out, and leaving it out now would move the fingerprint of every config that sets it.
+_HASHED_DETERMINISTIC_KNOBS = {"embed_dim", "batch_latency_ms"}
 
 
 def digest(obj: Any, length: int = 16) -> str:
@@ -127,7 +113,11 @@ class Fingerprint:
 def config_digest(config: JobConfig) -> str:
     """Digest of the settings that change outputs: task, sampling, labels, schemas, validation."""
     eng = config.engine
-    semantic_kwargs = {k: v for k, v in eng.engine_kwargs.items() if k not in _NON_SEMANTIC_KWARGS}
+    # The mapping hashed as "engine_kwargs" is the one these configs wrote before batchline's own knobs moved out
+    # of engine_kwargs (config.EngineConfig): the set knobs that were hashed, as written, so digests stay the same.
+    hashed = eng.deterministic.model_dump(include=_HASHED_DETERMINISTIC_KNOBS, exclude_unset=True, mode="json")
+    passed = {k: v for k, v in eng.engine_kwargs.items() if k not in _NON_SEMANTIC_KWARGS}
+    semantic_kwargs = passed | hashed
     return digest(
         {
             "task": config.task,

@@ -45,8 +45,8 @@ def progress_bound_of(config: JobConfig) -> float:
     """``telemetry.progress_bound_s``, else the default or 4 x the engine's ``infer_timeout_s``, whichever is longer."""
     if config.telemetry.progress_bound_s is not None:
         return config.telemetry.progress_bound_s
-    timeout = config.engine.engine_kwargs.get("infer_timeout_s")
-    return max(DEFAULT_PROGRESS_BOUND_S, INFER_TIMEOUT_FACTOR * float(timeout)) if timeout else DEFAULT_PROGRESS_BOUND_S
+    timeout = config.engine.infer_timeout_s
+    return max(DEFAULT_PROGRESS_BOUND_S, INFER_TIMEOUT_FACTOR * timeout) if timeout else DEFAULT_PROGRESS_BOUND_S
 
 
 class Health:

@@ -16,7 +16,7 @@ def create_engine(config: JobConfig) -> Engine:
     if eng.name == "deterministic":
         from consumers.engines.deterministic import DeterministicEngine
 
-        return DeterministicEngine(config.task, eng.labels, eng.json_schema, eng.engine_kwargs)
+        return DeterministicEngine(config.task, eng.labels, eng.json_schema, eng.deterministic, eng.streaming)
     if eng.name == "vllm":
         try:
             from consumers.engines.vllm import VLLMEngine

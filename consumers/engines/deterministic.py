@@ -2,7 +2,8 @@
 
 It is a real engine for pipeline tests and benchmarks: outputs depend only on (input, seed), so a replay
 reproduces them, and every injected fault is a pure function of (request id, attempt, fault_seed), so a test
-can compute exactly which ids must end where. Knobs (``engine_kwargs``):
+can compute exactly which ids must end where. Knobs (``[engine.deterministic]`` of the job config,
+:class:`~batchline.config.DeterministicConfig`):
 
 - ``latency_ms`` per record and ``batch_latency_ms`` per call: simulated compute time.
 - ``transient_rate``: share of (id, attempt) pairs that fail with a transient Failure.
@@ -20,8 +21,8 @@ or, with ``decode_steps = true``, after one step per completion token, so record
 different times as in vLLM. ``infer`` runs its inputs as a private running batch until all have finished (a
 synchronous call that drains to its longest record); ``add``/``step`` keep one shared running batch that records
 join and leave individually (continuous feeding, :class:`~consumers.engines.base.StreamingEngine`). A step whose
-batch holds a poison record crashes; a step over ``oom_above`` records raises EngineOOM. ``streaming = false``
-hides ``add``/``step``, so the worker drives it call by call.
+batch holds a poison record crashes; a step over ``oom_above`` records raises EngineOOM. ``streaming = False``
+(``engine.streaming = false``) hides ``add``/``step``, so the worker drives it call by call.
 """
 
 from __future__ import annotations
@@ -34,9 +35,9 @@ import threading
 import time
 import zlib
 from collections.abc import Iterable, Sequence
-from pathlib import Path
 from typing import Any
 
+from batchline.config import DeterministicConfig
 from consumers.engines.base import EngineInput, EngineOutput, Outcome
 from consumers.exceptions import EngineError, EngineOOM
 from consumers.work import Failure
@@ -72,30 +73,30 @@ class DeterministicEngine:
         task: str,
         labels: Sequence[str] = (),
         json_schema: dict[str, Any] | None = None,
-        engine_kwargs: dict[str, Any] | None = None,
+        knobs: DeterministicConfig | None = None,
+        streaming: bool = True,
     ) -> None:
-        kw = dict(engine_kwargs or {})
+        kw = knobs or DeterministicConfig()
         self.task = task
         self.labels = tuple(labels)
         self.json_schema = json_schema
-        self.latency_s = float(kw.get("latency_ms", 0.0)) / 1000
-        self.batch_latency_s = float(kw.get("batch_latency_ms", 0.0)) / 1000
-        self.transient_rate = float(kw.get("transient_rate", 0.0))
-        self.poison_marker: str | None = kw.get("poison_marker")
-        self.invalid_output_rate = float(kw.get("invalid_output_rate", 0.0))
-        self.oom_above: int | None = kw.get("oom_above")
-        self.embed_dim = int(kw.get("embed_dim", 32))
-        self.fault_seed = kw.get("fault_seed", 0)
-        self.max_running = int(kw.get("max_running", 256))
-        self.decode_steps = bool(kw.get("decode_steps", False))
-        self.streaming = bool(kw.get("streaming", True))
+        self.latency_s = kw.latency_ms / 1000
+        self.batch_latency_s = kw.batch_latency_ms / 1000
+        self.transient_rate = kw.transient_rate
+        self.poison_marker = kw.poison_marker
+        self.invalid_output_rate = kw.invalid_output_rate
+        self.oom_above = kw.oom_above
+        self.embed_dim = kw.embed_dim
+        self.fault_seed = kw.fault_seed
+        self.max_running = kw.max_running
+        self.decode_steps = kw.decode_steps
+        self.streaming = streaming
         self.calls = 0
         self.steps = 0
         self._running: dict[int, _Running] = {}
-        self.hang_marker: str | None = kw.get("hang_marker")
+        self.hang_marker = kw.hang_marker
         self._closed = threading.Event()
-        gate = kw.get("load_gate")
-        while gate and not Path(gate).exists():
+        while kw.load_gate and not kw.load_gate.exists():
             time.sleep(LOAD_GATE_POLL_S)
 
     # -- the fault functions, public so tests can predict every outcome --------------------------

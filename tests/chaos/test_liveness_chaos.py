@@ -315,7 +315,7 @@ def test_liveness_under_rebalance_storms_pauses_and_kills(
     finally:
         cluster.stop()
 
-    engine = DeterministicEngine("generate", engine_kwargs=config.engine.engine_kwargs)
+    engine = DeterministicEngine("generate", knobs=config.engine.deterministic, streaming=config.engine.streaming)
     expected = {rid: expected_outcome(engine, rid, text) for rid, text in texts.items()}
     outcomes = assert_exactly_once(kafka.bootstrap, topics, set(texts))
     got = outcomes.placed()

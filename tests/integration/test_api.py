@@ -237,7 +237,7 @@ SLOW_JOB = """
 task = "generate"
 [engine]
 name = "deterministic"
-engine_kwargs = { latency_ms = 40, max_running = 10 }
+deterministic = { latency_ms = 40, max_running = 10 }
 [batching]
 max_records = 10
 linger_ms = 20

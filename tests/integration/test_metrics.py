@@ -32,7 +32,7 @@ METRICS_TIMEOUT_S = 30.0
 
 def _expected(cfg: Path, job: str, valid: set[str]) -> tuple[set[str], set[str]]:
     """(ids that fail their first attempt, ids that fail both): the engine's own fault function decides."""
-    engine = DeterministicEngine("generate", engine_kwargs=load_job_config(job, cfg).engine.engine_kwargs)
+    engine = DeterministicEngine("generate", knobs=load_job_config(job, cfg).engine.deterministic)
     first = {rid for rid in valid if engine.fails_transiently(rid, 1)}
     return first, {rid for rid in first if engine.fails_transiently(rid, 2)}
 

@@ -177,7 +177,7 @@ def test_spans_and_metrics_arrive_over_otlp_with_links_to_the_records(
     cfg = job_toml(
         tmp_path / "job.toml", kwargs=FAULTS, max_records=8, tiers='"1s"', max_attempts=MAX_ATTEMPTS, extra=telemetry
     )
-    engine = DeterministicEngine("generate", engine_kwargs=load_job_config(job_name, cfg).engine.engine_kwargs)
+    engine = DeterministicEngine("generate", knobs=load_job_config(job_name, cfg).engine.deterministic)
     submitted, _ = requests_file(tmp_path / "run.jsonl", SUBMITTED, prefix="sub")
     run_cli(kafka.bootstrap, "submit", job_name, str(tmp_path / "run.jsonl"), "--config", str(cfg))
     upstream = [f"up-{i:03d}" for i in range(UPSTREAM)]

@@ -12,7 +12,7 @@ from collections import Counter
 from collections.abc import Callable
 from pathlib import Path
 
-from batchline.config import JobConfig, KafkaSettings, load_job_config
+from batchline.config import DeterministicConfig, JobConfig, KafkaSettings, load_job_config
 from batchline.kafka import headers as h
 from batchline.kafka.client import make_producer
 from batchline.kafka.topics import JobTopics
@@ -292,7 +292,7 @@ def test_ledger_counts_match_the_topics_after_the_ledger_and_a_worker_are_killed
 
 def _assert_run_truth(snap: RunStats, independent: dict, values: dict[str, float]) -> None:
     """The final snapshot against the topics and against what the deterministic engine makes fail."""
-    engine = DeterministicEngine("generate", engine_kwargs={"transient_rate": 0.3})
+    engine = DeterministicEngine("generate", knobs=DeterministicConfig(transient_rate=0.3))
     malformed = {rid for rid, v in values.items() if int(rid[-4:]) % 97 == 96}
     runnable = [rid for rid in values if rid not in malformed]
     fails = {rid: [engine.fails_transiently(rid, a) for a in (1, 2, 3)] for rid in runnable}

@@ -219,6 +219,25 @@ def _toml_inline(obj: object) -> str:
     return json.dumps(obj)
 
 
+def test_streaming_off_and_the_infer_timeout_reach_the_engine_not_llm(tiny_llama: Path, tmp_path: Path) -> None:
+    """``engine.streaming`` and ``engine.infer_timeout_s`` are batchline's: vLLM's ``LLM(...)`` refuses unknown
+    kwargs, so the engine starting at all shows they were not passed through."""
+    from consumers.engines.vllm import VLLMEngine
+    from consumers.infer import Feeder
+
+    extra = "streaming = false\ninfer_timeout_s = 120"
+    cfg = load_job_config("gen", _config(tmp_path / "job.toml", tiny_llama, engine_extra=extra))
+    eng = VLLMEngine(cfg)
+    try:
+        assert eng.streaming is False and not Feeder(eng, cfg, lambda: None).streaming
+        assert eng._watchdog is not None and eng._watchdog.timeout_s == 120
+        s = Sampling(temperature=0.0, top_p=1.0, max_tokens=4, seed=1)
+        out = eng.infer([EngineInput(f"o-{i}", f"hello {i}", None, s) for i in range(3)])
+        assert all(isinstance(o, EngineOutput) and o.text for o in out)
+    finally:
+        eng.close()
+
+
 def test_an_engine_dying_mid_call_is_a_transient_engine_error_and_it_restarts(engine: Any) -> None:
     """Runs last in the module: it kills the shared engine's engine-core process while a batch is inferring."""
     from consumers.exceptions import EngineError

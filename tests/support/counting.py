@@ -21,7 +21,7 @@ class CountingEngine(DeterministicEngine):
 
     def __init__(self, config: JobConfig) -> None:
         eng = config.engine
-        super().__init__(config.task, eng.labels, eng.json_schema, eng.engine_kwargs)
+        super().__init__(config.task, eng.labels, eng.json_schema, eng.deterministic, eng.streaming)
         self.ran: list[str] = []
 
     def _one(self, inp: EngineInput) -> Outcome:

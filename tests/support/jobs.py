@@ -3,13 +3,19 @@
 from __future__ import annotations
 
 import json
+import tomllib
 from pathlib import Path
+from typing import Any
+
+from batchline.config import engine_arg_path
 
 DETERMINISTIC_JOB = """
 task = "generate"
 [engine]
 name = "deterministic"
-engine_kwargs = {{ {kwargs} }}
+{engine}
+[engine.deterministic]
+{knobs}
 [batching]
 max_records = {max_records}
 linger_ms = 50
@@ -17,6 +23,32 @@ linger_ms = 50
 tiers = [{tiers}]
 max_attempts = {max_attempts}
 """
+
+
+def _toml(value: Any) -> str:
+    if isinstance(value, dict):
+        return "{ " + ", ".join(f"{k} = {_toml(v)}" for k, v in value.items()) + " }"
+    if isinstance(value, list):
+        return "[" + ", ".join(_toml(v) for v in value) + "]"
+    return json.dumps(value)  # strings, numbers and booleans read the same in TOML
+
+
+def _engine_tables(kwargs: str) -> tuple[str, str]:
+    """The ``[engine]`` lines and the ``[engine.deterministic]`` lines of engine options written as the
+    inside of an inline table (``latency_ms = 3, streaming = false``), each where the config keeps it."""
+    engine: list[str] = []
+    knobs: list[str] = []
+    passthrough: dict[str, Any] = {}
+    for key, value in tomllib.loads(f"k = {{ {kwargs} }}")["k"].items():
+        path = engine_arg_path(key)
+        if path.startswith("engine.deterministic."):
+            knobs.append(f"{key} = {_toml(value)}")
+        elif path.startswith("engine.engine_kwargs."):
+            passthrough[key] = value
+        else:
+            engine.append(f"{key} = {_toml(value)}")
+    engine.append(f"engine_kwargs = {_toml(passthrough)}")
+    return "\n".join(engine), "\n".join(knobs)
 
 
 def job_toml(
@@ -27,9 +59,12 @@ def job_toml(
     max_attempts: int = 4,
     extra: str = "",
 ) -> Path:
-    path.write_text(
-        DETERMINISTIC_JOB.format(kwargs=kwargs, max_records=max_records, tiers=tiers, max_attempts=max_attempts) + extra
+    """A deterministic job's config; ``kwargs`` are engine options as the inside of an inline table."""
+    engine, knobs = _engine_tables(kwargs)
+    job = DETERMINISTIC_JOB.format(
+        engine=engine, knobs=knobs, max_records=max_records, tiers=tiers, max_attempts=max_attempts
     )
+    path.write_text(job + extra)
     return path
 
 

@@ -48,7 +48,7 @@ def test_an_avro_request_is_admitted_with_its_prompt_rendered_and_counted() -> N
     payload = codec_for("request").encode(Request(id="r1", run_id="run-a", prompt="what is {x}?", value=3.0))
     item = _admit(payload, **{"engine.prompt_template": "Q: {input} A:"})
     assert item.failure is None and item.runnable
-    assert (item.request_id, item.run_id, item.value) == ("r1", "run-a", 3.0)
+    assert (item.request_id, item.run_id, item.weight) == ("r1", "run-a", 3.0)
     assert item.prompt == "Q: what is {x}? A:"  # braces in the record stay as they are
     assert item.prompt_tokens == 5
     assert (item.source.topic, item.source.partition, item.source.offset) == (T, 2, 77)

@@ -7,6 +7,7 @@ import threading
 
 import pytest
 
+from batchline.config import DeterministicConfig
 from consumers.engines.base import EngineOutput
 from consumers.engines.deterministic import DeterministicEngine
 from consumers.infer import Feeder, Flight, engine_input
@@ -19,10 +20,10 @@ MODES = [pytest.param({"streaming": True}, id="streaming"), pytest.param({"strea
 
 @pytest.mark.parametrize("mode", MODES)
 def test_one_poison_record_in_64_costs_its_neighbours_nothing(mode: dict[str, bool]) -> None:
-    knobs = {"poison_marker": "POISON", **mode}
-    engine = DeterministicEngine("generate", engine_kwargs=knobs)
+    engine = DeterministicEngine("generate", knobs=DeterministicConfig(poison_marker="POISON"), **mode)
     items = [item(f"r{i}", "POISON here" if i == 37 else f"text number {i}") for i in range(64)]
-    outcomes = run_stage(config(**{"engine.engine_kwargs": knobs}), engine, items)
+    cfg = config(**{"engine.deterministic.poison_marker": "POISON", "engine.streaming": mode["streaming"]})
+    outcomes = run_stage(cfg, engine, items)
     assert len(outcomes) == 64
     poisoned = {i for i, o in outcomes.items() if isinstance(o, Failure)}
     assert poisoned == {37}
@@ -33,7 +34,7 @@ def test_one_poison_record_in_64_costs_its_neighbours_nothing(mode: dict[str, bo
 
 
 def test_oom_shrinks_the_batch_then_it_grows_back_call_by_call() -> None:
-    engine = DeterministicEngine("embed", engine_kwargs={"oom_above": 8})
+    engine = DeterministicEngine("embed", knobs=DeterministicConfig(oom_above=8))
     runner = IsolatingRunner(engine, 32)
     inputs = [engine_input(config(task="embed"), item(f"r{i}")) for i in range(32)]
     out = runner.run(inputs)
@@ -47,7 +48,7 @@ def test_oom_shrinks_the_batch_then_it_grows_back_call_by_call() -> None:
 
 def test_oom_shrinks_the_running_batch_then_it_grows_back() -> None:
     cfg = config(task="embed", **{"batching.max_in_flight_records": 32})
-    engine = DeterministicEngine("embed", engine_kwargs={"oom_above": 8})
+    engine = DeterministicEngine("embed", knobs=DeterministicConfig(oom_above=8))
     woken = threading.Event()
     feeder = Feeder(engine, cfg, woken.set)
     feeder.start()
@@ -70,7 +71,7 @@ def test_oom_shrinks_the_running_batch_then_it_grows_back() -> None:
 
 @pytest.mark.parametrize("mode", MODES)
 def test_transient_record_failures_are_returned_per_record(mode: dict[str, bool]) -> None:
-    engine = DeterministicEngine("generate", engine_kwargs={"transient_rate": 0.5, "fault_seed": 1, **mode})
+    engine = DeterministicEngine("generate", knobs=DeterministicConfig(transient_rate=0.5, fault_seed=1), **mode)
     items = [item(f"r{i}") for i in range(50)]
     out = run_stage(config(), engine, items)
     failed = {items[i].request_id for i, o in out.items() if isinstance(o, Failure)}
@@ -82,7 +83,7 @@ def test_transient_record_failures_are_returned_per_record(mode: dict[str, bool]
 @pytest.mark.parametrize("mode", MODES)
 def test_invalid_output_is_retried_with_new_seeds_then_fails_with_the_output(mode: dict[str, bool]) -> None:
     cfg = config(**{"retry.invalid_output_retries": 2})
-    engine = DeterministicEngine("generate", engine_kwargs={"invalid_output_rate": 0.3, **mode})
+    engine = DeterministicEngine("generate", knobs=DeterministicConfig(invalid_output_rate=0.3), **mode)
     items = [item(f"r{i}") for i in range(40)]
     out = run_stage(cfg, engine, items)
     bad = {i for i, o in out.items() if isinstance(o, Failure)}
@@ -96,9 +97,8 @@ def test_invalid_output_is_retried_with_new_seeds_then_fails_with_the_output(mod
 def test_records_finish_individually_in_the_running_batch() -> None:
     """With decode steps, a short record of a later micro-batch finishes before a long one of an earlier one:
     the running batch does not drain to its longest record."""
-    knobs = {"decode_steps": True}
-    cfg = config(**{"engine.engine_kwargs": knobs, "engine.sampling.max_tokens": 64})
-    engine = DeterministicEngine("generate", engine_kwargs=knobs)
+    cfg = config(**{"engine.deterministic.decode_steps": True, "engine.sampling.max_tokens": 64})
+    engine = DeterministicEngine("generate", knobs=cfg.engine.deterministic)
     both = threading.Event()
     order: list[str] = []
     long = Flight("long", [item("long", " ".join(["w"] * 60))])
