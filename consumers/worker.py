@@ -48,7 +48,7 @@ from batchline.runs.control import CANCELLED, stop_message
 from batchline.runs.identity import Fingerprint, fingerprint_of
 from batchline.telemetry import Health, WorkerMetrics
 from consumers.batcher import Batcher
-from consumers.committer import Committer
+from consumers.commit import Committer
 from consumers.engines import Engine, create_engine
 from consumers.infer import Feeder, Flight
 from consumers.intake import Intake
