@@ -24,7 +24,7 @@ from opentelemetry.trace import SpanKind, Status, StatusCode
 
 from batchline.kafka.ownership import Ownership
 from batchline.telemetry import WorkerMetrics, link_from_traceparent, traceparent_of
-from consumers.exceptions import SinkError
+from consumers.exceptions import CommitFailed
 from consumers.infer import Flight
 from consumers.route import BatchContext, Produced, Router
 from consumers.sink import Commit, SinkThread
@@ -137,7 +137,7 @@ class Committer:
         )
 
     # -- harvesting --------------------------------------------------------------------------------
-    def harvest(self, in_flight: deque[Flight]) -> SinkError | None:
+    def harvest(self, in_flight: deque[Flight]) -> CommitFailed | None:
         """Take committed micro-batches off the head of ``in_flight``; the error of the first failed transaction
         (the rest were dropped unstarted and are forgotten here: the worker rewinds), else None."""
         while self._pending and self._pending[0].commit.done:
@@ -156,12 +156,12 @@ class Committer:
             self._count(pending)
         return None
 
-    def settle(self, in_flight: deque[Flight]) -> SinkError | None:
+    def settle(self, in_flight: deque[Flight]) -> CommitFailed | None:
         """Wait for every queued transaction to finish, then harvest (before a rewind or a revocation)."""
         self.sink.wait_idle()
         return self.harvest(in_flight)
 
-    def _end_spans(self, pending: _Pending, error: SinkError | None) -> None:
+    def _end_spans(self, pending: _Pending, error: CommitFailed | None) -> None:
         commit = pending.commit
         for span in pending.spans:
             if error is not None:

@@ -34,7 +34,7 @@ from batchline.kafka.transactions import (
     TransactionFailed,
     TransactionFenced,
 )
-from consumers.exceptions import SinkError
+from consumers.exceptions import CommitFailed
 from consumers.route import Produced
 
 log = logging.getLogger(__name__)
@@ -74,7 +74,7 @@ class TransactionalSink:
         self.replaced = 0
 
     def commit(self, batch_id: str, messages: list[Produced], offsets: Sequence[TopicPartition], claim: Claim) -> None:
-        """Produce ``messages`` and commit ``offsets`` atomically while ``claim`` holds, or raise SinkError with
+        """Produce ``messages`` and commit ``offsets`` atomically while ``claim`` holds, or raise CommitFailed with
         nothing committed (unless ``ambiguous``). A replaced message is updated in place, so the caller counts what
         was really produced."""
         self.transactions += 1
@@ -84,10 +84,10 @@ class TransactionalSink:
             report = self.txn.commit(outgoing, list(offsets), None, self._maybe_fail, fit, guard=claim)
         except TransactionFenced as exc:
             log.warning("batch %s: not committed, %s", batch_id, exc)
-            raise SinkError(str(exc), batch_id, abortable=not exc.fatal, fatal=exc.fatal, fenced=True) from exc
+            raise CommitFailed(str(exc), batch_id, abortable=not exc.fatal, fatal=exc.fatal, fenced=True) from exc
         except TransactionFailed as exc:
             log.error("batch %s: transaction failed (%s); fatal=%s", batch_id, exc, exc.fatal)
-            raise SinkError(str(exc), batch_id, abortable=not exc.fatal, fatal=exc.fatal) from exc
+            raise CommitFailed(str(exc), batch_id, abortable=not exc.fatal, fatal=exc.fatal) from exc
         for index, replaced in report.replaced.items():
             self.replaced += 1
             log.warning(
@@ -131,7 +131,7 @@ class Commit:
     started_ns: int = 0
     ended_ns: int = 0
     done: bool = False
-    error: SinkError | None = None
+    error: CommitFailed | None = None
 
 
 class SinkThread:
@@ -171,7 +171,7 @@ class SinkThread:
         """Drop the transactions not yet started (the one committing finishes)."""
         with self._cond:
             for commit in list(self._queue)[1 if self._busy else 0 :]:
-                commit.error = SinkError("discarded: the worker is stopping", commit.batch_id, True, False)
+                commit.error = CommitFailed("discarded: the worker is stopping", commit.batch_id, True, False)
                 commit.done = True
             self._queue = deque(list(self._queue)[:1]) if self._busy else deque()
 
@@ -202,18 +202,22 @@ class SinkThread:
             commit.started_ns = time.time_ns()
             try:
                 self.sink.commit(commit.batch_id, commit.messages, commit.offsets, commit.claim)
-            except SinkError as exc:
+            except CommitFailed as exc:
                 commit.error = exc
             except BaseException as exc:  # a bug or an unexpected client error: reported like a failed commit
                 log.exception("transaction of batch %s failed unexpectedly", commit.batch_id)
-                commit.error = SinkError(f"{type(exc).__name__}: {exc}", commit.batch_id, abortable=False, fatal=True)
+                commit.error = CommitFailed(
+                    f"{type(exc).__name__}: {exc}", commit.batch_id, abortable=False, fatal=True
+                )
             commit.ended_ns = time.time_ns()
             with self._cond:
                 self._queue.popleft()
                 commit.done = True
                 if commit.error is not None:  # the queued ones were routed on top of it: drop them unstarted
                     for dropped in self._queue:
-                        dropped.error = SinkError("dropped after a failed transaction", dropped.batch_id, True, False)
+                        dropped.error = CommitFailed(
+                            "dropped after a failed transaction", dropped.batch_id, True, False
+                        )
                         dropped.done = True
                     self._queue.clear()
                 self._busy = False
