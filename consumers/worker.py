@@ -23,8 +23,6 @@ import logging
 import threading
 import time
 import uuid
-from collections import deque
-from collections.abc import Sequence
 
 from confluent_kafka import Consumer, KafkaError, KafkaException, TopicPartition
 
@@ -48,7 +46,7 @@ from batchline.runs.control import CANCELLED, stop_message
 from batchline.runs.identity import Fingerprint, fingerprint_of
 from batchline.telemetry import Health, WorkerMetrics
 from consumers.batcher import Batcher
-from consumers.commit import Committer
+from consumers.commit import CommitLine, transactional_producer
 from consumers.engines import Engine, create_engine
 from consumers.infer import Feeder, Flight
 from consumers.intake import Intake
@@ -58,7 +56,6 @@ from consumers.pinning import Pinning
 from consumers.rewind import Rewinder, first_offsets
 from consumers.route import Router
 from consumers.schedule import Schedule
-from consumers.sink import SinkThread, TransactionalSink
 from consumers.work import Failure, WorkerStats, WorkItem
 
 log = logging.getLogger(__name__)
@@ -100,7 +97,6 @@ class Worker:
         kafka: KafkaSettings,
         engine: Engine | None = None,
         worker_id: str | None = None,
-        sink_fail_batches: Sequence[int] = (),
         idle_exit_s: float | None = None,
         health: Health | None = None,
     ) -> None:
@@ -129,10 +125,6 @@ class Worker:
         # read_committed shows them (batchline/kafka/aborted.py); asked on this thread, in _poll
         self.aborted = AbortedIndex(kafka)
         limits = message_limits(kafka, self.topics, config.max_request_bytes)
-        self.sink = TransactionalSink(
-            kafka, self.slot.transactional_id, sink_fail_batches, limits, self.router.replacement
-        )
-        self.sink_thread = SinkThread(self.sink, self.wake.set)
         watched = [self.topics.requests, self.topics.results, self.topics.dlq]
         self.liveness = BrokerLiveness(kafka, config.job, watched)  # exits after broker_loss_timeout_s without one
         # librdkafka's prefetch counts against memory too: bounded in bytes and records. Its default back-off when
@@ -163,18 +155,19 @@ class Worker:
         # fenced by the rebalance callbacks, read by the sink thread; a look older than the session proves nothing
         self.ownership = Ownership(self.consumer, kafka.session_timeout_ms / 1000)
         self.rewinder = Rewinder(self.consumer)
-        self.in_flight: deque[Flight] = deque()
         self.metrics = WorkerMetrics(config.job, self.topics.requests, self.group)
         self.stats = WorkerStats()
-        self.committer = Committer(
+        # every micro-batch from launch to commit, and the thread that commits (consumers/commit.py)
+        self.commits = CommitLine(
+            transactional_producer(kafka, self.slot.transactional_id, limits),
             self.router,
-            self.sink_thread,
             self.ownership,
-            self.metrics,
-            self.topics.requests,
-            self.group,
-            self.stats,
-            self.health.progressed,
+            self.wake.set,
+            metrics=self.metrics,
+            stats=self.stats,
+            health=self.health,
+            requests_topic=self.topics.requests,
+            group=self.group,
         )
         self.schedule = Schedule(config.schedule)
         self.lanes = Lanes(kafka, config.schedule)
@@ -200,7 +193,7 @@ class Worker:
         gc.freeze()
         gc.set_threshold(GC_YOUNG, 20, 100)
         self.feeder.start()
-        self.sink_thread.start()
+        self.commits.start()
         self.liveness.start()
         self.sweeper.start()
         self.group_sampler.start()
@@ -217,7 +210,7 @@ class Worker:
         )
         try:
             while not self.stop_event.is_set() and not self._idle_done():
-                self.health.beat(waiting=bool(self.in_flight))  # liveness: records wait on the engine or the sink
+                self.health.beat(waiting=bool(self.commits))  # liveness: records wait on the engine or the sink
                 self.liveness.check()  # BrokerLost after broker_loss_timeout_s; MissingTopicError
                 self._poll()
                 self.ownership.observe(OBSERVE_EVERY_S)  # what the sink thread checks its claims against
@@ -242,7 +235,7 @@ class Worker:
         self.metrics.close()  # stop observing this worker
         self.feeder.close()
         # After an abandon (the broker is lost) nothing is waited for: exit within the bound, not a timeout later.
-        self.sink_thread.close(ABANDON_WAIT_S if self._abandoned else 60.0)
+        self.commits.close(ABANDON_WAIT_S if self._abandoned else 60.0)
         self.lanes.stop()
         self.group_sampler.close()
         self.liveness.close()
@@ -253,13 +246,12 @@ class Worker:
             # (batchline.kafka.groups). After an abandon (the broker is lost) there is nothing to wait for.
             close_member(self.consumer, make_admin(self.kafka), self.group, 0.0 if self._abandoned else LEAVE_S)
         finally:
-            self.sink.close(ABANDON_WAIT_S if self._abandoned else 30.0)
             self.sweeper.close()
             self.slot.release()
             self.engine.close()
 
     def _idle_done(self) -> bool:
-        if self.idle_exit_s is None or self.in_flight or len(self.batcher) or not self.pauses.assigned:
+        if self.idle_exit_s is None or self.commits or len(self.batcher) or not self.pauses.assigned:
             return False
         return time.monotonic() - self._last_record >= self.idle_exit_s
 
@@ -274,7 +266,7 @@ class Worker:
         self.pauses.wake_fetchers()  # partitions resumed since the last poll fetch at once
         msgs = self.consumer.consume(POLL_BATCH, 0)
         if not msgs and not self._work_ready():
-            if self.in_flight or (self.pauses.assigned and not self.pauses.fetching()):
+            if self.commits or (self.pauses.assigned and not self.pauses.fetching()):
                 self.wake.wait(WAIT_FETCHING_S if self.pauses.fetching() else WAIT_PAUSED_S)
                 msgs = self.consumer.consume(POLL_BATCH, 0)
             else:  # nothing in flight: records are what we wait for (poll returns with the first one)
@@ -310,7 +302,7 @@ class Worker:
         self.pauses.wake_fetchers()
 
     def _work_ready(self) -> bool:
-        if self.committer.ready(self.in_flight):
+        if self.commits.ready():
             return True
         return self._may_dispatch() and self.batcher.ready()
 
@@ -320,7 +312,7 @@ class Worker:
 
     def _held(self) -> int:
         """Records this worker holds uncommitted: buffered, inferring, or committing."""
-        return len(self.batcher) + sum(len(f.items) for f in self.in_flight)
+        return len(self.batcher) + self.commits.held()
 
     def _flow_control(self) -> None:
         held = self._held()
@@ -357,7 +349,7 @@ class Worker:
     def _may_dispatch(self) -> bool:
         if "window" in self.pauses.reasons or "lanes" in self.pauses.reasons:
             return False
-        if not self.feeder.streaming and len(self.in_flight) >= self.config.batching.pipeline_depth:
+        if not self.feeder.streaming and len(self.commits) >= self.config.batching.pipeline_depth:
             return False
         return self.schedule.may_dispatch()
 
@@ -366,7 +358,7 @@ class Worker:
         """Hand ready micro-batches to the engine thread. A streaming engine takes each at once (its records join
         the running batch); a call-by-call engine gets ``pipeline_depth`` queued, only full ones while busy."""
         while self._may_dispatch():
-            busy = bool(self.in_flight) and not self.feeder.streaming
+            busy = bool(self.commits) and not self.feeder.streaming
             batch = self.batcher.take(full_only=busy)
             if not batch:
                 return
@@ -379,7 +371,7 @@ class Worker:
             self._stop_records(batch)
         self._seq += 1
         flight = Flight(f"{self.worker_id}-{self._incarnation}-{self._seq}", batch)
-        self.in_flight.append(flight)
+        self.commits.launch(flight)
         self.feeder.submit(flight)
 
     def _stop_records(self, batch: list[WorkItem]) -> None:
@@ -399,7 +391,7 @@ class Worker:
         """Take committed micro-batches off the line, queue the next finished ones. False after a failed commit
         (everything uncommitted was rewound)."""
         committed = self.stats.transactions
-        error = self.committer.harvest(self.in_flight)
+        error = self.commits.harvest()
         if self.stats.transactions > committed:
             self.liveness.ok()  # a round trip to the broker
         if error is not None:
@@ -411,16 +403,14 @@ class Worker:
             self._rewind(in_callback=in_callback)
             return False
         if not self.liveness.down:  # no new transaction while the broker is suspected down: it would only block
-            self.committer.queue(self.in_flight)
+            self.commits.queue()
         return True
 
     def _abandon(self) -> None:
         """Stop without committing anything more (the broker is lost, a topic is gone): in-flight and buffered
         records are dropped, and their partitions' next owner re-reads them from the committed offsets."""
         self._abandoned = True
-        self.sink_thread.discard_queued()
-        self.feeder.cancel(self.in_flight)
-        self.in_flight.clear()
+        self.feeder.cancel(self.commits.abandon())
         self.batcher.drop({(i.source.topic, i.source.partition) for i in self.batcher.items()})
 
     # -- rewinds ---------------------------------------------------------------------------------
@@ -431,11 +421,10 @@ class Worker:
         aborts them (or drops them unbegun), so this waits for an abort, never for a stale commit. From a rebalance
         callback the seeks wait until ``consume()`` has returned (:meth:`_after_callbacks`)."""
         self.stats.rewinds += 1
-        if self.committer.settle(self.in_flight) is not None:
-            self.committer.settle(self.in_flight)  # the failed one's followers were dropped unstarted
-        held = first_offsets([i for f in self.in_flight for i in f.items] + list(self.batcher.items()))
-        self.feeder.cancel(self.in_flight)
-        self.in_flight.clear()
+        self.commits.settle()  # a failure here drops the transactions queued after it: all re-read below
+        flights = self.commits.drop()
+        held = first_offsets([i for f in flights for i in f.items] + list(self.batcher.items()))
+        self.feeder.cancel(flights)
         self.batcher.drop(self.pauses.assigned | set(held))
         targets = (self.pauses.assigned if partitions is None else partitions) & set(held)
         if in_callback:
@@ -457,7 +446,7 @@ class Worker:
         while True:
             self.ownership.observe(OBSERVE_EVERY_S)
             self._complete()
-            if not self.in_flight:
+            if not self.commits:
                 batch = self.batcher.take(force=True)
                 if not batch:
                     return
@@ -481,16 +470,16 @@ class Worker:
         records of revoked partitions are dropped and re-read by their next owner from the committed offsets."""
         revoked = {(p.topic, p.partition) for p in partitions}
         deadline = time.monotonic() + REVOKE_GRACE_S
-        while self.in_flight and time.monotonic() < deadline:
+        while self.commits and time.monotonic() < deadline:
             self.ownership.observe(OBSERVE_EVERY_S)  # still ours: the sink commits what is in flight
             if not self._complete(in_callback=True):
                 break  # a failed commit rewound everything
-            if self.in_flight:
+            if self.commits:
                 self._check_engine()
                 self.wake.wait(min(WAIT_PAUSED_S, max(0.0, deadline - time.monotonic())))
                 self.wake.clear()
         self.ownership.fence(revoked)  # no longer ours once this returns: nothing may commit for them after it
-        if self.in_flight:  # out of time: give everything uncommitted back
+        if self.commits:  # out of time: give everything uncommitted back
             self._rewind(self.pauses.assigned - revoked, in_callback=True)
         dropped = self.batcher.drop(revoked)
         self.pauses.gone(partitions)
