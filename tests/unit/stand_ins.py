@@ -42,6 +42,8 @@ class Producer:
         self.calls = calls
         self.script = script or {}
         self.sent_metadata: Any = None
+        self.sent_offsets: Any = None
+        self.produced: list[tuple[str, Any]] = []  # (topic, key) of every message produced
         self.deliveries: list[Any] = []
         self.on_call: dict[str, Any] = {}
 
@@ -62,6 +64,7 @@ class Producer:
 
     def produce(self, topic: str, value: Any, key: Any, headers: Any = None, on_delivery: Any = None) -> None:
         self.calls.append("produce")
+        self.produced.append((topic, key))
         self.deliveries.append(on_delivery)
 
     def flush(self, timeout: float) -> int:
@@ -78,6 +81,7 @@ class Producer:
 
     def send_offsets_to_transaction(self, offsets: Any, metadata: Any, timeout: float) -> None:
         self._call("offsets")
+        self.sent_offsets = offsets
         self.sent_metadata = metadata
 
     def commit_transaction(self, timeout: float) -> None:
