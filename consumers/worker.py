@@ -1,10 +1,12 @@
-"""The worker loop: intake -> batcher -> infer (engine thread) -> validate -> route -> sink, overlapped.
+"""The worker loop: intake -> batcher -> infer (engine thread) -> route -> commit (commit thread), overlapped.
 
-The worker's thread polls Kafka, batches, and commits; the engine thread (:class:`~consumers.infer.Feeder`)
-keeps the engine busy with every micro-batch handed over, records joining and leaving its running batch
-individually. The loop is event-driven: a finished micro-batch wakes it at once (``wake``); with nothing to do
-it waits in ``consume()`` for records, or on ``wake`` while its partitions are paused, so a waiting worker costs
-next to no CPU. Consecutive finished micro-batches commit together in one transaction (offsets in order).
+A record goes through one module per stage: :mod:`~consumers.intake` (a Kafka message becomes a
+:class:`~consumers.work.WorkItem`), :mod:`~consumers.pinning`, :mod:`~consumers.batcher` (micro-batches),
+:mod:`~consumers.infer` (the engine thread and validation), then :mod:`~consumers.commit`, whose
+:class:`~consumers.commit.CommitLine` owns a micro-batch from its launch to its commit (routing with
+:mod:`~consumers.route`, the transaction, the counts). The loop is event-driven: a finished micro-batch or
+transaction wakes it at once (``wake``); with nothing to do it waits in ``consume()`` for records, or on ``wake``
+while its partitions are paused, so a waiting worker costs next to no CPU.
 
 Partitions are paused, never slept on, for the reasons kept in :class:`~consumers.pauses.PauseBook` (flow control
 above ``max_in_flight_records``, outside a time window, yielding to another job); polling goes on, so a long
@@ -12,8 +14,35 @@ inference never costs group membership, and the book survives rebalances. A fail
 or a revocation that outlasts its grace period rewinds: everything uncommitted is dropped and re-read from the
 committed offsets (or, if the broker cannot say, from the first record still held: a duplicate, never a loss).
 Partitions lost, or revoked past their grace, are fenced first (:class:`~batchline.kafka.ownership.Ownership`,
-written only here, in the rebalance callbacks): every transaction that holds their records is aborted by the sink
-thread, never committed, whatever the broker would accept.
+written only here, in the rebalance callbacks): every transaction that holds their records is aborted by the
+commit thread, never committed, whatever the broker would accept.
+
+Threads
+-------
+Who owns what, and how work crosses (docs/architecture.md#threads counts them in a running process):
+
+- **worker** (:meth:`Worker.run`; the main thread under ``batchline worker``): the consumer and its rebalance
+  callbacks, the batcher, the pause book, the rewinder, the schedule, :class:`~consumers.work.WorkerStats`, and
+  every public call of the :class:`~consumers.commit.CommitLine` (its flights, its transactions not yet harvested,
+  spans, counts). It alone reads the consumer; it refreshes the group membership for the commit thread
+  (``Ownership.observe``) every turn and fences partitions in the callbacks (``Ownership.fence``).
+- **engine** (:class:`~consumers.infer.Feeder`): the engine (the only thread that calls it) and the feeder's
+  slots and backlog. Hand-off: the worker submits a flight (``Feeder.submit``, a condition-guarded queue); the
+  engine thread fills in ``Flight.outcomes``, sets ``Flight.done`` last, then ``wake``. Cancellation:
+  ``Feeder.cancel``.
+- **commit** (:class:`~consumers.commit.CommitLine`): the transactional producer (the only thread that calls
+  it). Hand-off: the worker queues a routed transaction (condition-guarded); the commit thread writes its outcome
+  (replacements, error), sets ``done`` last, then ``wake``. It checks each transaction's claim against what the
+  worker last observed and fenced (:class:`~batchline.kafka.ownership.Claim`), and calls
+  ``Router.replacement``, which reads only configuration.
+- **runs-view**, **broker-liveness**, **lanes**, **group-sampler**, **slot-sweeper**: side threads that each own
+  one client and publish what the loop reads (runs and stops under a lock, the broker's down-since under a lock,
+  ``Lanes.yielding_to``, the group watch under a lock); the sweeper fences dead slots of the group and shares
+  nothing. **probe-server** (``--metrics-port``) reads the locked :class:`~batchline.telemetry.Health` and the
+  metrics' callbacks; **vllm-watchdog** and vLLM's own threads belong to the vLLM engine.
+
+The loop reads the flags the engine and commit threads set without a lock: each is written last, after what it
+announces, and the rest is read only after it.
 """
 
 from __future__ import annotations
@@ -63,9 +92,9 @@ POLL_BATCH = 1000
 WAIT_FETCHING_S = 0.05  # longest wait on a finished inference while records may still arrive
 WAIT_PAUSED_S = 0.5  # longest wait while every partition is paused (callbacks are served between waits)
 WAIT_IDLE_S = 0.5  # longest wait in consume() with nothing in flight
-ABANDON_WAIT_S = 2.0  # how long a worker that lost its broker waits for its sink before it exits
+ABANDON_WAIT_S = 2.0  # how long a worker that lost its broker waits for its commit thread before it exits
 LEAVE_S = 30.0  # longest wait for a stable group before leaving it (batchline.kafka.groups.close_member)
-OBSERVE_EVERY_S = 0.2  # how often the loop reads the group membership for the sink thread (Ownership.observe)
+OBSERVE_EVERY_S = 0.2  # how often the loop reads the group membership for the commit thread (Ownership.observe)
 REVOKE_GRACE_S = 20.0  # how long a revocation waits for in-flight micro-batches before rewinding them
 TP = tuple[str, int]
 # Young-generation collections every 700 allocations cost the loop about a third of its throughput: it allocates
@@ -77,7 +106,7 @@ GC_YOUNG = 50_000
 
 def message_limits(kafka: KafkaSettings, topics: JobTopics, max_request_bytes: int) -> dict[str, int]:
     """The ``max.message.bytes`` of the topics a record travels to; refuses, with one line, a ``max_request_bytes``
-    whose dead letter (or retry) could not fit one of them. Larger outputs are dead-lettered at the sink."""
+    whose dead letter (or retry) could not fit one of them. Larger outputs are dead-lettered by the commit line."""
     limits = effective_max_message_bytes(kafka, sized_topics(topics))
     need = topic_message_bytes(max_request_bytes)
     for topic, limit in sorted(limits.items(), key=lambda kv: kv[1]):
@@ -152,7 +181,7 @@ class Worker:
         # subscribed without partitions past the rebalance timeout while the group re-forms: not ready, one line
         self.group_watch, self.group_sampler = watch_member(kafka, self.group)
         self.health.watch_problem("group", self.group_watch.stuck)
-        # fenced by the rebalance callbacks, read by the sink thread; a look older than the session proves nothing
+        # fenced by the rebalance callbacks, read by the commit thread; a look older than the session proves nothing
         self.ownership = Ownership(self.consumer, kafka.session_timeout_ms / 1000)
         self.rewinder = Rewinder(self.consumer)
         self.metrics = WorkerMetrics(config.job, self.topics.requests, self.group)
@@ -210,15 +239,14 @@ class Worker:
         )
         try:
             while not self.stop_event.is_set() and not self._idle_done():
-                self.health.beat(waiting=bool(self.commits))  # liveness: records wait on the engine or the sink
-                self.liveness.check()  # BrokerLost after broker_loss_timeout_s; MissingTopicError
-                self._poll()
-                self.ownership.observe(OBSERVE_EVERY_S)  # what the sink thread checks its claims against
-                self._check_engine()
-                self._follow_schedule()
-                self._dispatch()
-                self._complete()
-                self._flow_control()
+                self._heartbeat()  # /healthz; BrokerLost, MissingTopicError
+                self._poll()  # fetched records -> intake -> pinning -> batcher; the loop's only wait
+                self.ownership.observe(OBSERVE_EVERY_S)  # the membership the commit thread checks claims against
+                self._check_engine()  # a failure of the engine thread is raised here
+                self._follow_schedule()  # time windows and lanes
+                self._dispatch()  # ready micro-batches -> the engine and the commit line
+                self._commit()  # committed micro-batches off the line, finished ones queued to commit
+                self._flow_control()  # pause above max_in_flight_records, resume below half
             self._drain()
         except (BatchlineError, KafkaException):
             self._abandon()  # nothing more is committed: the partitions' next owner re-reads it
@@ -254,6 +282,10 @@ class Worker:
         if self.idle_exit_s is None or self.commits or len(self.batcher) or not self.pauses.assigned:
             return False
         return time.monotonic() - self._last_record >= self.idle_exit_s
+
+    def _heartbeat(self) -> None:
+        self.health.beat(waiting=bool(self.commits))  # liveness: records wait on the engine or the commit thread
+        self.liveness.check()  # BrokerLost after broker_loss_timeout_s; MissingTopicError
 
     def _check_engine(self) -> None:
         if self.feeder.error is not None:
@@ -386,8 +418,8 @@ class Worker:
                     kind = "RunCancelled" if stop[1] == CANCELLED else "RunExpired"
                     item.failure = Failure(stop[1], kind, stop_message(stop[1], item.run_id))  # type: ignore[arg-type]
 
-    # -- sink ------------------------------------------------------------------------------------
-    def _complete(self, in_callback: bool = False) -> bool:
+    # -- commit ----------------------------------------------------------------------------------
+    def _commit(self, in_callback: bool = False) -> bool:
         """Take committed micro-batches off the line, queue the next finished ones. False after a failed commit
         (everything uncommitted was rewound)."""
         committed = self.stats.transactions
@@ -417,9 +449,9 @@ class Worker:
     def _rewind(self, partitions: set[TP] | None = None, in_callback: bool = False) -> None:
         """Drop everything uncommitted (in flight and buffered) and re-read it. ``partitions`` limits the seeks
         (the others were lost or revoked); by default every assigned partition. Transactions already queued are
-        let finish first (what they committed is not re-read), except those holding fenced partitions: the sink
-        aborts them (or drops them unbegun), so this waits for an abort, never for a stale commit. From a rebalance
-        callback the seeks wait until ``consume()`` has returned (:meth:`_after_callbacks`)."""
+        let finish first (what they committed is not re-read), except those holding fenced partitions: the commit
+        thread aborts them (or drops them unbegun), so this waits for an abort, never for a stale commit. From a
+        rebalance callback the seeks wait until ``consume()`` has returned (:meth:`_after_callbacks`)."""
         self.stats.rewinds += 1
         self.commits.settle()  # a failure here drops the transactions queued after it: all re-read below
         flights = self.commits.drop()
@@ -445,7 +477,7 @@ class Worker:
         both, so what was not committed is left for the partitions' next owner."""
         while True:
             self.ownership.observe(OBSERVE_EVERY_S)
-            self._complete()
+            self._commit()
             if not self.commits:
                 batch = self.batcher.take(force=True)
                 if not batch:
@@ -471,8 +503,8 @@ class Worker:
         revoked = {(p.topic, p.partition) for p in partitions}
         deadline = time.monotonic() + REVOKE_GRACE_S
         while self.commits and time.monotonic() < deadline:
-            self.ownership.observe(OBSERVE_EVERY_S)  # still ours: the sink commits what is in flight
-            if not self._complete(in_callback=True):
+            self.ownership.observe(OBSERVE_EVERY_S)  # still ours: the commit line commits what is in flight
+            if not self._commit(in_callback=True):
                 break  # a failed commit rewound everything
             if self.commits:
                 self._check_engine()
@@ -493,7 +525,7 @@ class Worker:
         lost = {(p.topic, p.partition) for p in partitions}
         held = self._held()
         log.warning("lost %s: dropping uncommitted work (%d records held)", sorted(lost), held)
-        self.ownership.fence(lost)  # the sink aborts what holds their records: their new owner re-reads them
+        self.ownership.fence(lost)  # the commit thread aborts what holds their records: their new owner re-reads them
         self._rewind(self.pauses.assigned - lost, in_callback=True)
         self.pauses.gone(partitions)
         self.health.set_assigned(len(self.pauses.assigned))
