@@ -151,6 +151,7 @@ class CommitLine:
         self._flights: deque[Flight] = deque()  # launched, not yet committed, oldest first (worker thread)
         self._line: deque[_Txn] = deque()  # queued, not yet harvested, oldest first (worker thread)
         self._committing = 0  # flights in _line
+        self._held = 0  # records in _flights: read by the metrics' thread too (an int, never a half-updated sum)
         self._cond = threading.Condition()
         self._queue: deque[_Txn] = deque()  # to commit, its head committing while _busy (under _cond)
         self._busy = False
@@ -164,6 +165,7 @@ class CommitLine:
     def launch(self, flight: Flight) -> None:
         """``flight`` was handed to the engine: it is on the line until it commits or is dropped."""
         self._flights.append(flight)
+        self._held += len(flight.items)
 
     def __len__(self) -> int:
         """Micro-batches launched and not yet committed."""
@@ -171,7 +173,7 @@ class CommitLine:
 
     def held(self) -> int:
         """Records launched and not yet committed (inferring or committing)."""
-        return sum(len(f.items) for f in self._flights)
+        return self._held
 
     def ready(self) -> bool:
         """Something to do now: a transaction to harvest, or a finished micro-batch to queue."""
@@ -213,7 +215,7 @@ class CommitLine:
                 self._committing = 0
                 return txn.error
             for _ in txn.flights:
-                self._flights.popleft()
+                self._held -= len(self._flights.popleft().items)
             self._end_spans(txn, None)
             self._count(txn)
         return None
@@ -232,6 +234,7 @@ class CommitLine:
         assert not self._line, "drop() after settle(): nothing may be committing"
         flights = list(self._flights)
         self._flights.clear()
+        self._held = 0
         return flights
 
     def abandon(self) -> list[Flight]:
@@ -249,6 +252,7 @@ class CommitLine:
         self._committing = 0
         flights = list(self._flights)
         self._flights.clear()
+        self._held = 0
         return flights
 
     def close(self, timeout: float = 60.0) -> None:
