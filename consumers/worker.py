@@ -96,6 +96,10 @@ ABANDON_WAIT_S = 2.0  # how long a worker that lost its broker waits for its com
 LEAVE_S = 30.0  # longest wait for a stable group before leaving it (batchline.kafka.groups.close_member)
 OBSERVE_EVERY_S = 0.2  # how often the loop reads the group membership for the commit thread (Ownership.observe)
 REVOKE_GRACE_S = 20.0  # how long a revocation waits for in-flight micro-batches before rewinding them
+# At max_in_flight_records the loop stops taking records but leaves its partitions fetching this long (a commit
+# usually frees room within tens of ms); only then does it pause them. A pause makes librdkafka drop what it has
+# prefetched and fetch it again on resume: pausing at every full line cost the engine-free worker half its rate.
+FLOW_PAUSE_AFTER_S = 0.5
 TP = tuple[str, int]
 # Young-generation collections every 700 allocations cost the loop about a third of its throughput: it allocates
 # a few short-lived objects per record, freed by reference counting (none sit in cycles). And every full
@@ -206,6 +210,7 @@ class Worker:
         self._last_record = time.monotonic()
         self._pending_seeks: tuple[set[TP], dict[TP, int]] | None = None
         self._abandoned = False
+        self._full_since: float | None = None  # when the worker last reached max_in_flight_records (flow control)
 
     # -- lifecycle -------------------------------------------------------------------------------
     def run(self) -> WorkerStats:
@@ -296,15 +301,19 @@ class Worker:
         """Take what librdkafka has fetched; with nothing to do, wait for records or a finished inference."""
         self.wake.clear()
         self.pauses.wake_fetchers()  # partitions resumed since the last poll fetch at once
-        msgs = self.consumer.consume(POLL_BATCH, 0)
+        # At max_in_flight_records nothing more is taken while the partitions fetch; paused ones deliver nothing, so
+        # consume() is called as usual then: it also serves the rebalance callbacks.
+        room = self.config.batching.max_in_flight_records - self._held()
+        take = min(POLL_BATCH, room) if self.pauses.fetching() else POLL_BATCH
+        msgs = self.consumer.consume(take, 0) if take > 0 else []
         if not msgs and not self._work_ready():
-            if self.commits or (self.pauses.assigned and not self.pauses.fetching()):
+            if take <= 0 or self.commits or (self.pauses.assigned and not self.pauses.fetching()):
                 self.wake.wait(WAIT_FETCHING_S if self.pauses.fetching() else WAIT_PAUSED_S)
-                msgs = self.consumer.consume(POLL_BATCH, 0)
+                msgs = self.consumer.consume(take, 0) if take > 0 else []
             else:  # nothing in flight: records are what we wait for (poll returns with the first one)
                 first = self.consumer.poll(self._linger_left(WAIT_IDLE_S))
                 if first is not None:
-                    msgs = [first, *self.consumer.consume(POLL_BATCH - 1, 0)]
+                    msgs = [first, *(self.consumer.consume(take - 1, 0) if take > 1 else [])]
         for msg in msgs:
             if msg.error():
                 if msg.error().code() != KafkaError._PARTITION_EOF:
@@ -347,12 +356,18 @@ class Worker:
         return len(self.batcher) + self.commits.held()
 
     def _flow_control(self) -> None:
+        """At the limit, records are no longer taken (:meth:`_poll`); still full FLOW_PAUSE_AFTER_S later, the
+        partitions pause (polling goes on), and they resume below half the limit."""
         held = self._held()
         limit = self.config.batching.max_in_flight_records
-        if held >= limit:
+        if held < limit:
+            self._full_since = None
+            if held < limit // 2:
+                self.pauses.lift("flow")
+        elif self._full_since is None:
+            self._full_since = time.monotonic()
+        elif time.monotonic() - self._full_since >= FLOW_PAUSE_AFTER_S:
             self.pauses.hold("flow")
-        elif held < limit // 2:
-            self.pauses.lift("flow")
 
     # -- scheduling ------------------------------------------------------------------------------
     def _follow_schedule(self) -> None:
