@@ -197,7 +197,10 @@ class BatchingConfig(_Frozen):
     max_in_flight_records: int = Field(
         2048,
         ge=1,
-        description="Records buffered or inferring; partitions pause above it, so memory never grows with topic size.",
+        description=(
+            "Records buffered, inferring or committing; at it no more are taken (partitions pause if it lasts "
+            "0.5 s), so memory never grows with topic size."
+        ),
     )
     pipeline_depth: int = Field(
         2,

@@ -1,1 +1,1 @@
-"""The GPU consumer-group worker: intake, batching, engines, validation, routing, transactional sink."""
+"""The GPU consumer-group worker: intake, batching, engines, validation, routing, the commit line."""

@@ -27,7 +27,7 @@ class MissingOutcome(WorkerError):
     transient inference failure."""
 
 
-class SinkError(WorkerError):
+class CommitFailed(WorkerError):
     """Producing or committing a batch failed; nothing of the batch was committed. ``fenced``: not a failure of
     the broker - the batch's partitions were no longer this worker's, so it was aborted on purpose."""
 

@@ -32,7 +32,7 @@ class Produced:
     value: bytes
     headers: h.Headers
     kind: str  # result | retry | dlq
-    item: WorkItem | None = None  # what it was made from, so the sink can replace it (see Router.replacement)
+    item: WorkItem | None = None  # what it was made from, so the commit line can replace it (see Router.replacement)
     failure: Failure | None = None
 
 
@@ -200,7 +200,7 @@ class Router:
         encoded = codec_for("dead_letter").encode(letter)
         return Produced(self.topics.dlq, item.request_id.encode(), encoded, headers, "dlq", item, failure)
 
-    # -- what the sink produces instead of a message the broker cannot take ----------------------------
+    # -- what the commit line produces instead of a message the broker cannot take -----------------------
     def replacement(self, message: Produced, reason: str, fits: Callable[[Produced], bool]) -> Produced:
         """A dead letter that fits, for a ``message`` rejected on its own (too large): a result becomes an
         ``output_too_large`` letter, a retry an ``oversize`` one, a dead letter loses its payload (its size and

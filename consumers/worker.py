@@ -1,10 +1,12 @@
-"""The worker loop: intake -> batcher -> infer (engine thread) -> validate -> route -> sink, overlapped.
+"""The worker loop: intake -> batcher -> infer (engine thread) -> route -> commit (commit thread), overlapped.
 
-The worker's thread polls Kafka, batches, and commits; the engine thread (:class:`~consumers.infer.Feeder`)
-keeps the engine busy with every micro-batch handed over, records joining and leaving its running batch
-individually. The loop is event-driven: a finished micro-batch wakes it at once (``wake``); with nothing to do
-it waits in ``consume()`` for records, or on ``wake`` while its partitions are paused, so a waiting worker costs
-next to no CPU. Consecutive finished micro-batches commit together in one transaction (offsets in order).
+A record goes through one module per stage: :mod:`~consumers.intake` (a Kafka message becomes a
+:class:`~consumers.work.WorkItem`), :mod:`~consumers.pinning`, :mod:`~consumers.batcher` (micro-batches),
+:mod:`~consumers.infer` (the engine thread and validation), then :mod:`~consumers.commit`, whose
+:class:`~consumers.commit.CommitLine` owns a micro-batch from its launch to its commit (routing with
+:mod:`~consumers.route`, the transaction, the counts). The loop is event-driven: a finished micro-batch or
+transaction wakes it at once (``wake``); with nothing to do it waits in ``consume()`` for records, or on ``wake``
+while its partitions are paused, so a waiting worker costs next to no CPU.
 
 Partitions are paused, never slept on, for the reasons kept in :class:`~consumers.pauses.PauseBook` (flow control
 above ``max_in_flight_records``, outside a time window, yielding to another job); polling goes on, so a long
@@ -12,8 +14,35 @@ inference never costs group membership, and the book survives rebalances. A fail
 or a revocation that outlasts its grace period rewinds: everything uncommitted is dropped and re-read from the
 committed offsets (or, if the broker cannot say, from the first record still held: a duplicate, never a loss).
 Partitions lost, or revoked past their grace, are fenced first (:class:`~batchline.kafka.ownership.Ownership`,
-written only here, in the rebalance callbacks): every transaction that holds their records is aborted by the sink
-thread, never committed, whatever the broker would accept.
+written only here, in the rebalance callbacks): every transaction that holds their records is aborted by the
+commit thread, never committed, whatever the broker would accept.
+
+Threads
+-------
+Who owns what, and how work crosses (docs/architecture.md#threads counts them in a running process):
+
+- **worker** (:meth:`Worker.run`; the main thread under ``batchline worker``): the consumer and its rebalance
+  callbacks, the batcher, the pause book, the rewinder, the schedule, :class:`~consumers.work.WorkerStats`, and
+  every public call of the :class:`~consumers.commit.CommitLine` (its flights, its transactions not yet harvested,
+  spans, counts). It alone reads the consumer; it refreshes the group membership for the commit thread
+  (``Ownership.observe``) every turn and fences partitions in the callbacks (``Ownership.fence``).
+- **engine** (:class:`~consumers.infer.Feeder`): the engine (the only thread that calls it) and the feeder's
+  slots and backlog. Hand-off: the worker submits a flight (``Feeder.submit``, a condition-guarded queue); the
+  engine thread fills in ``Flight.outcomes``, sets ``Flight.done`` last, then ``wake``. Cancellation:
+  ``Feeder.cancel``.
+- **commit** (:class:`~consumers.commit.CommitLine`): the transactional producer (the only thread that calls
+  it). Hand-off: the worker queues a routed transaction (condition-guarded); the commit thread writes its outcome
+  (replacements, error), sets ``done`` last, then ``wake``. It checks each transaction's claim against what the
+  worker last observed and fenced (:class:`~batchline.kafka.ownership.Claim`), and calls
+  ``Router.replacement``, which reads only configuration.
+- **runs-view**, **broker-liveness**, **lanes**, **group-sampler**, **slot-sweeper**: side threads that each own
+  one client and publish what the loop reads (runs and stops under a lock, the broker's down-since under a lock,
+  ``Lanes.yielding_to``, the group watch under a lock); the sweeper fences dead slots of the group and shares
+  nothing. **probe-server** (``--metrics-port``) reads the locked :class:`~batchline.telemetry.Health` and the
+  metrics' callbacks; **vllm-watchdog** and vLLM's own threads belong to the vLLM engine.
+
+The loop reads the flags the engine and commit threads set without a lock: each is written last, after what it
+announces, and the rest is read only after it.
 """
 
 from __future__ import annotations
@@ -23,8 +52,6 @@ import logging
 import threading
 import time
 import uuid
-from collections import deque
-from collections.abc import Sequence
 
 from confluent_kafka import Consumer, KafkaError, KafkaException, TopicPartition
 
@@ -48,7 +75,7 @@ from batchline.runs.control import CANCELLED, stop_message
 from batchline.runs.identity import Fingerprint, fingerprint_of
 from batchline.telemetry import Health, WorkerMetrics
 from consumers.batcher import Batcher
-from consumers.committer import Committer
+from consumers.commit import CommitLine, transactional_producer
 from consumers.engines import Engine, create_engine
 from consumers.infer import Feeder, Flight
 from consumers.intake import Intake
@@ -58,7 +85,6 @@ from consumers.pinning import Pinning
 from consumers.rewind import Rewinder, first_offsets
 from consumers.route import Router
 from consumers.schedule import Schedule
-from consumers.sink import SinkThread, TransactionalSink
 from consumers.work import Failure, WorkerStats, WorkItem
 
 log = logging.getLogger(__name__)
@@ -66,10 +92,14 @@ POLL_BATCH = 1000
 WAIT_FETCHING_S = 0.05  # longest wait on a finished inference while records may still arrive
 WAIT_PAUSED_S = 0.5  # longest wait while every partition is paused (callbacks are served between waits)
 WAIT_IDLE_S = 0.5  # longest wait in consume() with nothing in flight
-ABANDON_WAIT_S = 2.0  # how long a worker that lost its broker waits for its sink before it exits
+ABANDON_WAIT_S = 2.0  # how long a worker that lost its broker waits for its commit thread before it exits
 LEAVE_S = 30.0  # longest wait for a stable group before leaving it (batchline.kafka.groups.close_member)
-OBSERVE_EVERY_S = 0.2  # how often the loop reads the group membership for the sink thread (Ownership.observe)
+OBSERVE_EVERY_S = 0.2  # how often the loop reads the group membership for the commit thread (Ownership.observe)
 REVOKE_GRACE_S = 20.0  # how long a revocation waits for in-flight micro-batches before rewinding them
+# At max_in_flight_records the loop stops taking records but leaves its partitions fetching this long (a commit
+# usually frees room within tens of ms); only then does it pause them. A pause makes librdkafka drop what it has
+# prefetched and fetch it again on resume: pausing at every full line cost the engine-free worker half its rate.
+FLOW_PAUSE_AFTER_S = 0.5
 TP = tuple[str, int]
 # Young-generation collections every 700 allocations cost the loop about a third of its throughput: it allocates
 # a few short-lived objects per record, freed by reference counting (none sit in cycles). And every full
@@ -80,7 +110,7 @@ GC_YOUNG = 50_000
 
 def message_limits(kafka: KafkaSettings, topics: JobTopics, max_request_bytes: int) -> dict[str, int]:
     """The ``max.message.bytes`` of the topics a record travels to; refuses, with one line, a ``max_request_bytes``
-    whose dead letter (or retry) could not fit one of them. Larger outputs are dead-lettered at the sink."""
+    whose dead letter (or retry) could not fit one of them. Larger outputs are dead-lettered by the commit line."""
     limits = effective_max_message_bytes(kafka, sized_topics(topics))
     need = topic_message_bytes(max_request_bytes)
     for topic, limit in sorted(limits.items(), key=lambda kv: kv[1]):
@@ -100,7 +130,6 @@ class Worker:
         kafka: KafkaSettings,
         engine: Engine | None = None,
         worker_id: str | None = None,
-        sink_fail_batches: Sequence[int] = (),
         idle_exit_s: float | None = None,
         health: Health | None = None,
     ) -> None:
@@ -129,10 +158,6 @@ class Worker:
         # read_committed shows them (batchline/kafka/aborted.py); asked on this thread, in _poll
         self.aborted = AbortedIndex(kafka)
         limits = message_limits(kafka, self.topics, config.max_request_bytes)
-        self.sink = TransactionalSink(
-            kafka, self.slot.transactional_id, sink_fail_batches, limits, self.router.replacement
-        )
-        self.sink_thread = SinkThread(self.sink, self.wake.set)
         watched = [self.topics.requests, self.topics.results, self.topics.dlq]
         self.liveness = BrokerLiveness(kafka, config.job, watched)  # exits after broker_loss_timeout_s without one
         # librdkafka's prefetch counts against memory too: bounded in bytes and records. Its default back-off when
@@ -160,21 +185,22 @@ class Worker:
         # subscribed without partitions past the rebalance timeout while the group re-forms: not ready, one line
         self.group_watch, self.group_sampler = watch_member(kafka, self.group)
         self.health.watch_problem("group", self.group_watch.stuck)
-        # fenced by the rebalance callbacks, read by the sink thread; a look older than the session proves nothing
+        # fenced by the rebalance callbacks, read by the commit thread; a look older than the session proves nothing
         self.ownership = Ownership(self.consumer, kafka.session_timeout_ms / 1000)
         self.rewinder = Rewinder(self.consumer)
-        self.in_flight: deque[Flight] = deque()
         self.metrics = WorkerMetrics(config.job, self.topics.requests, self.group)
         self.stats = WorkerStats()
-        self.committer = Committer(
+        # every micro-batch from launch to commit, and the thread that commits (consumers/commit.py)
+        self.commits = CommitLine(
+            transactional_producer(kafka, self.slot.transactional_id, limits),
             self.router,
-            self.sink_thread,
             self.ownership,
-            self.metrics,
-            self.topics.requests,
-            self.group,
-            self.stats,
-            self.health.progressed,
+            self.wake.set,
+            metrics=self.metrics,
+            stats=self.stats,
+            health=self.health,
+            requests_topic=self.topics.requests,
+            group=self.group,
         )
         self.schedule = Schedule(config.schedule)
         self.lanes = Lanes(kafka, config.schedule)
@@ -184,6 +210,7 @@ class Worker:
         self._last_record = time.monotonic()
         self._pending_seeks: tuple[set[TP], dict[TP, int]] | None = None
         self._abandoned = False
+        self._full_since: float | None = None  # when the worker last reached max_in_flight_records (flow control)
 
     # -- lifecycle -------------------------------------------------------------------------------
     def run(self) -> WorkerStats:
@@ -200,7 +227,7 @@ class Worker:
         gc.freeze()
         gc.set_threshold(GC_YOUNG, 20, 100)
         self.feeder.start()
-        self.sink_thread.start()
+        self.commits.start()
         self.liveness.start()
         self.sweeper.start()
         self.group_sampler.start()
@@ -217,15 +244,14 @@ class Worker:
         )
         try:
             while not self.stop_event.is_set() and not self._idle_done():
-                self.health.beat(waiting=bool(self.in_flight))  # liveness: records wait on the engine or the sink
-                self.liveness.check()  # BrokerLost after broker_loss_timeout_s; MissingTopicError
-                self._poll()
-                self.ownership.observe(OBSERVE_EVERY_S)  # what the sink thread checks its claims against
-                self._check_engine()
-                self._follow_schedule()
-                self._dispatch()
-                self._complete()
-                self._flow_control()
+                self._heartbeat()  # /healthz; BrokerLost, MissingTopicError
+                self._poll()  # fetched records -> intake -> pinning -> batcher; the loop's only wait
+                self.ownership.observe(OBSERVE_EVERY_S)  # the membership the commit thread checks claims against
+                self._check_engine()  # a failure of the engine thread is raised here
+                self._follow_schedule()  # time windows and lanes
+                self._dispatch()  # ready micro-batches -> the engine and the commit line
+                self._commit()  # committed micro-batches off the line, finished ones queued to commit
+                self._flow_control()  # pause above max_in_flight_records, resume below half
             self._drain()
         except (BatchlineError, KafkaException):
             self._abandon()  # nothing more is committed: the partitions' next owner re-reads it
@@ -242,7 +268,7 @@ class Worker:
         self.metrics.close()  # stop observing this worker
         self.feeder.close()
         # After an abandon (the broker is lost) nothing is waited for: exit within the bound, not a timeout later.
-        self.sink_thread.close(ABANDON_WAIT_S if self._abandoned else 60.0)
+        self.commits.close(ABANDON_WAIT_S if self._abandoned else 60.0)
         self.lanes.stop()
         self.group_sampler.close()
         self.liveness.close()
@@ -253,15 +279,18 @@ class Worker:
             # (batchline.kafka.groups). After an abandon (the broker is lost) there is nothing to wait for.
             close_member(self.consumer, make_admin(self.kafka), self.group, 0.0 if self._abandoned else LEAVE_S)
         finally:
-            self.sink.close(ABANDON_WAIT_S if self._abandoned else 30.0)
             self.sweeper.close()
             self.slot.release()
             self.engine.close()
 
     def _idle_done(self) -> bool:
-        if self.idle_exit_s is None or self.in_flight or len(self.batcher) or not self.pauses.assigned:
+        if self.idle_exit_s is None or self.commits or len(self.batcher) or not self.pauses.assigned:
             return False
         return time.monotonic() - self._last_record >= self.idle_exit_s
+
+    def _heartbeat(self) -> None:
+        self.health.beat(waiting=bool(self.commits))  # liveness: records wait on the engine or the commit thread
+        self.liveness.check()  # BrokerLost after broker_loss_timeout_s; MissingTopicError
 
     def _check_engine(self) -> None:
         if self.feeder.error is not None:
@@ -272,15 +301,19 @@ class Worker:
         """Take what librdkafka has fetched; with nothing to do, wait for records or a finished inference."""
         self.wake.clear()
         self.pauses.wake_fetchers()  # partitions resumed since the last poll fetch at once
-        msgs = self.consumer.consume(POLL_BATCH, 0)
+        # At max_in_flight_records nothing more is taken while the partitions fetch; paused ones deliver nothing, so
+        # consume() is called as usual then: it also serves the rebalance callbacks.
+        room = self.config.batching.max_in_flight_records - self._held()
+        take = min(POLL_BATCH, room) if self.pauses.fetching() else POLL_BATCH
+        msgs = self.consumer.consume(take, 0) if take > 0 else []
         if not msgs and not self._work_ready():
-            if self.in_flight or (self.pauses.assigned and not self.pauses.fetching()):
+            if take <= 0 or self.commits or (self.pauses.assigned and not self.pauses.fetching()):
                 self.wake.wait(WAIT_FETCHING_S if self.pauses.fetching() else WAIT_PAUSED_S)
-                msgs = self.consumer.consume(POLL_BATCH, 0)
+                msgs = self.consumer.consume(take, 0) if take > 0 else []
             else:  # nothing in flight: records are what we wait for (poll returns with the first one)
                 first = self.consumer.poll(self._linger_left(WAIT_IDLE_S))
                 if first is not None:
-                    msgs = [first, *self.consumer.consume(POLL_BATCH - 1, 0)]
+                    msgs = [first, *(self.consumer.consume(take - 1, 0) if take > 1 else [])]
         unsettled: set[TP] = set()
         for msg in msgs:
             if msg.error():
@@ -320,7 +353,7 @@ class Worker:
         self.pauses.wake_fetchers()
 
     def _work_ready(self) -> bool:
-        if self.committer.ready(self.in_flight):
+        if self.commits.ready():
             return True
         return self._may_dispatch() and self.batcher.ready()
 
@@ -330,15 +363,21 @@ class Worker:
 
     def _held(self) -> int:
         """Records this worker holds uncommitted: buffered, inferring, or committing."""
-        return len(self.batcher) + sum(len(f.items) for f in self.in_flight)
+        return len(self.batcher) + self.commits.held()
 
     def _flow_control(self) -> None:
+        """At the limit, records are no longer taken (:meth:`_poll`); still full FLOW_PAUSE_AFTER_S later, the
+        partitions pause (polling goes on), and they resume below half the limit."""
         held = self._held()
         limit = self.config.batching.max_in_flight_records
-        if held >= limit:
+        if held < limit:
+            self._full_since = None
+            if held < limit // 2:
+                self.pauses.lift("flow")
+        elif self._full_since is None:
+            self._full_since = time.monotonic()
+        elif time.monotonic() - self._full_since >= FLOW_PAUSE_AFTER_S:
             self.pauses.hold("flow")
-        elif held < limit // 2:
-            self.pauses.lift("flow")
 
     # -- scheduling ------------------------------------------------------------------------------
     def _follow_schedule(self) -> None:
@@ -367,7 +406,7 @@ class Worker:
     def _may_dispatch(self) -> bool:
         if "window" in self.pauses.reasons or "lanes" in self.pauses.reasons:
             return False
-        if not self.feeder.streaming and len(self.in_flight) >= self.config.batching.pipeline_depth:
+        if not self.feeder.streaming and len(self.commits) >= self.config.batching.pipeline_depth:
             return False
         return self.schedule.may_dispatch()
 
@@ -376,7 +415,7 @@ class Worker:
         """Hand ready micro-batches to the engine thread. A streaming engine takes each at once (its records join
         the running batch); a call-by-call engine gets ``pipeline_depth`` queued, only full ones while busy."""
         while self._may_dispatch():
-            busy = bool(self.in_flight) and not self.feeder.streaming
+            busy = bool(self.commits) and not self.feeder.streaming
             batch = self.batcher.take(full_only=busy)
             if not batch:
                 return
@@ -389,7 +428,7 @@ class Worker:
             self._stop_records(batch)
         self._seq += 1
         flight = Flight(f"{self.worker_id}-{self._incarnation}-{self._seq}", batch)
-        self.in_flight.append(flight)
+        self.commits.launch(flight)
         self.feeder.submit(flight)
 
     def _stop_records(self, batch: list[WorkItem]) -> None:
@@ -404,12 +443,12 @@ class Worker:
                     kind = "RunCancelled" if stop[1] == CANCELLED else "RunExpired"
                     item.failure = Failure(stop[1], kind, stop_message(stop[1], item.run_id))  # type: ignore[arg-type]
 
-    # -- sink ------------------------------------------------------------------------------------
-    def _complete(self, in_callback: bool = False) -> bool:
+    # -- commit ----------------------------------------------------------------------------------
+    def _commit(self, in_callback: bool = False) -> bool:
         """Take committed micro-batches off the line, queue the next finished ones. False after a failed commit
         (everything uncommitted was rewound)."""
         committed = self.stats.transactions
-        error = self.committer.harvest(self.in_flight)
+        error = self.commits.harvest()
         if self.stats.transactions > committed:
             self.liveness.ok()  # a round trip to the broker
         if error is not None:
@@ -421,31 +460,28 @@ class Worker:
             self._rewind(in_callback=in_callback)
             return False
         if not self.liveness.down:  # no new transaction while the broker is suspected down: it would only block
-            self.committer.queue(self.in_flight)
+            self.commits.queue()
         return True
 
     def _abandon(self) -> None:
         """Stop without committing anything more (the broker is lost, a topic is gone): in-flight and buffered
         records are dropped, and their partitions' next owner re-reads them from the committed offsets."""
         self._abandoned = True
-        self.sink_thread.discard_queued()
-        self.feeder.cancel(self.in_flight)
-        self.in_flight.clear()
+        self.feeder.cancel(self.commits.abandon())
         self.batcher.drop({(i.source.topic, i.source.partition) for i in self.batcher.items()})
 
     # -- rewinds ---------------------------------------------------------------------------------
     def _rewind(self, partitions: set[TP] | None = None, in_callback: bool = False) -> None:
         """Drop everything uncommitted (in flight and buffered) and re-read it. ``partitions`` limits the seeks
         (the others were lost or revoked); by default every assigned partition. Transactions already queued are
-        let finish first (what they committed is not re-read), except those holding fenced partitions: the sink
-        aborts them (or drops them unbegun), so this waits for an abort, never for a stale commit. From a rebalance
-        callback the seeks wait until ``consume()`` has returned (:meth:`_after_callbacks`)."""
+        let finish first (what they committed is not re-read), except those holding fenced partitions: the commit
+        thread aborts them (or drops them unbegun), so this waits for an abort, never for a stale commit. From a
+        rebalance callback the seeks wait until ``consume()`` has returned (:meth:`_after_callbacks`)."""
         self.stats.rewinds += 1
-        if self.committer.settle(self.in_flight) is not None:
-            self.committer.settle(self.in_flight)  # the failed one's followers were dropped unstarted
-        held = first_offsets([i for f in self.in_flight for i in f.items] + list(self.batcher.items()))
-        self.feeder.cancel(self.in_flight)
-        self.in_flight.clear()
+        self.commits.settle()  # a failure here drops the transactions queued after it: all re-read below
+        flights = self.commits.drop()
+        held = first_offsets([i for f in flights for i in f.items] + list(self.batcher.items()))
+        self.feeder.cancel(flights)
         self.batcher.drop(self.pauses.assigned | set(held))
         targets = (self.pauses.assigned if partitions is None else partitions) & set(held)
         if in_callback:
@@ -466,8 +502,8 @@ class Worker:
         both, so what was not committed is left for the partitions' next owner."""
         while True:
             self.ownership.observe(OBSERVE_EVERY_S)
-            self._complete()
-            if not self.in_flight:
+            self._commit()
+            if not self.commits:
                 batch = self.batcher.take(force=True)
                 if not batch:
                     return
@@ -491,16 +527,16 @@ class Worker:
         records of revoked partitions are dropped and re-read by their next owner from the committed offsets."""
         revoked = {(p.topic, p.partition) for p in partitions}
         deadline = time.monotonic() + REVOKE_GRACE_S
-        while self.in_flight and time.monotonic() < deadline:
-            self.ownership.observe(OBSERVE_EVERY_S)  # still ours: the sink commits what is in flight
-            if not self._complete(in_callback=True):
+        while self.commits and time.monotonic() < deadline:
+            self.ownership.observe(OBSERVE_EVERY_S)  # still ours: the commit line commits what is in flight
+            if not self._commit(in_callback=True):
                 break  # a failed commit rewound everything
-            if self.in_flight:
+            if self.commits:
                 self._check_engine()
                 self.wake.wait(min(WAIT_PAUSED_S, max(0.0, deadline - time.monotonic())))
                 self.wake.clear()
         self.ownership.fence(revoked)  # no longer ours once this returns: nothing may commit for them after it
-        if self.in_flight:  # out of time: give everything uncommitted back
+        if self.commits:  # out of time: give everything uncommitted back
             self._rewind(self.pauses.assigned - revoked, in_callback=True)
         dropped = self.batcher.drop(revoked)
         self.pauses.gone(partitions)
@@ -514,7 +550,7 @@ class Worker:
         lost = {(p.topic, p.partition) for p in partitions}
         held = self._held()
         log.warning("lost %s: dropping uncommitted work (%d records held)", sorted(lost), held)
-        self.ownership.fence(lost)  # the sink aborts what holds their records: their new owner re-reads them
+        self.ownership.fence(lost)  # the commit thread aborts what holds their records: their new owner re-reads them
         self._rewind(self.pauses.assigned - lost, in_callback=True)
         self.pauses.gone(partitions)
         self.health.set_assigned(len(self.pauses.assigned))

@@ -222,9 +222,6 @@ def submit(
 def worker(
     job: str,
     idle_exit: Annotated[float | None, typer.Option(help="Exit after this many idle seconds.")] = None,
-    fail_transactions: Annotated[
-        str, typer.Option(help="Fault injection: abort these transaction numbers, e.g. 3,7.", hidden=True)
-    ] = "",
     metrics_port: MetricsPort = None,
     worker_id: Annotated[
         str | None,
@@ -253,8 +250,7 @@ def worker(
     setup_telemetry(cfg.telemetry, f"batchline-worker-{job}", prometheus=metrics_port is not None)
     health = Health.for_worker(cfg)
     serve_probes(metrics_port, health)  # before the engine loads: live, not ready
-    fails = [int(x) for x in fail_transactions.split(",") if x.strip()]
-    w = Worker(cfg, kafka, worker_id=worker_id, sink_fail_batches=fails, idle_exit_s=idle_exit, health=health)
+    w = Worker(cfg, kafka, worker_id=worker_id, idle_exit_s=idle_exit, health=health)
     signal.signal(signal.SIGTERM, lambda *_: w.stop())
     signal.signal(signal.SIGINT, lambda *_: w.stop())
     stats = w.run()

@@ -25,7 +25,7 @@ C = TypeVar("C")
 REDACTED = "**********"
 # What `topics create` gives a job's data topics by default (batchline.kafka.topics.topic_message_bytes(): a 1 MiB
 # request plus 64 KiB for a dead letter's fields). librdkafka's own default, 1,000,000, would refuse a request
-# that max_request_bytes accepts; the worker's sink raises it further to its topics' real limits.
+# that max_request_bytes accepts; the worker's commit line raises it further to its topics' real limits.
 PRODUCER_MESSAGE_MAX_BYTES = (1 << 20) + 64 * 1024
 
 
@@ -34,7 +34,7 @@ def consumer_conf(kafka: KafkaSettings, group: str, **overrides: Any) -> dict[st
     # max.poll.interval.ms is also the rebalance timeout a member sends with JoinGroup: how long a coordinator may
     # wait for members to rejoin. librdkafka's 300 s let a group whose members were SIGKILLed mid-rebalance sit
     # with no partition assigned for minutes on the embedded broker (tests/chaos/test_liveness_chaos.py); a worker
-    # polls continuously (its engine and sink have threads of their own), so 60 s costs nothing.
+    # polls continuously (its engine and commit line have threads of their own), so 60 s costs nothing.
     defaults = {"heartbeat.interval.ms": max(500, kafka.session_timeout_ms // 6), "max.poll.interval.ms": 60_000}
     fixed = {
         "group.id": group,

@@ -20,7 +20,7 @@ records its partitions' new owner commits too. So batchline decides itself, what
 
 Only the consumer's own thread reads the consumer (:meth:`Ownership.observe`; the worker's loop calls it every
 turn): librdkafka answers ``consumer_group_metadata()`` from another thread only once a rebalance callback in
-progress has returned, and a worker's callback waits for its sink thread. Other threads read what it last saw; the
+progress has returned, and a worker's callback waits for its commit thread. Other threads read what it last saw; the
 consumer's thread (the retry scheduler commits on it) reads the consumer live. A closed consumer owns nothing.
 A view of the membership older than ``lease_s`` (the session timeout) proves nothing: a process frozen (SIGSTOP, a
 VM pause) past it resumes before librdkafka has noticed its session is gone, so its claims are stale until the

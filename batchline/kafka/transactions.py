@@ -3,7 +3,7 @@
 Messages and consumer offsets go in one transaction (KIP-447 ``send_offsets_to_transaction``). Retriable
 errors retry the call; ``txn_requires_abort`` aborts (nothing was committed, the caller rewinds); anything
 fatal, or an abort that fails, recreates the producer - its ``init_transactions`` fences the old epoch.
-Used by the worker's sink and the retry scheduler alike.
+Used by the worker's commit line (:mod:`consumers.commit`) and the retry scheduler alike.
 
 A transaction may carry a :class:`Guard` (its claim on the partitions whose offsets it sends,
 :class:`~batchline.kafka.ownership.Claim`). Before it begins, before the offsets are sent, before the commit, and

@@ -8,15 +8,20 @@ import time
 from collections.abc import Callable
 from pathlib import Path
 
+from confluent_kafka import TopicPartition
+
 from batchline.config import KafkaSettings, load_job_config
 from batchline.kafka import headers as h
+from batchline.kafka.client import make_consumer
 from batchline.kafka.topics import JobTopics
 from batchline.runs.identity import fingerprint_of
 from batchline.runs.submit import submit_file
+from schemas import codec_for
 from tests.support.jobs import job_toml, requests_file
 from tests.support.kafka import produce_raw, wait_for
 from tests.support.oracle import assert_exactly_once, lineage_of, outcome_ids
 from tests.support.procs import CliProcess
+from tests.support.transactions import FailingTransactions
 
 RUN_TIMEOUT_S = 180.0
 
@@ -105,42 +110,43 @@ def test_sink_failure_commits_nothing_and_the_batch_is_processed_again(
     valid, _ = requests_file(tmp_path / "in.jsonl", 60)
     submit_file(kafka, topics, tmp_path / "in.jsonl", fingerprint_of(cfg))
 
-    worker = Worker(cfg, kafka, sink_fail_batches=[3], idle_exit_s=4)
-    committed_after: dict[int, int] = {}  # transaction number -> the partition's committed offset after it
-    at_rewind: list[int] = []
-    failed: list[tuple[int, list[str]]] = []  # (sequence number of the failed head batch, its ids)
+    worker = Worker(cfg, kafka, idle_exit_s=4)
+    requests = (topics.requests, 0)
+    reader = make_consumer(kafka, worker.group)  # never subscribes: it only reads the group's committed offsets
+    at_failure: dict[int, int] = {}  # transaction number -> the group's committed offset right after it failed
 
-    def committed() -> int:
-        tp = worker.consumer.committed(worker.consumer.assignment(), timeout=10)[0]
-        return tp.offset
+    def read_committed_offset(n: int) -> int:
+        at_failure[n] = reader.committed([TopicPartition(*requests)], timeout=10)[0].offset
+        return at_failure[n]
 
-    def on_commit(batch_id: str, items: list) -> None:
-        committed_after[worker.stats.transactions] = committed()
-
-    real_rewind = worker._rewind
-
-    def observing_rewind(partitions: set[tuple[str, int]] | None = None, in_callback: bool = False) -> None:
-        at_rewind.append(committed())
-        head = worker.in_flight[0]
-        failed.append((int(head.batch_id.rsplit("-", 1)[1]), [i.request_id for i in head.items]))
-        real_rewind(partitions, in_callback)
-
-    worker.committer.on_batch_committed = on_commit
-    worker._rewind = observing_rewind  # type: ignore[method-assign]
-    stats = worker.run()
+    txns = FailingTransactions(worker.commits.producer, fail=[3], on_failure=read_committed_offset)
+    worker.commits.producer = txns
+    try:
+        stats = worker.run()
+    finally:
+        reader.close()
 
     assert stats.sink_failures == 1 and stats.rewinds == 1
-    assert len(at_rewind) == 1
-    # The offset committed when the third transaction failed is the one the second transaction committed.
-    assert at_rewind[0] == committed_after[2]
+    assert list(txns.failed) == [3] and sorted(txns.committed)[:2] == [1, 2]
+    # Nothing of the third transaction was committed: the offset after it failed is the one the second committed.
+    assert at_failure[3] == txns.committed[2][requests]
     view = assert_exactly_once(kafka.bootstrap, topics, valid).results
     assert set(view) == valid
-    failed_seq, failed_ids = failed[0]
-    assert failed_ids, "the failed batch held records"
-    for rid in failed_ids:
+    # the results the failed transaction carried, and the micro-batches that made them
+    failed = {
+        key.decode(): _seq(codec_for("lineage").decode(dict(hs)[h.LINEAGE]).batch_id)
+        for _, _, key, hs in txns.failed[3]
+        if key
+    }
+    assert failed, "the failed transaction held records"
+    for rid in failed:
         [(_, rec)] = view[rid]
-        seq = int(lineage_of(rec).batch_id.rsplit("-", 1)[1])
-        assert seq > failed_seq, (rid, seq)  # re-read and processed by a later batch
+        assert _seq(lineage_of(rec).batch_id) > max(failed.values()), rid  # re-read, processed by a later batch
+
+
+def _seq(batch_id: str) -> int:
+    """A micro-batch's sequence number (``<worker>-<incarnation>-<seq>``)."""
+    return int(batch_id.rsplit("-", 1)[1])
 
 
 def test_upstream_json_without_submit_is_processed(

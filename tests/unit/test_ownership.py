@@ -9,36 +9,17 @@ its offsets nor committed.
 
 from __future__ import annotations
 
-import struct
 import threading
 from typing import Any
 
 import pytest
 from confluent_kafka import KafkaError, KafkaException, TopicPartition
 
-from batchline.config import KafkaSettings
 from batchline.kafka.ownership import Ownership, member_of
-from batchline.kafka.transactions import Outgoing, TransactionalProducer, TransactionFenced, _BoundedCalls
+from batchline.kafka.transactions import Outgoing, TransactionFenced
+from tests.unit.stand_ins import Member, metadata, stand_in_txn, timed_out
 
 T = "unit.requests"
-
-
-def metadata(generation: int, member: str, group: str = "g") -> bytes:
-    return b"CGMDv2:" + struct.pack("=i", generation) + group.encode() + b"\0" + member.encode() + b"\0\x01"
-
-
-class Member:
-    """A consumer as ownership sees it: its current group metadata, or closed."""
-
-    def __init__(self, generation: int = 3, member: str = "m-1") -> None:
-        self.now: bytes | None = metadata(generation, member)
-        self.reads = 0
-
-    def consumer_group_metadata(self) -> Any:
-        self.reads += 1
-        if self.now is None:
-            raise RuntimeError("Consumer closed")
-        return self.now
 
 
 def _other_thread(fn: Any) -> Any:
@@ -112,65 +93,6 @@ def test_a_closed_consumer_owns_nothing() -> None:
 # -- the commit path -------------------------------------------------------------------------------
 
 
-def timed_out() -> KafkaException:
-    return KafkaException(KafkaError(KafkaError._TIMED_OUT, "slice timed out", retriable=True))
-
-
-class Producer:
-    """librdkafka's transactional calls, recorded; ``script`` answers them (a list of exceptions to raise first)."""
-
-    def __init__(self, calls: list[str], script: dict[str, list[Exception]] | None = None) -> None:
-        self.calls = calls
-        self.script = script or {}
-        self.sent_metadata: Any = None
-        self.deliveries: list[Any] = []
-        self.on_call: dict[str, Any] = {}
-
-    def _call(self, name: str) -> None:
-        self.calls.append(name)
-        hook = self.on_call.get(name)
-        if hook is not None:
-            hook()
-        queued = self.script.get(name)
-        if queued:
-            raise queued.pop(0)
-
-    def init_transactions(self, timeout: float) -> None:
-        self._call("init")
-
-    def begin_transaction(self) -> None:
-        self._call("begin")
-
-    def produce(self, topic: str, value: Any, key: Any, headers: Any = None, on_delivery: Any = None) -> None:
-        self.calls.append("produce")
-        self.deliveries.append(on_delivery)
-
-    def flush(self, timeout: float) -> int:
-        self._call("flush")
-        if self.script.get("flush-left"):
-            return int(self.script["flush-left"].pop(0).args[0])
-        for report in self.deliveries:
-            report(None, None)
-        self.deliveries = []
-        return 0
-
-    def poll(self, timeout: float) -> int:
-        return 0
-
-    def send_offsets_to_transaction(self, offsets: Any, metadata: Any, timeout: float) -> None:
-        self._call("offsets")
-        self.sent_metadata = metadata
-
-    def commit_transaction(self, timeout: float) -> None:
-        self._call("commit")
-
-    def abort_transaction(self, timeout: float) -> None:
-        self._call("abort")
-
-    def purge(self) -> None:
-        self.calls.append("purge")
-
-
 class Guard:
     """A claim whose staleness the test sets, from a librdkafka call's hook."""
 
@@ -184,31 +106,13 @@ class Guard:
         return b"live metadata"
 
 
-def _txn(calls: list[str], script: dict[str, list[Exception]] | None = None) -> tuple[TransactionalProducer, Producer]:
-    txn = TransactionalProducer.__new__(TransactionalProducer)  # no broker: the producer is the stand-in
-    txn.kafka = KafkaSettings(bootstrap="unit.invalid:9092")
-    txn.transactional_id, txn.overrides, txn.topic_limits = "unit-txn", {}, {}
-    txn.max_message_bytes, txn.aborts, txn.recreated = 1_000_000, 0, 0
-    txn._pending, txn._retired, txn._replace, txn.hung = None, [], False, 0
-    producer = Producer(calls, script)
-    txn.producer, txn._calls = producer, _BoundedCalls("unit-txn")
-
-    def new_producer() -> tuple[Producer, _BoundedCalls]:  # as _new_producer: init_transactions fences the epoch
-        fresh = Producer(calls)
-        fresh.init_transactions(30)
-        return fresh, _BoundedCalls("unit-txn")
-
-    txn._new_producer = new_producer  # type: ignore[method-assign]
-    return txn, producer
-
-
 MESSAGES: list[Outgoing] = [("unit.results", b"v", b"k", [])]
 OFFSETS = [TopicPartition(T, 0, 10)]
 
 
 def test_a_fresh_claim_commits_with_the_live_group_metadata() -> None:
     calls: list[str] = []
-    txn, producer = _txn(calls)
+    txn, producer = stand_in_txn(calls)
     txn.commit(MESSAGES, OFFSETS, b"queued metadata", guard=Guard())
     assert calls == ["begin", "produce", "flush", "offsets", "commit"]
     assert producer.sent_metadata == b"live metadata"
@@ -216,7 +120,7 @@ def test_a_fresh_claim_commits_with_the_live_group_metadata() -> None:
 
 def test_a_transaction_stale_before_it_begins_makes_no_call() -> None:
     calls: list[str] = []
-    txn, _ = _txn(calls)
+    txn, _ = stand_in_txn(calls)
     guard = Guard()
     guard.why = "partitions unit.requests[0] were lost or revoked"
     with pytest.raises(TransactionFenced) as exc:
@@ -226,7 +130,7 @@ def test_a_transaction_stale_before_it_begins_makes_no_call() -> None:
 
 def test_a_flush_blocked_by_a_cut_link_aborts_once_the_claim_goes_stale() -> None:
     calls: list[str] = []
-    txn, producer = _txn(calls, {"flush-left": [KafkaException(1), KafkaException(1)]})
+    txn, producer = stand_in_txn(calls, {"flush-left": [KafkaException(1), KafkaException(1)]})
     guard = Guard()
     producer.on_call["flush"] = lambda: setattr(guard, "why", "lost") if calls.count("flush") == 2 else None
     with pytest.raises(TransactionFenced) as exc:
@@ -237,7 +141,7 @@ def test_a_flush_blocked_by_a_cut_link_aborts_once_the_claim_goes_stale() -> Non
 
 def test_offsets_are_not_sent_when_the_claim_went_stale_during_the_flush() -> None:
     calls: list[str] = []
-    txn, producer = _txn(calls)
+    txn, producer = stand_in_txn(calls)
     guard = Guard()
     producer.on_call["flush"] = lambda: setattr(guard, "why", "lost")
     with pytest.raises(TransactionFenced):
@@ -249,7 +153,7 @@ def test_a_commit_under_way_when_the_claim_goes_stale_recreates_the_producer() -
     """librdkafka cannot abort a commit it has started: the producer is dropped (its unsent requests purged) and a
     new one with the same transactional id fences its epoch. The outcome is ambiguous."""
     calls: list[str] = []
-    txn, producer = _txn(calls, {"commit": [timed_out(), timed_out()]})
+    txn, producer = stand_in_txn(calls, {"commit": [timed_out(), timed_out()]})
     guard = Guard()
     producer.on_call["commit"] = lambda: setattr(guard, "why", "lost")
     with pytest.raises(TransactionFenced) as exc:
@@ -264,7 +168,7 @@ def test_a_call_that_timed_out_is_resumed_to_its_end_before_the_fenced_abort() -
     """librdkafka takes only the timed-out call next (another one, or destroying the producer, aborts the process
     in librdkafka 2.16): the offsets are sent to the end, then the transaction is aborted, never committed."""
     calls: list[str] = []
-    txn, producer = _txn(calls, {"offsets": [timed_out()]})
+    txn, producer = stand_in_txn(calls, {"offsets": [timed_out()]})
     guard = Guard()
     producer.on_call["offsets"] = lambda: setattr(guard, "why", "lost")
     with pytest.raises(TransactionFenced) as exc:
@@ -276,7 +180,7 @@ def test_a_call_that_timed_out_is_resumed_to_its_end_before_the_fenced_abort() -
 def test_a_fenced_transaction_whose_abort_fails_recreates_the_producer() -> None:
     calls: list[str] = []
     fail = KafkaException(KafkaError(KafkaError._STATE, "abort refused"))
-    txn, producer = _txn(calls, {"abort": [fail]})
+    txn, producer = stand_in_txn(calls, {"abort": [fail]})
     guard = Guard()
     producer.on_call["flush"] = lambda: setattr(guard, "why", "lost")
     with pytest.raises(TransactionFenced) as exc:
@@ -287,7 +191,7 @@ def test_a_fenced_transaction_whose_abort_fails_recreates_the_producer() -> None
 
 def test_a_slice_that_times_out_is_resumed_while_the_claim_holds() -> None:
     calls: list[str] = []
-    txn, _ = _txn(calls, {"offsets": [timed_out(), timed_out()]})
+    txn, _ = stand_in_txn(calls, {"offsets": [timed_out(), timed_out()]})
     txn.commit(MESSAGES, OFFSETS, None, guard=Guard())
     assert calls == ["begin", "produce", "flush", "offsets", "offsets", "offsets", "commit"]
 

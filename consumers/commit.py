@@ -1,0 +1,415 @@
+"""The commit stage: a micro-batch from launch to commit, and the thread that commits.
+
+:class:`CommitLine` owns every micro-batch (:class:`~consumers.infer.Flight`) the worker launches, until its
+transaction has committed or been given up. Consecutive finished micro-batches at the head of the line are routed
+(:class:`~consumers.route.Router`: results, retries, dead letters) into one transaction with their offsets and
+their partitions' claim (:class:`~batchline.kafka.ownership.Claim`: it commits only while they are this worker's),
+and committed in the order they were queued by the line's own thread through the transactional producer
+(:class:`~batchline.kafka.transactions.TransactionalProducer`, the only Kafka layer below it). A message the
+broker cannot take on its own (too large) is replaced in the same transaction by the dead letter
+:meth:`Router.replacement <consumers.route.Router.replacement>` makes of it, and the replacement is what is counted.
+Whatever fails reaches the worker as one exception type, :class:`~consumers.exceptions.CommitFailed`, returned by
+:meth:`CommitLine.harvest`; the worker then rewinds (:meth:`CommitLine.drop` gives it the flights to re-read).
+
+Each micro-batch gets its span: ``process J.requests`` (CONSUMER) from the start of its inference to its commit,
+linked to its records' producer spans, with ``infer``, ``route`` and ``produce and commit`` children.
+
+Threads. The worker's thread calls every public method; it alone owns the flights (``_flights``), the
+transactions not yet harvested (``_line``), the spans and the counts (:class:`~consumers.work.WorkerStats`,
+:class:`~batchline.telemetry.WorkerMetrics`). The commit thread (``commit``) is the only one that calls the
+producer. They share one queue of transactions to commit (``_queue``, under ``_cond``): the worker appends to it;
+the commit thread commits its head, writes the outcome into the transaction (``replaced``, ``error``, timings)
+and ``done`` last, then sets ``wake``; the worker reads ``done`` without a lock and the rest after it. The
+commit thread also calls ``Router.replacement``, which reads only the router's configuration. The flights
+themselves are written by the engine thread until ``Flight.done``; a flight is routed only after that.
+"""
+
+from __future__ import annotations
+
+import itertools
+import logging
+import threading
+import time
+from collections import deque
+from collections.abc import Callable, Iterable, Mapping
+from dataclasses import dataclass, field
+from typing import Any, Protocol
+
+from confluent_kafka import TopicPartition
+from opentelemetry import trace
+from opentelemetry.trace import SpanKind, Status, StatusCode
+
+from batchline.config import KafkaSettings
+from batchline.kafka.ownership import Claim, Ownership
+from batchline.kafka.transactions import (
+    CommitReport,
+    Fit,
+    Guard,
+    Outgoing,
+    RecordError,
+    TransactionalProducer,
+    TransactionFailed,
+    TransactionFenced,
+)
+from batchline.telemetry import Health, WorkerMetrics, link_from_traceparent, traceparent_of
+from consumers.exceptions import CommitFailed
+from consumers.infer import Flight
+from consumers.route import BatchContext, Produced, Router
+from consumers.work import WorkerStats
+
+log = logging.getLogger(__name__)
+COMMIT_GROUP_RECORDS = 2048  # finished micro-batches committed in one transaction, at most this many records
+QUEUE_DEPTH = 2  # transactions queued or committing at once: the worker routes the next while one commits
+TP = tuple[str, int]
+
+
+class Transactions(Protocol):
+    """What the commit line needs of a transactional producer (:class:`TransactionalProducer` has it); the seam
+    where tests put a producer that fails on cue."""
+
+    def commit(
+        self,
+        messages: Iterable[Outgoing],
+        offsets: list[TopicPartition],
+        group_metadata: Any,
+        before_commit: Callable[[], None] | None = None,
+        fit: Fit | None = None,
+        guard: Guard | None = None,
+    ) -> CommitReport: ...
+
+    def oversize(self, message: Outgoing) -> RecordError | None: ...
+
+    def close(self, timeout: float = ...) -> None: ...
+
+
+def transactional_producer(
+    kafka: KafkaSettings, transactional_id: str, topic_limits: Mapping[str, int]
+) -> TransactionalProducer:
+    """The worker's producer: librdkafka's own ``message.max.bytes`` (default 1,000,000) raised to the largest
+    output topic's, so a message only one topic refuses is caught by that topic's limit, not the client's."""
+    overrides: dict[str, Any] = {"message.max.bytes": max(topic_limits.values())} if topic_limits else {}
+    return TransactionalProducer(kafka, transactional_id, topic_limits=topic_limits, **overrides)
+
+
+@dataclass(eq=False)
+class _Txn:
+    """One transaction: consecutive finished micro-batches, their messages and offsets. Built on the worker's
+    thread; the commit thread writes ``replaced``, ``error`` and the timings, then ``done`` last."""
+
+    flights: list[Flight]
+    messages: list[Produced]  # every flight's messages, in order
+    sizes: list[int]  # how many of them each flight made
+    offsets: list[TopicPartition]
+    claim: Claim  # its partitions' epochs when it was queued: it commits only while they hold
+    spans: list[trace.Span]
+    replaced: dict[int, Produced] = field(default_factory=dict)  # index in messages -> what was produced instead
+    started_ns: int = 0
+    ended_ns: int = 0
+    error: CommitFailed | None = None
+    done: bool = False
+
+    @property
+    def batch_id(self) -> str:
+        return self.flights[-1].batch_id
+
+    def produced(self) -> list[list[Produced]]:
+        """What each flight really produced (replacements included); read once ``done``."""
+        out = [self.replaced.get(i, m) for i, m in enumerate(self.messages)]
+        bounds = list(itertools.accumulate(self.sizes, initial=0))
+        return [out[a:b] for a, b in itertools.pairwise(bounds)]
+
+
+class CommitLine:
+    """The micro-batches of one worker from launch to commit, and the thread that commits them (module docstring:
+    who owns what)."""
+
+    def __init__(
+        self,
+        producer: Transactions,
+        router: Router,
+        ownership: Ownership,
+        wake: Callable[[], None],
+        *,
+        metrics: WorkerMetrics,
+        stats: WorkerStats,
+        health: Health,
+        requests_topic: str,
+        group: str,
+        depth: int = QUEUE_DEPTH,
+    ) -> None:
+        self.producer = producer
+        self.router = router
+        self.ownership = ownership
+        self.metrics = metrics
+        self.stats = stats
+        self.health = health
+        self.requests_topic = requests_topic
+        self.group = group
+        self.depth = depth
+        self.tracer = trace.get_tracer("batchline.worker")
+        self._wake = wake
+        self._flights: deque[Flight] = deque()  # launched, not yet committed, oldest first (worker thread)
+        self._line: deque[_Txn] = deque()  # queued, not yet harvested, oldest first (worker thread)
+        self._committing = 0  # flights in _line
+        self._held = 0  # records in _flights: read by the metrics' thread too (an int, never a half-updated sum)
+        self._cond = threading.Condition()
+        self._queue: deque[_Txn] = deque()  # to commit, its head committing while _busy (under _cond)
+        self._busy = False
+        self._stopping = False
+        self._thread = threading.Thread(target=self._run, name="commit", daemon=True)
+
+    # -- the worker's side -------------------------------------------------------------------------
+    def start(self) -> None:
+        self._thread.start()
+
+    def launch(self, flight: Flight) -> None:
+        """``flight`` was handed to the engine: it is on the line until it commits or is dropped."""
+        self._flights.append(flight)
+        self._held += len(flight.items)
+
+    def __len__(self) -> int:
+        """Micro-batches launched and not yet committed."""
+        return len(self._flights)
+
+    def held(self) -> int:
+        """Records launched and not yet committed (inferring or committing)."""
+        return self._held
+
+    def ready(self) -> bool:
+        """Something to do now: a transaction to harvest, or a finished micro-batch to queue."""
+        if self._line and self._line[0].done:
+            return True
+        n = self._committing
+        return len(self._flights) > n and self._flights[n].done and len(self._line) < self.depth
+
+    def queue(self) -> None:
+        """Route the finished micro-batches after those already committing, and queue their transactions."""
+        while len(self._line) < self.depth:
+            group: list[Flight] = []
+            records = 0
+            for flight in itertools.islice(self._flights, self._committing, None):
+                if not flight.done or (group and records + len(flight.items) > COMMIT_GROUP_RECORDS):
+                    break
+                group.append(flight)
+                records += len(flight.items)
+            if not group:
+                return
+            txn = self._route(group)
+            self._line.append(txn)
+            self._committing += len(group)
+            with self._cond:
+                self._queue.append(txn)
+                self._cond.notify_all()
+
+    def harvest(self) -> CommitFailed | None:
+        """Take committed micro-batches off the line (counting them); the error of the first failed transaction
+        (those queued after it were dropped unstarted and are forgotten here: the worker rewinds), else None."""
+        while self._line and self._line[0].done:
+            txn = self._line.popleft()
+            self._committing -= len(txn.flights)
+            if txn.error is not None:
+                self.stats.sink_failures += 1
+                for failed in (txn, *self._line):
+                    self._end_spans(failed, txn.error)
+                self._line.clear()
+                self._committing = 0
+                return txn.error
+            for _ in txn.flights:
+                self._held -= len(self._flights.popleft().items)
+            self._end_spans(txn, None)
+            self._count(txn)
+        return None
+
+    def settle(self) -> CommitFailed | None:
+        """Wait for every queued transaction to finish, then harvest (before a rewind): what committed is counted
+        and leaves the line, the first failure is returned."""
+        with self._cond:
+            while self._queue or self._busy:
+                self._cond.wait(0.5)  # a transaction's calls are bounded by their timeouts
+        return self.harvest()
+
+    def drop(self) -> list[Flight]:
+        """Forget every micro-batch not committed (a rewind re-reads them); call after :meth:`settle`. Returns them,
+        to be cancelled on the engine and sought back to."""
+        assert not self._line, "drop() after settle(): nothing may be committing"
+        flights = list(self._flights)
+        self._flights.clear()
+        self._held = 0
+        return flights
+
+    def abandon(self) -> list[Flight]:
+        """Stop committing (the broker is lost): the transactions not yet started are dropped (the one committing
+        finishes) and every micro-batch not committed is forgotten and returned."""
+        with self._cond:
+            started = [self._queue[0]] if self._busy and self._queue else []
+            for txn in list(self._queue)[len(started) :]:
+                txn.error = CommitFailed("discarded: the worker is stopping", txn.batch_id, True, False)
+                txn.done = True
+            self._queue = deque(started)
+        for txn in self._line:
+            self._end_spans(txn, CommitFailed("abandoned", txn.batch_id, True, False))
+        self._line.clear()
+        self._committing = 0
+        flights = list(self._flights)
+        self._flights.clear()
+        self._held = 0
+        return flights
+
+    def close(self, timeout: float = 60.0) -> None:
+        """Stop after the queued transactions, then close the producer. The thread is a daemon: one still blocked
+        past ``timeout`` dies with the process, and the broker aborts its transaction when it times out (a restart
+        in this worker's slot fences it at once)."""
+        with self._cond:
+            self._stopping = True
+            self._cond.notify_all()
+        if self._thread.is_alive():
+            self._thread.join(timeout)
+        self.producer.close(timeout)
+
+    # -- routing and counting (worker thread) ------------------------------------------------------
+    def _route(self, group: list[Flight]) -> _Txn:
+        messages: list[Produced] = []
+        sizes: list[int] = []
+        spans: list[trace.Span] = []
+        for flight in group:
+            span = self._batch_span(flight)
+            spans.append(span)
+            ctx = trace.set_span_in_context(span)
+            self.tracer.start_span("infer", ctx, start_time=flight.started_ns).end(flight.ended_ns)
+            started = time.time_ns()
+            runnable = sum(1 for i in flight.items if i.runnable)
+            batch = BatchContext(flight.batch_id, self.router.worker_id, traceparent_of(span))
+            produced = self.router.route(flight.items, flight.outcomes, batch, flight.engine_ms / max(1, runnable))
+            self.tracer.start_span("route", ctx, start_time=started).end(time.time_ns())
+            messages += produced
+            sizes.append(len(produced))
+        offsets = _offsets(group)
+        claim = self.ownership.claim((tp.topic, tp.partition) for tp in offsets)
+        return _Txn(group, messages, sizes, offsets, claim, spans)
+
+    def _batch_span(self, flight: Flight) -> trace.Span:
+        links = [lk for lk in (link_from_traceparent(i.trace_parent) for i in flight.items if i.trace_parent) if lk]
+        attributes: dict[str, str | int | float] = {
+            "messaging.system": "kafka",
+            "messaging.operation.type": "process",
+            "messaging.destination.name": self.requests_topic,
+            "messaging.batch.message_count": len(flight.items),
+            "messaging.consumer.group.name": self.group,
+            "batchline.batch_id": flight.batch_id,
+            "batchline.engine_ms": flight.engine_ms,
+        }
+        return self.tracer.start_span(
+            f"process {self.requests_topic}",
+            kind=SpanKind.CONSUMER,
+            links=links,
+            attributes=attributes,
+            start_time=flight.started_ns,
+        )
+
+    def _end_spans(self, txn: _Txn, error: CommitFailed | None) -> None:
+        for span in txn.spans:
+            if error is not None:
+                span.set_status(Status(StatusCode.ERROR, str(error)))
+                span.end()
+                continue
+            ctx = trace.set_span_in_context(span)
+            self.tracer.start_span("produce and commit", ctx, start_time=txn.started_ns).end(txn.ended_ns)
+            span.end(txn.ended_ns)
+
+    def _count(self, txn: _Txn) -> None:
+        stats = self.stats
+        stats.transactions += 1
+        stats.batches += len(txn.flights)
+        by_kind = stats.by_kind
+        for flight, produced in zip(txn.flights, txn.produced(), strict=True):
+            for p in produced:
+                by_kind[p.kind] = by_kind.get(p.kind, 0) + 1
+            self.metrics.batch_done(flight.items, flight.outcomes, produced, flight.engine_ms, flight.started_ns)
+        stats.results = by_kind.get("result", 0)
+        stats.retries = by_kind.get("retry", 0)
+        stats.dead_letters = by_kind.get("dlq", 0)
+        self.health.progressed()
+
+    # -- the commit thread -------------------------------------------------------------------------
+    def _run(self) -> None:
+        while True:
+            with self._cond:
+                while not self._queue and not self._stopping:
+                    self._cond.wait()
+                if not self._queue:
+                    return
+                txn = self._queue[0]
+                self._busy = True
+            txn.started_ns = time.time_ns()
+            error = self._commit(txn)
+            txn.ended_ns = time.time_ns()
+            with self._cond:
+                self._queue.popleft()
+                if error is not None:  # the queued ones were routed on top of it: drop them unstarted
+                    for dropped in self._queue:
+                        dropped.error = CommitFailed(
+                            "dropped after a failed transaction", dropped.batch_id, True, False
+                        )
+                        dropped.done = True
+                    self._queue.clear()
+                txn.error = error
+                txn.done = True
+                self._busy = False
+                self._cond.notify_all()
+            self._wake()
+
+    def _commit(self, txn: _Txn) -> CommitFailed | None:
+        """Produce the transaction's messages and commit its offsets while its claim holds; the failure, if any,
+        as a CommitFailed (its ``__cause__`` the producer's error)."""
+        fits = lambda m: self.producer.oversize(_outgoing(m)) is None  # noqa: E731
+
+        def fit(index: int, _message: Outgoing, error: RecordError) -> Outgoing:
+            new = self.router.replacement(txn.replaced.get(index, txn.messages[index]), error.reason, fits)
+            txn.replaced[index] = new
+            return _outgoing(new)
+
+        outgoing = [_outgoing(m) for m in txn.messages]
+        try:
+            report = self.producer.commit(outgoing, txn.offsets, None, fit=fit, guard=txn.claim)
+        except TransactionFenced as exc:
+            log.warning("batch %s: not committed, %s", txn.batch_id, exc)
+            return _failed(exc, txn, abortable=not exc.fatal, fatal=exc.fatal, fenced=True)
+        except TransactionFailed as exc:
+            log.error("batch %s: transaction failed (%s); fatal=%s", txn.batch_id, exc, exc.fatal)
+            return _failed(exc, txn, abortable=not exc.fatal, fatal=exc.fatal)
+        except BaseException as exc:  # a bug or an unexpected client error: reported like a failed commit
+            log.exception("transaction of batch %s failed unexpectedly", txn.batch_id)
+            return _failed(exc, txn, abortable=False, fatal=True, message=f"{type(exc).__name__}: {exc}")
+        for index, replaced in report.replaced.items():
+            original = txn.messages[index]
+            log.warning(
+                "batch %s: %s of %s replaced by a dead letter (%s)",
+                txn.batch_id,
+                original.kind,
+                original.key.decode("utf-8", "replace"),
+                replaced.error.reason,
+            )
+        return None
+
+
+def _failed(
+    exc: BaseException, txn: _Txn, abortable: bool, fatal: bool, fenced: bool = False, message: str | None = None
+) -> CommitFailed:
+    error = CommitFailed(message or str(exc), txn.batch_id, abortable=abortable, fatal=fatal, fenced=fenced)
+    error.__cause__ = exc
+    return error
+
+
+def _outgoing(m: Produced) -> Outgoing:
+    return (m.topic, m.value, m.key, m.headers)
+
+
+def _offsets(group: list[Flight]) -> list[TopicPartition]:
+    high: dict[TP, int] = {}
+    for flight in group:
+        for it in flight.items:
+            key = (it.source.topic, it.source.partition)
+            offset = it.source.offset + 1
+            if high.get(key, -1) < offset:
+                high[key] = offset
+    return [TopicPartition(t, p, o) for (t, p), o in high.items()]

@@ -1,0 +1,114 @@
+"""Stand-ins for librdkafka clients, to drive the commit path without a broker: a consumer as ownership sees it
+(its group metadata, scripted) and a transactional producer whose calls are recorded and whose answers are scripted.
+"""
+
+from __future__ import annotations
+
+import struct
+from typing import Any
+
+from confluent_kafka import KafkaError, KafkaException
+
+from batchline.config import KafkaSettings
+from batchline.kafka.transactions import TransactionalProducer, _BoundedCalls
+
+
+def metadata(generation: int, member: str, group: str = "g") -> bytes:
+    return b"CGMDv2:" + struct.pack("=i", generation) + group.encode() + b"\0" + member.encode() + b"\0\x01"
+
+
+class Member:
+    """A consumer as ownership sees it: its current group metadata, or closed."""
+
+    def __init__(self, generation: int = 3, member: str = "m-1") -> None:
+        self.now: bytes | None = metadata(generation, member)
+        self.reads = 0
+
+    def consumer_group_metadata(self) -> Any:
+        self.reads += 1
+        if self.now is None:
+            raise RuntimeError("Consumer closed")
+        return self.now
+
+
+def timed_out() -> KafkaException:
+    return KafkaException(KafkaError(KafkaError._TIMED_OUT, "slice timed out", retriable=True))
+
+
+class Producer:
+    """librdkafka's transactional calls, recorded; ``script`` answers them (a list of exceptions to raise first)."""
+
+    def __init__(self, calls: list[str], script: dict[str, list[Exception]] | None = None) -> None:
+        self.calls = calls
+        self.script = script or {}
+        self.sent_metadata: Any = None
+        self.sent_offsets: Any = None
+        self.produced: list[tuple[str, Any]] = []  # (topic, key) of every message produced
+        self.deliveries: list[Any] = []
+        self.on_call: dict[str, Any] = {}
+
+    def _call(self, name: str) -> None:
+        self.calls.append(name)
+        hook = self.on_call.get(name)
+        if hook is not None:
+            hook()
+        queued = self.script.get(name)
+        if queued:
+            raise queued.pop(0)
+
+    def init_transactions(self, timeout: float) -> None:
+        self._call("init")
+
+    def begin_transaction(self) -> None:
+        self._call("begin")
+
+    def produce(self, topic: str, value: Any, key: Any, headers: Any = None, on_delivery: Any = None) -> None:
+        self.calls.append("produce")
+        self.produced.append((topic, key))
+        self.deliveries.append(on_delivery)
+
+    def flush(self, timeout: float) -> int:
+        self._call("flush")
+        if self.script.get("flush-left"):
+            return int(self.script["flush-left"].pop(0).args[0])
+        for report in self.deliveries:
+            report(None, None)
+        self.deliveries = []
+        return 0
+
+    def poll(self, timeout: float) -> int:
+        return 0
+
+    def send_offsets_to_transaction(self, offsets: Any, metadata: Any, timeout: float) -> None:
+        self._call("offsets")
+        self.sent_offsets = offsets
+        self.sent_metadata = metadata
+
+    def commit_transaction(self, timeout: float) -> None:
+        self._call("commit")
+
+    def abort_transaction(self, timeout: float) -> None:
+        self._call("abort")
+
+    def purge(self) -> None:
+        self.calls.append("purge")
+
+
+def stand_in_txn(
+    calls: list[str], script: dict[str, list[Exception]] | None = None
+) -> tuple[TransactionalProducer, Producer]:
+    txn = TransactionalProducer.__new__(TransactionalProducer)  # no broker: the producer is the stand-in
+    txn.kafka = KafkaSettings(bootstrap="unit.invalid:9092")
+    txn.transactional_id, txn.overrides, txn.topic_limits = "unit-txn", {}, {}
+    txn.max_message_bytes, txn.aborts, txn.recreated = 1_000_000, 0, 0
+    txn._pending, txn._retired, txn._replace, txn.hung = None, [], False, 0
+    producer = Producer(calls, script)
+    txn.producer, txn._calls = producer, _BoundedCalls("unit-txn")
+
+    def new_producer() -> tuple[Producer, _BoundedCalls]:  # as _new_producer: init_transactions fences the epoch
+        fresh = Producer(calls)
+        fresh.init_transactions(30)
+        return fresh, _BoundedCalls("unit-txn")
+
+    txn._new_producer = new_producer  # type: ignore[method-assign]
+    return txn, producer

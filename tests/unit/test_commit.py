@@ -1,0 +1,208 @@
+"""The commit line without a broker: micro-batches from launch to commit, through the real transactional producer
+driving a stand-in librdkafka producer (tests/unit/stand_ins.py) whose calls are recorded and answers scripted.
+
+What is asserted is what a transaction carried (messages, offsets), which librdkafka calls were made, what the line
+counted and what it hands back to the worker for a rewind.
+"""
+
+from __future__ import annotations
+
+import threading
+from typing import Any
+
+import pytest
+from confluent_kafka import KafkaError, KafkaException
+
+from batchline.kafka.ownership import Ownership
+from batchline.kafka.topics import JobTopics
+from batchline.kafka.transactions import TransactionalIdTaken
+from batchline.runs.identity import fingerprint_of
+from batchline.telemetry import Health, WorkerMetrics
+from consumers import commit
+from consumers.commit import CommitLine
+from consumers.engines.base import EngineOutput
+from consumers.infer import Flight
+from consumers.route import Router
+from consumers.work import WorkerStats
+from tests.unit.helpers import config, item
+from tests.unit.stand_ins import Member, stand_in_txn
+
+T = "unit.requests"
+SETTLE_TIMEOUT_S = 10.0
+
+
+class Line:
+    """A commit line over the real TransactionalProducer and a stand-in librdkafka producer; not started."""
+
+    def __init__(self, script: dict[str, list[Exception]] | None = None) -> None:
+        cfg = config(**{"retry.tiers": ["5s"]})
+        self.calls: list[str] = []
+        self.txn, self.producer = stand_in_txn(self.calls, script)
+        self.ownership = Ownership(Member())
+        self.stats = WorkerStats()
+        self.woken = threading.Event()
+        router = Router(cfg, fingerprint_of(cfg), JobTopics("unit", ("5s",)), "w1")
+        self.line = CommitLine(
+            self.txn,
+            router,
+            self.ownership,
+            self.woken.set,
+            metrics=WorkerMetrics("unit"),
+            stats=self.stats,
+            health=Health.for_worker(cfg),
+            requests_topic=T,
+            group="unit.workers",
+        )
+        self._seq = 0
+
+    def launch(self, offsets: list[int], partition: int = 0, done: bool = True) -> Flight:
+        self._seq += 1
+        items = [item(f"r{partition}-{o}", offset=o, partition=partition) for o in offsets]
+        flight = Flight(f"w1-{self._seq}", items)
+        if done:
+            finish(flight)
+        self.line.launch(flight)
+        return flight
+
+    def settle(self) -> Any:
+        """Start the commit thread if need be and wait until everything queued has finished."""
+        if not self.line._thread.is_alive():
+            self.line.start()
+        result: list[Any] = []
+        waiter = threading.Thread(target=lambda: result.append(self.line.settle()))
+        waiter.start()
+        waiter.join(SETTLE_TIMEOUT_S)
+        assert result, "the commit line did not settle"
+        return result[0]
+
+    def close(self) -> None:
+        self.line.close(5)
+
+
+def finish(flight: Flight, outcome: Any = None) -> None:
+    flight.outcomes = {i: outcome or EngineOutput(text="ok") for i in range(len(flight.items))}
+    flight.done = True
+
+
+@pytest.fixture
+def line() -> Any:
+    made = Line()
+    yield made
+    made.close()
+
+
+def test_finished_micro_batches_at_the_head_commit_together_with_each_partitions_next_offset(line: Line) -> None:
+    line.launch([0, 1], partition=0)
+    line.launch([5], partition=1)
+    line.launch([2, 3], partition=0)
+    unfinished = line.launch([4], partition=0, done=False)
+
+    line.line.queue()
+    assert line.settle() is None
+
+    assert line.calls == ["begin", *["produce"] * 5, "flush", "offsets", "commit"]
+    assert {(tp.topic, tp.partition, tp.offset) for tp in line.producer.sent_offsets} == {(T, 0, 4), (T, 1, 6)}
+    assert [key for _, key in line.producer.produced] == [b"r0-0", b"r0-1", b"r1-5", b"r0-2", b"r0-3"]
+    assert (line.stats.transactions, line.stats.batches, line.stats.results) == (1, 3, 5)
+    assert len(line.line) == 1 and line.line.held() == 1  # the unfinished one is still on the line
+    finish(unfinished)
+    assert line.line.ready()
+
+
+def test_an_unfinished_micro_batch_holds_back_the_finished_ones_behind_it(line: Line) -> None:
+    line.launch([0], done=False)
+    line.launch([1])
+    line.line.queue()
+    assert line.settle() is None
+    assert line.calls == [] and line.stats.transactions == 0 and not line.line.ready()
+
+
+def test_a_transaction_closes_at_commit_group_records(line: Line, monkeypatch: pytest.MonkeyPatch) -> None:
+    monkeypatch.setattr(commit, "COMMIT_GROUP_RECORDS", 4)
+    for first in (0, 2, 4, 6):
+        line.launch([first, first + 1])
+    line.line.queue()  # two transactions queued (the line's depth), the rest waits for room
+    assert line.settle() is None
+    line.line.queue()
+    assert line.settle() is None
+    assert line.calls.count("commit") == 2 and line.stats.batches == 4 and len(line.line) == 0
+    assert [tp.offset for tp in line.producer.sent_offsets] == [8]
+
+
+def test_a_failed_transaction_drops_those_queued_after_it_and_hands_back_every_uncommitted_flight() -> None:
+    abortable = KafkaException(KafkaError(KafkaError._STATE, "refused", txn_requires_abort=True))
+    made = Line({"commit": [abortable]})
+    try:
+        flights = [made.launch([0, 1]), made.launch([2, 3]), made.launch([4])]
+        with pytest.MonkeyPatch.context() as mp:
+            mp.setattr(commit, "COMMIT_GROUP_RECORDS", 2)
+            made.line.queue()  # two transactions queued before the commit thread starts
+        error = made.settle()
+        assert error is not None and error.abortable and not error.fatal and not error.fenced
+        assert made.calls.count("begin") == 1 and made.calls[-1] == "abort"  # the second never began
+        assert made.stats.sink_failures == 1 and made.stats.transactions == 0
+        assert made.line.drop() == flights and len(made.line) == 0  # everything uncommitted, to re-read
+    finally:
+        made.close()
+
+
+def test_a_transaction_whose_partitions_were_fenced_while_queued_is_never_begun(line: Line) -> None:
+    line.launch([0])
+    line.line.queue()
+    line.ownership.fence([(T, 0)])  # lost while queued: the rebalance callback ran before the commit thread
+    error = line.settle()
+    assert error is not None and error.fenced and not error.fatal
+    assert line.calls == [] and line.stats.transactions == 0 and len(line.line) == 1
+
+
+def test_a_result_too_large_for_its_topic_is_counted_as_the_dead_letter_that_replaced_it(line: Line) -> None:
+    line.txn.topic_limits = {"unit.results": 100}  # a result with its lineage headers does not fit
+    line.launch([0, 1])
+    line.line.queue()
+    assert line.settle() is None
+    assert line.producer.produced == [("unit.dlq", b"r0-0"), ("unit.dlq", b"r0-1")]
+    assert (line.stats.results, line.stats.dead_letters) == (0, 2)
+
+
+def test_a_failure_keeps_its_meaning_across_the_line() -> None:
+    """A newer producer holding our transactional id reaches the worker as the CommitFailed's cause (it stops
+    instead of fencing back); a bug in the commit path is a fatal CommitFailed, never a silent commit."""
+    taken = KafkaException(KafkaError(KafkaError._FENCED, "fenced by a newer producer"))
+    made = Line({"begin": [taken]})
+    try:
+        made.launch([0])
+        made.line.queue()
+        error = made.settle()
+        assert error is not None and isinstance(error.__cause__, TransactionalIdTaken)
+    finally:
+        made.close()
+
+    made = Line()
+    try:
+
+        def bug() -> None:
+            raise RuntimeError("a bug")
+
+        made.producer.on_call["begin"] = bug
+        made.launch([0])
+        made.line.queue()
+        error = made.settle()
+        assert error is not None and error.fatal and not error.abortable and "RuntimeError: a bug" in str(error)
+    finally:
+        made.close()
+
+
+def test_abandon_drops_what_has_not_started_and_forgets_every_flight(line: Line) -> None:
+    flights = [line.launch([0]), line.launch([1], done=False), line.launch([2], partition=1)]
+    line.line.queue()  # queued, the commit thread not started
+    assert line.line.abandon() == flights
+    assert line.settle() is None
+    assert line.calls == [] and len(line.line) == 0 and line.line.held() == 0
+
+
+def test_the_commit_thread_wakes_the_worker_when_a_transaction_finishes(line: Line) -> None:
+    line.launch([0])
+    line.line.queue()
+    line.line.start()
+    assert line.woken.wait(SETTLE_TIMEOUT_S)
+    assert line.line.ready() and line.line.harvest() is None and line.stats.results == 1
