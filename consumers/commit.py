@@ -40,6 +40,7 @@ from opentelemetry import trace
 from opentelemetry.trace import SpanKind, Status, StatusCode
 
 from batchline.config import KafkaSettings
+from batchline.kafka.liveness import BrokerDown
 from batchline.kafka.ownership import Claim, Ownership
 from batchline.kafka.transactions import (
     CommitReport,
@@ -83,12 +84,14 @@ class Transactions(Protocol):
 
 
 def transactional_producer(
-    kafka: KafkaSettings, transactional_id: str, topic_limits: Mapping[str, int]
+    kafka: KafkaSettings, transactional_id: str, topic_limits: Mapping[str, int], broker_down: BrokerDown
 ) -> TransactionalProducer:
     """The worker's producer: librdkafka's own ``message.max.bytes`` (default 1,000,000) raised to the largest
     output topic's, so a message only one topic refuses is caught by that topic's limit, not the client's."""
     overrides: dict[str, Any] = {"message.max.bytes": max(topic_limits.values())} if topic_limits else {}
-    return TransactionalProducer(kafka, transactional_id, topic_limits=topic_limits, **overrides)
+    return TransactionalProducer(
+        kafka, transactional_id, topic_limits=topic_limits, broker_down=broker_down, **overrides
+    )
 
 
 @dataclass(eq=False)

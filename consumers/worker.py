@@ -183,7 +183,7 @@ class Worker:
         self.consumer: Consumer = make_consumer(kafka, self.group, **prefetch)
         self.pauses = PauseBook(self.consumer)
         # subscribed without partitions past the rebalance timeout while the group re-forms: not ready, one line
-        self.group_watch, self.group_sampler = watch_member(kafka, self.group)
+        self.group_watch, self.group_sampler = watch_member(kafka, self.group, self.liveness.is_down)
         self.health.watch_problem("group", self.group_watch.stuck)
         # fenced by the rebalance callbacks, read by the commit thread; a look older than the session proves nothing
         self.ownership = Ownership(self.consumer, kafka.session_timeout_ms / 1000)
@@ -192,7 +192,7 @@ class Worker:
         self.stats = WorkerStats()
         # every micro-batch from launch to commit, and the thread that commits (consumers/commit.py)
         self.commits = CommitLine(
-            transactional_producer(kafka, self.slot.transactional_id, limits),
+            transactional_producer(kafka, self.slot.transactional_id, limits, self.liveness.is_down),
             self.router,
             self.ownership,
             self.wake.set,

@@ -16,6 +16,7 @@ from confluent_kafka import KafkaException
 
 from batchline.config import JobConfig, KafkaSettings, LedgerSettings
 from batchline.kafka.client import make_admin
+from batchline.kafka.liveness import BrokerLiveness
 from batchline.kafka.topics import JobTopics
 from batchline.telemetry import Health, watch_streams
 from streams.exceptions import MissingTopicsError, StreamsError
@@ -73,8 +74,11 @@ class StreamsApp:
 
     def run(self) -> StreamsReport:
         check_topics(self.kafka, JobTopics(self.config.job, self.config.retry.tiers))
-        scheduler = RetryScheduler(self.config, self.kafka)
-        ledger = Ledger(self.config, self.kafka, self.snapshot_interval_s, self.ledger_settings)
+        # one detector for the process: its producers stop retrying and its group samplers stop describing (which
+        # crashes librdkafka during a cut) while the broker is suspected down
+        liveness = BrokerLiveness(self.kafka, self.config.job).start()
+        scheduler = RetryScheduler(self.config, self.kafka, broker_down=liveness.is_down)
+        ledger = Ledger(self.config, self.kafka, self.snapshot_interval_s, self.ledger_settings, liveness.is_down)
         watch = watch_streams(self.config.job, self.health, scheduler, ledger)  # metrics and readiness
         threads = [
             self._thread("retry-scheduler", scheduler.start, scheduler.step, scheduler.close),
@@ -94,6 +98,7 @@ class StreamsApp:
             self.stop_event.set()
             for t in threads:
                 t.join(JOIN_TIMEOUT_S)
+            liveness.close()
         if self.errors:
             raise StreamsError(f"streams of {self.config.job} failed: {self.errors[0]}") from self.errors[0]
         return StreamsReport(

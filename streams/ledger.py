@@ -40,6 +40,7 @@ from batchline.config import JobConfig, KafkaSettings, LedgerSettings
 from batchline.kafka.aborted import AbortedIndex
 from batchline.kafka.client import make_admin, make_consumer, make_producer, make_reader
 from batchline.kafka.groups import close_member, watch_member
+from batchline.kafka.liveness import BrokerDown, never_down
 from batchline.kafka.topics import JobTopics
 from batchline.runs.status import TOP_QUARANTINED
 from schemas import codec_for
@@ -121,6 +122,7 @@ class Ledger:
         kafka: KafkaSettings,
         snapshot_interval_s: float = 1.0,
         settings: LedgerSettings | None = None,
+        broker_down: BrokerDown = never_down,
     ) -> None:
         self.topics = JobTopics(config.job, config.retry.tiers)
         self.outcomes = OutcomeReader(self.topics)
@@ -131,7 +133,7 @@ class Ledger:
         self.kafka = kafka
         self.group = f"{config.job}.ledger"
         self.members: Consumer = make_consumer(kafka, self.group)
-        self.group_watch, self.group_sampler = watch_member(kafka, self.group)  # stuck without partitions?
+        self.group_watch, self.group_sampler = watch_member(kafka, self.group, broker_down)  # stuck unassigned?
         self.producer = make_producer(kafka)
         self.store: LedgerStore | None = None
         self.cluster = ""

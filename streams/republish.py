@@ -19,6 +19,7 @@ from confluent_kafka import Message, TopicPartition
 
 from batchline.config import KafkaSettings
 from batchline.kafka import headers as h
+from batchline.kafka.liveness import BrokerDown, never_down
 from batchline.kafka.ownership import Claim
 from batchline.kafka.topics import JobTopics
 from batchline.kafka.transactions import Outgoing, RecordError, TransactionalProducer, TransactionFailed
@@ -79,7 +80,12 @@ class Republisher:
     """Due records to ``J.requests`` and their offsets, in one transaction; one too large becomes a dead letter."""
 
     def __init__(
-        self, kafka: KafkaSettings, topics: JobTopics, transactional_id: str, limits: Mapping[str, int] | None = None
+        self,
+        kafka: KafkaSettings,
+        topics: JobTopics,
+        transactional_id: str,
+        limits: Mapping[str, int] | None = None,
+        broker_down: BrokerDown = never_down,
     ) -> None:
         self.topics = topics
         self.requests_topic = topics.requests
@@ -89,7 +95,9 @@ class Republisher:
         if limits:
             # Never build a record batch larger than J.requests or J.dlq accepts; a record over it is dead-lettered.
             overrides["message.max.bytes"] = min(limits.values())
-        self.txn = TransactionalProducer(kafka, transactional_id, topic_limits=limits, **overrides)
+        self.txn = TransactionalProducer(
+            kafka, transactional_id, topic_limits=limits, broker_down=broker_down, **overrides
+        )
         self.oversize = 0
 
     def publish(

@@ -53,6 +53,7 @@ from batchline.kafka import headers as h
 from batchline.kafka.aborted import AbortedIndex, Unsettled
 from batchline.kafka.client import make_admin, make_consumer
 from batchline.kafka.groups import close_member, watch_member
+from batchline.kafka.liveness import BrokerDown, never_down
 from batchline.kafka.ownership import Ownership
 from batchline.kafka.slots import SlotSweeper, claim_slot
 from batchline.kafka.topics import JobTopics, effective_max_message_bytes
@@ -138,7 +139,14 @@ class SchedulerStats:
 class RetryScheduler:
     """The scheduler of one job: one consumer-group member over every retry tier, and its re-publisher."""
 
-    def __init__(self, config: JobConfig, kafka: KafkaSettings, instance_id: str | None = None) -> None:
+    def __init__(
+        self,
+        config: JobConfig,
+        kafka: KafkaSettings,
+        instance_id: str | None = None,
+        broker_down: BrokerDown = never_down,
+    ) -> None:
+        """``broker_down``: the streams process's :class:`~batchline.kafka.liveness.BrokerLiveness`."""
         self.topics = JobTopics(config.job, config.retry.tiers)
         self.kafka = kafka
         self.group = scheduler_group(config.job)
@@ -147,13 +155,13 @@ class RetryScheduler:
         self.slot = claim_slot(kafka, self.group, instance_id)
         self.instance_id = self.slot.slot
         self.sweeper = SlotSweeper(kafka, self.group, self.slot.slot)
-        self.group_watch, self.group_sampler = watch_member(kafka, self.group)  # stuck without partitions?
+        self.group_watch, self.group_sampler = watch_member(kafka, self.group, broker_down)  # stuck unassigned?
         # A small prefetch: paused partitions are not fetched, but a due tier should not flood memory.
         self.consumer: Consumer = make_consumer(kafka, self.group, **{"queued.max.messages.kbytes": 16384})
         self.ownership = Ownership(self.consumer, kafka.session_timeout_ms / 1000)
         self.aborted = AbortedIndex(kafka)  # asked on the scheduler's thread, in step()
         limits = effective_max_message_bytes(kafka, [self.topics.requests, self.topics.dlq])
-        self.republisher = Republisher(kafka, self.topics, self.slot.transactional_id, limits)
+        self.republisher = Republisher(kafka, self.topics, self.slot.transactional_id, limits, broker_down)
         self.runs = RunsView(kafka, self.topics)  # cancels and completion windows (RunsView.stops)
         self.queues: dict[TP, PartitionQueue] = {}
         self.paused: set[TP] = set()  # what this member asked librdkafka to pause: partitions with a held head

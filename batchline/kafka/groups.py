@@ -36,7 +36,7 @@ from typing import Any
 from confluent_kafka import Consumer, ConsumerGroupState, KafkaException
 
 from batchline.kafka.client import consumer_conf, make_admin
-from batchline.kafka.liveness import suspected_down
+from batchline.kafka.liveness import BrokerDown
 from batchline.kafka.settings import KafkaSettings
 
 log = logging.getLogger(__name__)
@@ -237,10 +237,10 @@ def rebalance_timeout_s(kafka: KafkaSettings) -> float:
     return float(consumer_conf(kafka, "-")["max.poll.interval.ms"]) / 1000.0
 
 
-def watch_member(kafka: KafkaSettings, group: str) -> tuple[AssignmentWatch, GroupSampler]:
+def watch_member(kafka: KafkaSettings, group: str, broker_down: BrokerDown) -> tuple[AssignmentWatch, GroupSampler]:
     """A member's watch and the sampler that feeds it (start the sampler once subscribed, close it on close)."""
     watch = AssignmentWatch(group, rebalance_timeout_s(kafka))
-    return watch, GroupSampler(make_admin(kafka), watch, kafka.bootstrap)
+    return watch, GroupSampler(make_admin(kafka), watch, broker_down)
 
 
 class GroupSampler:
@@ -250,10 +250,10 @@ class GroupSampler:
     off makes librdkafka 2.16 assert (rd_kafka_enq_once_del_source_return) and the process abort: a worker cut off
     from its broker for 12 s died so, 2 runs in 2; with no describe in flight it came through."""
 
-    def __init__(self, admin: Any, watch: AssignmentWatch, bootstrap: str, interval_s: float = 5.0) -> None:
+    def __init__(self, admin: Any, watch: AssignmentWatch, broker_down: BrokerDown, interval_s: float = 5.0) -> None:
         self.admin = admin
         self.watch = watch
-        self.bootstrap = bootstrap
+        self.broker_down = broker_down
         self.interval_s = interval_s
         self._stop = threading.Event()
         self._thread = threading.Thread(target=self._loop, name=f"group-sampler-{watch.group}", daemon=True)
@@ -275,7 +275,7 @@ class GroupSampler:
     def sample(self) -> bool:
         """Describe the group once if the answer can matter (see the class docstring); whether it did."""
         waiting = self.watch.waiting_s()
-        if waiting is None or waiting < self.watch.rebalance_timeout_s / 2 or suspected_down(self.bootstrap):
+        if waiting is None or waiting < self.watch.rebalance_timeout_s / 2 or self.broker_down():
             return False
         self.watch.observe(describe_group(self.admin, self.watch.group))
         self.watch.stuck()  # logs the first time it holds

@@ -7,6 +7,8 @@
   ``error_cb`` (the client factory gives every client an ``error_cb`` that forwards to the detectors of its
   bootstrap address, :func:`client_error_cb`), and by failed commit/consume calls (:meth:`~BrokerLiveness.failed`).
   A background thread probes the broker (every second while it is suspected down, every few seconds otherwise);
+  what a process builds that must know whether the broker is down gets the detector's :attr:`~BrokerLiveness.down`
+  passed explicitly (a :data:`BrokerDown`: the transactional producer, the group sampler);
   any successful round trip (a probe, a committed transaction: :meth:`~BrokerLiveness.ok`) clears the suspicion.
   :meth:`~BrokerLiveness.check`, called from the worker loop, never blocks: it raises :class:`BrokerLost` once the
   broker has been down for ``KafkaSettings.broker_loss_timeout_s``, and :class:`MissingTopicError` when a watched
@@ -58,11 +60,12 @@ def client_error_cb(bootstrap: str) -> Listener:
     return on_error
 
 
-def suspected_down(bootstrap: str) -> bool:
-    """Whether a running detector of this address suspects the broker down (then retrying a call is futile)."""
-    with _detectors_lock:
-        targets = list(_detectors.get(bootstrap, ()))
-    return any(detector.down for detector in targets)
+BrokerDown = Callable[[], bool]  # whether the broker is suspected down now (BrokerLiveness.down), given to its readers
+
+
+def never_down() -> bool:
+    """The :data:`BrokerDown` of a component run without a liveness detector (unit tests, one-shot tools)."""
+    return False
 
 
 def _addresses(bootstrap: str) -> list[tuple[str, int]]:
@@ -172,6 +175,10 @@ class BrokerLiveness:
         """Whether the broker is currently suspected down (a failure with no success since)."""
         with self._lock:
             return self._down_since is not None
+
+    def is_down(self) -> bool:
+        """:attr:`down` as a :data:`BrokerDown`, to pass to what must know."""
+        return self.down
 
     def check(self) -> None:
         """Raise :class:`BrokerLost` after the bound, :class:`MissingTopicError` for a deleted topic; never blocks."""

@@ -45,7 +45,7 @@ from confluent_kafka import KafkaError, KafkaException, Message, Producer, Topic
 from batchline.config import KafkaSettings
 from batchline.exceptions import BatchlineError
 from batchline.kafka.client import make_producer, producer_conf
-from batchline.kafka.liveness import suspected_down
+from batchline.kafka.liveness import BrokerDown, never_down
 
 log = logging.getLogger(__name__)
 T = TypeVar("T")
@@ -234,11 +234,15 @@ class TransactionalProducer:
         transactional_id: str,
         *,
         topic_limits: Mapping[str, int] | None = None,
+        broker_down: BrokerDown = never_down,
         **overrides: Any,
     ) -> None:
         """``topic_limits``: each output topic's ``max.message.bytes`` where known
-        (:func:`batchline.kafka.topics.effective_max_message_bytes`); ``overrides``: librdkafka settings."""
+        (:func:`batchline.kafka.topics.effective_max_message_bytes`); ``broker_down``: whether the process's
+        liveness detector suspects the broker down (retrying a call is futile then); ``overrides``: librdkafka
+        settings."""
         self.kafka = kafka
+        self.broker_down = broker_down
         self.transactional_id = transactional_id
         self.overrides = overrides
         self.topic_limits = dict(topic_limits or {})
@@ -549,7 +553,7 @@ class TransactionalProducer:
                 err: KafkaError = exc.args[0]
                 resumed = err.code() == KafkaError._TIMED_OUT
                 errors += 0 if resumed else 1
-                down = not while_down and suspected_down(self.kafka.bootstrap)
+                down = not while_down and self.broker_down()
                 give_up = time.monotonic() >= deadline or down
                 if resumed:
                     self._pending = fn

@@ -10,6 +10,7 @@ from typing import Any
 from confluent_kafka import KafkaError, KafkaException
 
 from batchline.config import KafkaSettings
+from batchline.kafka.liveness import never_down
 from batchline.kafka.transactions import TransactionalProducer, _BoundedCalls
 
 
@@ -102,6 +103,7 @@ def stand_in_txn(
     txn.transactional_id, txn.overrides, txn.topic_limits = "unit-txn", {}, {}
     txn.max_message_bytes, txn.aborts, txn.recreated = 1_000_000, 0, 0
     txn._pending, txn._retired, txn._replace, txn.hung = None, [], False, 0
+    txn.broker_down = never_down
     producer = Producer(calls, script)
     txn.producer, txn._calls = producer, _BoundedCalls("unit-txn")
 

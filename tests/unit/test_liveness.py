@@ -8,7 +8,7 @@ from confluent_kafka import KafkaError, KafkaException
 from batchline.cli.failures import report
 from batchline.config import KafkaSettings
 from batchline.exceptions import BrokerLost, BrokerUnreachable, ExitCode, MissingTopicError
-from batchline.kafka.liveness import BrokerLiveness, client_error_cb, suspected_down, tcp_reason
+from batchline.kafka.liveness import BrokerLiveness, client_error_cb, tcp_reason
 
 ADDRESS = "127.0.0.1:1"
 
@@ -109,12 +109,14 @@ def test_client_errors_reach_the_running_detectors_of_their_address_only() -> No
     try:
         live.ok()  # whatever the start-up probe found
         client_error_cb("127.0.0.1:2")(KafkaError(KafkaError._ALL_BROKERS_DOWN, "other cluster"))
-        assert not live.down and not suspected_down(ADDRESS)
+        assert not live.down and not live.is_down()
         client_error_cb(ADDRESS)(KafkaError(KafkaError._TRANSPORT, "connection refused"))
-        assert live.down and suspected_down(ADDRESS)
+        assert live.down and live.is_down()
     finally:
         live.close()
-    assert not suspected_down(ADDRESS)
+    live.ok()
+    client_error_cb(ADDRESS)(KafkaError(KafkaError._TRANSPORT, "connection refused"))
+    assert not live.down, "a closed detector hears nothing more"
 
 
 def test_tcp_reason() -> None:
