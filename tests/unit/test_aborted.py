@@ -5,6 +5,7 @@ from __future__ import annotations
 
 import pytest
 from hypothesis import given, settings
+from hypothesis import strategies as st
 from kafka.record.default_records import DefaultRecordBatch
 from kafka.record.memory_records import MemoryRecords
 
@@ -70,3 +71,44 @@ def test_an_unreachable_broker_is_trusted_for_a_while_not_waited_for(caplog: pyt
         index_.close()
     assert len([r for r in caplog.records if "trusting the broker's read_committed" in r.message]) == 1
     assert AbortedIndex(KafkaSettings(security_protocol="SSL")).enabled is False
+
+
+@settings(max_examples=150, deadline=None)
+@given(STEPS, st.integers(1, 3))
+def test_asking_once_a_run_up_to_clear_to_finds_the_aborted_records_asking_each_does(
+    steps: list[tuple[int, str]], batches_a_read: int
+) -> None:
+    """The ledger asks about the first record of a run of one partition, then only past ``clear_to``."""
+    chunks, records = [], []
+    for offset, (pid, kind) in enumerate(steps):
+        if kind == "data" or not pid:
+            chunks.append(data(offset, pid if pid else -1, [f"r{offset}"], txn=pid > 0))
+            records.append(offset)
+        else:
+            chunks.append(marker(offset, pid, COMMIT if kind == "commit" else ABORT))
+
+    def fed() -> AbortedIndex:
+        """An index whose raw reads return the log's next batches, as fetches from the broker would."""
+        index_, unread = AbortedIndex(KafkaSettings(bootstrap="127.0.0.1:1")), list(chunks)
+
+        def read(tp: tuple[str, int], part: _Partition) -> None:
+            for chunk in unread[:batches_a_read]:
+                for batch in MemoryRecords(chunk):
+                    assert isinstance(batch, DefaultRecordBatch)
+                    part.add(batch)
+            del unread[:batches_a_read]
+
+        index_._read = read  # type: ignore[method-assign]
+        return index_
+
+    each, runs = fed(), fed()
+    asked_each = {o for o in records if each.aborted("t", 0, o)}
+    asked_in_runs, clear = set(), 0
+    for o in records:
+        if o < clear:
+            continue
+        if runs.aborted("t", 0, o):
+            asked_in_runs.add(o)
+        else:
+            clear = runs.clear_to("t", 0, o)
+    assert asked_in_runs == asked_each == {r.offset for r in settle(log(*chunks)).aborted}
