@@ -250,46 +250,69 @@ class Ledger:
             self._checkpoint()
 
     def _fold(self, msgs: list[Message]) -> None:
-        """Fold one poll's records, slot by slot (one store batch each); the hot loop of the ledger."""
+        """Fold one poll's records, slot by slot (one store batch each); the hot loop of the ledger.
+
+        A poll holds runs of records of one partition: what depends on the partition (its slot, how its records
+        are read, the check of its first record after a restart, how far no record is aborted) is looked up once a
+        run, and the aborted-transaction index is asked about a record only past what it already cleared."""
         batches: dict[int, list[Outcome]] = {}
         last: dict[TP, Message] = {}
         stale: set[int] = set()
-        slot_of, read, aborted, verifying = self.slot_of, self.outcomes.read, self.aborted.aborted, self._verifying
+        slot_of, retry = self.slot_of, self.outcomes.retry
+        aborted, clear_to = self.aborted.aborted, self.aborted.clear_to
+        topic, partition, slot, batch, skim, clear, prev = "", -1, None, [], None, 0, None
         for msg in msgs:
             if msg.error():
                 log.warning("ledger reader: %s", msg.error().str())
                 continue
-            tp = (msg.topic(), msg.partition())
-            slot = slot_of.get(tp)
-            if slot is None or slot in stale:
-                continue  # a partition let go of since the fetch
-            if verifying and not self._verified(slot, tp, msg):
-                stale.add(slot)
+            if msg.partition() != partition or msg.topic() != topic:  # a new run
+                if prev is not None:
+                    last[(topic, partition)] = prev
+                topic, partition, prev, clear = msg.topic(), msg.partition(), None, 0
+                tp = (topic, partition)
+                slot = slot_of.get(tp)
+                if slot is None or slot in stale:
+                    slot = None  # a partition let go of since the fetch
+                    continue
+                if self._verifying and not self._verified(slot, tp, msg):
+                    stale.add(slot)
+                    slot = None
+                    continue
+                batch = batches.setdefault(slot, [])
+                skim = self.outcomes.skimmer(topic)
+            elif slot is None:
                 continue
-            last[tp] = msg  # an aborted record moves the checkpoint too
-            if aborted(*tp, msg.offset()):
+            prev = msg  # an aborted record moves the checkpoint too
+            offset = msg.offset()
+            if offset >= clear:
+                if aborted(topic, partition, offset):
+                    continue
+                clear = clear_to(topic, partition, offset)
+            if skim is None:  # a retry tier
+                batch.append(retry(msg.headers(), msg.key(), msg.value()))
                 continue
-            try:
-                outcome = read(msg)
-            except DecodeError as exc:
-                self.undecodable += 1
-                log.warning("ledger skips unreadable %s[%d]@%d: %s", *tp, msg.offset(), exc)
-                continue
-            batch = batches.get(slot)
-            if batch is None:
-                batch = batches[slot] = []
+            outcome = skim(msg.value() or b"")
+            if outcome is None:  # the skimmer is unsure: the codec decides
+                try:
+                    outcome = self.outcomes.read(msg)
+                except DecodeError as exc:
+                    self.undecodable += 1
+                    log.warning("ledger skips unreadable %s[%d]@%d: %s", topic, partition, offset, exc)
+                    continue
             batch.append(outcome)
+        if prev is not None:
+            last[(topic, partition)] = prev
         for tp, msg in last.items():
             self.consumed[tp] = (msg.offset() + 1, msg.timestamp()[1])
-        for slot, outcomes in batches.items():
-            if slot not in stale:
-                self.reading[slot].dirty |= self._store.fold(slot, outcomes)
+        for slot_, outcomes in batches.items():
+            if outcomes and slot_ not in stale:
+                self.reading[slot_].dirty |= self._store.fold(slot_, outcomes)
                 self.events += len(outcomes)
-        for slot in stale:
-            self._stop_slot(slot)
-            self._store.drop_slot(slot)
-            self._start_slot(slot)
-        if verifying:
+        for slot_ in stale:
+            self._stop_slot(slot_)
+            self._store.drop_slot(slot_)
+            self._start_slot(slot_)
+        if self._verifying:
             self._verifying = any(p.verify for p in self.reading.values())
 
     def _verified(self, slot: int, tp: TP, msg: Message) -> bool:
