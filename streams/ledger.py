@@ -68,16 +68,17 @@ CHECKPOINT_S = 5.0  # longest time between commits while a slot is still catchin
 SNAPSHOT_SHARE = 10  # the next snapshot round waits at least this many times as long as the last one took
 UNCONFIRMED_S = 60.0  # resumed slots the group has not confirmed by then are let go
 # Bounded prefetch: librdkafka's own queues count towards the ledger's memory (default 64 MiB, and its fetch
-# buffers stay resident in its threads' malloc arenas). Measured on a fresh fold of 200k ids (300k records):
-# 2 MiB fetches (1 MiB a partition) left the reader waiting on the broker for 40 % of the fold (a bare consume of
-# the same topics: 84k records/s); 4 MiB fetches and 100k queued messages removed the waits but took the peak RSS
-# from ~120 to ~175 MB. These - 4 MiB fetches of at most 256 KiB a partition, 1 MiB and 10k messages queued -
-# kept ~123 MB with the waits at about half of the 2 MiB ones.
+# buffers stay resident in its threads' malloc arenas). A fetch's batches are decompressed whole (the outcome topics
+# are lz4), and with 4 MiB fetches the ledger's RSS rose by 30-45 MB in single steps. Small fetches (1 MiB, 64 KiB
+# a partition) under a deep queue (16 MiB, 100k messages) keep a fetch in flight while the ledger folds: a bare
+# consume of the same partitions at 1M ids went from 90k to 254k records/s, the ledger's peak RSS stayed at
+# 144 MB (``make bench``). Before: 4 MiB fetches of at most 256 KiB a partition, 1 MiB and 10k messages queued
+# (and before that 2 MiB fetches, 40 % of a fold waiting on the broker).
 READER_LIMITS = {
-    "queued.max.messages.kbytes": 1024,
-    "queued.min.messages": 10_000,
-    "fetch.max.bytes": 4 << 20,
-    "max.partition.fetch.bytes": 256 << 10,
+    "queued.max.messages.kbytes": 16 << 10,
+    "queued.min.messages": 100_000,
+    "fetch.max.bytes": 1 << 20,  # librdkafka's floor: message.max.bytes
+    "max.partition.fetch.bytes": 64 << 10,
     "enable.partition.eof": False,
     # A fetch of a caught-up partition waits at most this long at the broker, and a watermark or position request
     # behind it on the same connection as long (librdkafka's 500 ms showed in every restart).
