@@ -68,15 +68,15 @@ CHECKPOINT_S = 5.0  # longest time between commits while a slot is still catchin
 SNAPSHOT_SHARE = 10  # the next snapshot round waits at least this many times as long as the last one took
 UNCONFIRMED_S = 60.0  # resumed slots the group has not confirmed by then are let go
 # Bounded prefetch: librdkafka's own queues count towards the ledger's memory (default 64 MiB, and its fetch
-# buffers stay resident in its threads' malloc arenas). A fetch's batches are decompressed whole (the outcome topics
-# are lz4), and with 4 MiB fetches the ledger's RSS rose by 30-45 MB in single steps. Small fetches (1 MiB, 64 KiB
-# a partition) under a deep queue (16 MiB, 100k messages) keep a fetch in flight while the ledger folds: a bare
-# consume of the same partitions at 1M ids went from 90k to 254k records/s, the ledger's peak RSS stayed at
-# 144 MB (``make bench``). Before: 4 MiB fetches of at most 256 KiB a partition, 1 MiB and 10k messages queued
-# (and before that 2 MiB fetches, 40 % of a fold waiting on the broker).
+# buffers stay resident in its threads' malloc arenas). What it holds grows with the messages queued (~0.5 KB each
+# here: the message and its share of a decompressed lz4 batch), and the fold waits on the broker when too few are.
+# Measured at 1M ids (one run each, this busy 2-core machine), 1 MiB fetches of 64 KiB a partition, by messages
+# queued: 20k -> 34k records/s, peak RSS 109 MB; 50k -> 60k/s, 124 MB; 100k (16 MiB) -> 70k/s, 159 MB. Before:
+# 4 MiB fetches of at most 256 KiB a partition, 1 MiB and 10k messages queued (146 MB and ~54k/s at 1M ids in the
+# benchmark, a bare consume of the same partitions ~90k/s; and before that 2 MiB fetches, 40 % of a fold waiting).
 READER_LIMITS = {
-    "queued.max.messages.kbytes": 16 << 10,
-    "queued.min.messages": 100_000,
+    "queued.max.messages.kbytes": 8 << 10,
+    "queued.min.messages": 50_000,
     "fetch.max.bytes": 1 << 20,  # librdkafka's floor: message.max.bytes
     "max.partition.fetch.bytes": 64 << 10,
     "enable.partition.eof": False,
