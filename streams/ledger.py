@@ -19,7 +19,8 @@ without the data): a mismatch rebuilds the slot from the beginning, as does a lo
 
 Committed records only: every record the reader gets is checked against an
 :class:`~batchline.kafka.aborted.AbortedIndex` (the embedded broker's read_committed shows aborted transactions;
-the index finds them from the log's COMMIT/ABORT markers); an aborted one moves the checkpoint and counts nothing.
+the index finds them from the log's COMMIT/ABORT markers; it is asked about the first record of a run of one
+partition and then only past what it has cleared); an aborted one moves the checkpoint and counts nothing.
 
 ``J.requests`` is not read: results and dead letters carry the request's value, and a run's total comes from its
 manifest (README "Streams"). faust was not used, see ``retry_scheduler``.
