@@ -44,16 +44,23 @@ def test_a_read_started_mid_log_settles_what_follows() -> None:
     assert part.aborted_at(10) and part.aborted_at(11) and not part.aborted_at(12) and not part.pending
 
 
-@settings(max_examples=150, deadline=None)
-@given(STEPS)
-def test_the_index_finds_the_records_the_oracle_settles_as_aborted(steps: list[tuple[int, str]]) -> None:
-    chunks, records = [], set()
+def written(steps: list[tuple[int, str]]) -> tuple[list[bytes], list[int]]:
+    """The log of ``steps`` (one batch each: a record, or a producer's COMMIT or ABORT) and its records' offsets."""
+    chunks, records = [], []
     for offset, (pid, kind) in enumerate(steps):
         if kind == "data" or not pid:
             chunks.append(data(offset, pid if pid else -1, [f"r{offset}"], txn=pid > 0))
-            records.add(offset)
+            records.append(offset)
         else:
             chunks.append(marker(offset, pid, COMMIT if kind == "commit" else ABORT))
+    return chunks, records
+
+
+@settings(max_examples=150, deadline=None)
+@given(STEPS)
+def test_the_index_finds_the_records_the_oracle_settles_as_aborted(steps: list[tuple[int, str]]) -> None:
+    chunks, offsets = written(steps)
+    records = set(offsets)
     oracle = settle(log(*chunks))
     part = index(*chunks)
     settled = {r.offset for r in [*oracle.committed, *oracle.aborted]}
@@ -79,13 +86,7 @@ def test_asking_once_a_run_up_to_clear_to_finds_the_aborted_records_asking_each_
     steps: list[tuple[int, str]], batches_a_read: int
 ) -> None:
     """The ledger asks about the first record of a run of one partition, then only past ``clear_to``."""
-    chunks, records = [], []
-    for offset, (pid, kind) in enumerate(steps):
-        if kind == "data" or not pid:
-            chunks.append(data(offset, pid if pid else -1, [f"r{offset}"], txn=pid > 0))
-            records.append(offset)
-        else:
-            chunks.append(marker(offset, pid, COMMIT if kind == "commit" else ABORT))
+    chunks, records = written(steps)
 
     def fed() -> AbortedIndex:
         """An index whose raw reads return the log's next batches, as fetches from the broker would."""
