@@ -19,7 +19,8 @@ without the data): a mismatch rebuilds the slot from the beginning, as does a lo
 
 Committed records only: every record the reader gets is checked against an
 :class:`~batchline.kafka.aborted.AbortedIndex` (the embedded broker's read_committed shows aborted transactions;
-the index finds them from the log's COMMIT/ABORT markers); an aborted one moves the checkpoint and counts nothing.
+the index finds them from the log's COMMIT/ABORT markers; it is asked about the first record of a run of one
+partition and then only past what it has cleared); an aborted one moves the checkpoint and counts nothing.
 
 ``J.requests`` is not read: results and dead letters carry the request's value, and a run's total comes from its
 manifest (README "Streams"). faust was not used, see ``retry_scheduler``.
@@ -29,6 +30,7 @@ from __future__ import annotations
 
 import ctypes
 import ctypes.util
+import gc
 import logging
 import time
 from dataclasses import dataclass, field
@@ -63,16 +65,17 @@ CHECKPOINT_S = 5.0  # longest time between commits while a slot is still catchin
 SNAPSHOT_SHARE = 10  # the next snapshot round waits at least this many times as long as the last one took
 UNCONFIRMED_S = 60.0  # resumed slots the group has not confirmed by then are let go
 # Bounded prefetch: librdkafka's own queues count towards the ledger's memory (default 64 MiB, and its fetch
-# buffers stay resident in its threads' malloc arenas). Measured on a fresh fold of 200k ids (300k records):
-# 2 MiB fetches (1 MiB a partition) left the reader waiting on the broker for 40 % of the fold (a bare consume of
-# the same topics: 84k records/s); 4 MiB fetches and 100k queued messages removed the waits but took the peak RSS
-# from ~120 to ~175 MB. These - 4 MiB fetches of at most 256 KiB a partition, 1 MiB and 10k messages queued -
-# kept ~123 MB with the waits at about half of the 2 MiB ones.
+# buffers stay resident in its threads' malloc arenas). What it holds grows with the messages queued (~0.5 KB each
+# here: the message and its share of a decompressed lz4 batch), and the fold waits on the broker when too few are.
+# Measured at 1M ids (one run each, this busy 2-core machine), 1 MiB fetches of 64 KiB a partition, by messages
+# queued: 20k -> 34k records/s, peak RSS 109 MB; 50k -> 60k/s, 124 MB; 100k (16 MiB) -> 70k/s, 159 MB. Before:
+# 4 MiB fetches of at most 256 KiB a partition, 1 MiB and 10k messages queued (146 MB and ~54k/s at 1M ids in the
+# benchmark, a bare consume of the same partitions ~90k/s; and before that 2 MiB fetches, 40 % of a fold waiting).
 READER_LIMITS = {
-    "queued.max.messages.kbytes": 1024,
-    "queued.min.messages": 10_000,
-    "fetch.max.bytes": 4 << 20,
-    "max.partition.fetch.bytes": 256 << 10,
+    "queued.max.messages.kbytes": 8 << 10,
+    "queued.min.messages": 50_000,
+    "fetch.max.bytes": 1 << 20,  # librdkafka's floor: message.max.bytes
+    "max.partition.fetch.bytes": 64 << 10,
     "enable.partition.eof": False,
     # A fetch of a caught-up partition waits at most this long at the broker, and a watermark or position request
     # behind it on the same connection as long (librdkafka's 500 ms showed in every restart).
@@ -81,6 +84,12 @@ READER_LIMITS = {
 
 
 TRIM_EVERY = 50  # polls with records between returns of freed memory to the OS (malloc_trim)
+# The fold allocates a few tuples per record, and with CPython's default thresholds (700, 10, 10) its garbage
+# collector ran ~2,100 young and 13 full collections per 300k records, each full one walking every object the
+# imports made. Those are frozen once the ledger has started (out of every collection), and young collections wait
+# for this many allocations: main-thread CPU per record at 200k ids 14.3-15.5 -> 11.6-12.7 us. Process-wide, so
+# the retry scheduler beside the ledger gets it too (it holds no reference cycles that must go sooner).
+GC_THRESHOLDS = (50_000, 20, 100)
 
 
 def _malloc_trim() -> None:
@@ -185,6 +194,9 @@ class Ledger:
             described,
             resumed or "none",
         )
+        gc.collect()
+        gc.freeze()  # as the worker does (consumers/worker.py)
+        gc.set_threshold(*GC_THRESHOLDS)
         self.group_sampler.start()
         self.members.subscribe(
             [self.topics.results], on_assign=self._on_assign, on_revoke=self._on_revoke, on_lost=self._on_revoke
@@ -227,51 +239,74 @@ class Ledger:
             self._checkpoint()
 
     def _fold(self, msgs: list[Message]) -> None:
-        """Fold one poll's records, slot by slot (one store batch each); the hot loop of the ledger."""
+        """Fold one poll's records, slot by slot (one store batch each); the hot loop of the ledger.
+
+        A poll holds runs of records of one partition: what depends on the partition (its slot, how its records
+        are read, the check of its first record after a restart, how far no record is aborted) is looked up once a
+        run, and the aborted-transaction index is asked about a record only past what it already cleared."""
         batches: dict[int, list[Outcome]] = {}
         last: dict[TP, Message] = {}
         stale: set[int] = set()
-        slot_of, read, verifying = self.slot_of, self.outcomes.read, self._verifying
+        slot_of, retry = self.slot_of, self.outcomes.retry
         index = self.aborted
+        clear_to = index.clear_to
 
         def aborted(topic: str, partition: int, offset: int) -> bool:  # waits out a raw read that fails
             return index.aborted_waiting(topic, partition, offset, UNSETTLED_WAIT_S)
 
+        topic, partition, slot, batch, skim, clear, prev = "", -1, None, [], None, 0, None
         for msg in msgs:
             if msg.error():
                 log.warning("ledger reader: %s", msg.error().str())
                 continue
-            tp = (msg.topic(), msg.partition())
-            slot = slot_of.get(tp)
-            if slot is None or slot in stale:
-                continue  # a partition let go of since the fetch
-            if verifying and not self._verified(slot, tp, msg):
-                stale.add(slot)
+            if msg.partition() != partition or msg.topic() != topic:  # a new run
+                if prev is not None:
+                    last[(topic, partition)] = prev
+                topic, partition, prev, clear = msg.topic(), msg.partition(), None, 0
+                tp = (topic, partition)
+                slot = slot_of.get(tp)
+                if slot is None or slot in stale:
+                    slot = None  # a partition let go of since the fetch
+                    continue
+                if self._verifying and not self._verified(slot, tp, msg):
+                    stale.add(slot)
+                    slot = None
+                    continue
+                batch = batches.setdefault(slot, [])
+                skim = self.outcomes.skimmer(topic)
+            elif slot is None:
                 continue
-            last[tp] = msg  # an aborted record moves the checkpoint too
-            if aborted(*tp, msg.offset()):
+            prev = msg  # an aborted record moves the checkpoint too
+            offset = msg.offset()
+            if offset >= clear:
+                if aborted(topic, partition, offset):
+                    continue
+                clear = clear_to(topic, partition, offset)
+            if skim is None:  # a retry tier
+                batch.append(retry(msg.headers(), msg.key(), msg.value()))
                 continue
-            try:
-                outcome = read(msg)
-            except DecodeError as exc:
-                self.undecodable += 1
-                log.warning("ledger skips unreadable %s[%d]@%d: %s", *tp, msg.offset(), exc)
-                continue
-            batch = batches.get(slot)
-            if batch is None:
-                batch = batches[slot] = []
+            outcome = skim(msg.value() or b"")
+            if outcome is None:  # the skimmer is unsure: the codec decides
+                try:
+                    outcome = self.outcomes.read(msg)
+                except DecodeError as exc:
+                    self.undecodable += 1
+                    log.warning("ledger skips unreadable %s[%d]@%d: %s", topic, partition, offset, exc)
+                    continue
             batch.append(outcome)
+        if prev is not None:
+            last[(topic, partition)] = prev
         for tp, msg in last.items():
             self.consumed[tp] = (msg.offset() + 1, msg.timestamp()[1])
-        for slot, outcomes in batches.items():
-            if slot not in stale:
-                self.reading[slot].dirty |= self._store.fold(slot, outcomes)
+        for slot_, outcomes in batches.items():
+            if outcomes and slot_ not in stale:
+                self.reading[slot_].dirty |= self._store.fold(slot_, outcomes)
                 self.events += len(outcomes)
-        for slot in stale:
-            self._stop_slot(slot)
-            self._store.drop_slot(slot)
-            self._start_slot(slot)
-        if verifying:
+        for slot_ in stale:
+            self._stop_slot(slot_)
+            self._store.drop_slot(slot_)
+            self._start_slot(slot_)
+        if self._verifying:
             self._verifying = any(p.verify for p in self.reading.values())
 
     def _verified(self, slot: int, tp: TP, msg: Message) -> bool:

@@ -7,17 +7,25 @@ exactly what :meth:`AvroCodec.decode` accepts and rejects.
 
 from __future__ import annotations
 
+from collections.abc import Callable
+
 from confluent_kafka import Message
 
 from batchline.kafka import headers as h
 from batchline.kafka.topics import JobTopics
 from schemas import codec_for
 from schemas.codec import fallback_id
-from schemas.skim import Skimmer
+from schemas.skim import Fixed, Shape, Skimmer
 from streams.tally import DEAD, RESULT, RETRY, Outcome
 
-RESULT_FIELDS = ("request_id", "run_id", "value", "prompt_tokens", "completion_tokens", "latency_ms")
-DEAD_LETTER_FIELDS = ("request_id", "run_id", "value", "failure_class")
+# What a skimmed record becomes: an Outcome in its field order, built by the generated walk itself.
+RESULT_SHAPE: Shape = (
+    Fixed(RESULT), "request_id", "run_id", "value", Fixed(""), Fixed(0), "prompt_tokens", "completion_tokens",
+    "latency_ms",
+)  # fmt: skip
+DEAD_LETTER_SHAPE: Shape = (
+    Fixed(DEAD), "request_id", "run_id", "value", "failure_class", Fixed(0), Fixed(0), Fixed(0), Fixed(0.0),
+)  # fmt: skip
 # Outcomes built as tuples: a named tuple's own constructor is a Python-level call (0.5 us a record).
 _new = tuple.__new__
 
@@ -27,8 +35,8 @@ class OutcomeReader:
 
     def __init__(self, topics: JobTopics) -> None:
         self.results, self.dlq = topics.results, topics.dlq
-        self._results = Skimmer(codec_for("result"), RESULT_FIELDS)
-        self._letters = Skimmer(codec_for("dead_letter"), DEAD_LETTER_FIELDS)
+        self._results = Skimmer(codec_for("result"), RESULT_SHAPE, Outcome)
+        self._letters = Skimmer(codec_for("dead_letter"), DEAD_LETTER_SHAPE, Outcome)
 
     def read(self, msg: Message) -> Outcome:
         """What one record of ``J.results``, ``J.dlq`` or a retry tier says; :class:`DecodeError` if unreadable.
@@ -43,29 +51,33 @@ class OutcomeReader:
             return self.dead_letter(msg.value() or b"")
         return self.retry(msg.headers(), msg.key(), msg.value())
 
+    def skimmer(self, topic: str) -> Callable[[bytes], Outcome | None] | None:
+        """The fast read of a record's value of ``topic`` (None where the skimmer is unsure: then :meth:`read`);
+        None for a retry tier (its records are read from their headers)."""
+        if topic == self.results:
+            return self._results.read
+        if topic == self.dlq:
+            return self._letters.read
+        return None
+
     @staticmethod
     def retry(headers: list[tuple[str, bytes | None]] | None, key: bytes | None, value: bytes | None) -> Outcome:
         """A retry's id, run and attempt from its headers (the last of a name wins, as ``headers.as_dict``)."""
-        rid = run = attempt = None
-        for name, raw in headers or ():
-            if name == h.REQUEST_ID:
-                rid = raw or b""
-            elif name == h.RUN_ID:
-                run = raw or b""
-            elif name == h.ATTEMPT:
-                attempt = raw or b""
-        request_id = (rid or b"").decode("utf-8", "replace") or fallback_id(key, value or b"")
+        named = dict(headers) if headers else {}
+        rid = named.get(h.REQUEST_ID)
+        request_id = (rid.decode("utf-8", "replace") if rid else "") or fallback_id(key, value or b"")
+        run_id = (named[h.RUN_ID] or b"").decode("utf-8", "replace") if h.RUN_ID in named else None
+        attempt = named.get(h.ATTEMPT)
         try:
-            tries = int(attempt) if attempt is not None else 0
+            tries = int(attempt) if attempt else 0
         except ValueError:
             tries = 0
-        run_id = None if run is None else run.decode("utf-8", "replace")
         return _new(Outcome, (RETRY, request_id, run_id, None, "", tries, 0, 0, 0.0))
 
     def result(self, data: bytes) -> Outcome:
-        f = self._results.read(data)
-        if f is not None:
-            return _new(Outcome, (RESULT, f[0], f[1], f[2], "", 0, f[3], f[4], f[5]))
+        outcome: Outcome | None = self._results.read(data)
+        if outcome is not None:
+            return outcome
         r = codec_for("result").decode(data)
         return Outcome(
             RESULT,
@@ -78,8 +90,8 @@ class OutcomeReader:
         )
 
     def dead_letter(self, data: bytes) -> Outcome:
-        f = self._letters.read(data)
-        if f is not None:
-            return _new(Outcome, (DEAD, f[0], f[1], f[2], f[3], 0, 0, 0, 0.0))
+        outcome: Outcome | None = self._letters.read(data)
+        if outcome is not None:
+            return outcome
         d = codec_for("dead_letter").decode(data)
         return Outcome(DEAD, d.request_id, d.run_id, d.value, failure_class=d.failure_class)

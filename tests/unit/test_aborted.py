@@ -5,6 +5,7 @@ from __future__ import annotations
 
 import pytest
 from hypothesis import given, settings
+from hypothesis import strategies as st
 from kafka.record.default_records import DefaultRecordBatch
 from kafka.record.memory_records import MemoryRecords
 
@@ -43,16 +44,23 @@ def test_a_read_started_mid_log_settles_what_follows() -> None:
     assert part.aborted_at(10) and part.aborted_at(11) and not part.aborted_at(12) and not part.pending
 
 
-@settings(max_examples=150, deadline=None)
-@given(STEPS)
-def test_the_index_finds_the_records_the_oracle_settles_as_aborted(steps: list[tuple[int, str]]) -> None:
-    chunks, records = [], set()
+def written(steps: list[tuple[int, str]]) -> tuple[list[bytes], list[int]]:
+    """The log of ``steps`` (one batch each: a record, or a producer's COMMIT or ABORT) and its records' offsets."""
+    chunks, records = [], []
     for offset, (pid, kind) in enumerate(steps):
         if kind == "data" or not pid:
             chunks.append(data(offset, pid if pid else -1, [f"r{offset}"], txn=pid > 0))
-            records.add(offset)
+            records.append(offset)
         else:
             chunks.append(marker(offset, pid, COMMIT if kind == "commit" else ABORT))
+    return chunks, records
+
+
+@settings(max_examples=150, deadline=None)
+@given(STEPS)
+def test_the_index_finds_the_records_the_oracle_settles_as_aborted(steps: list[tuple[int, str]]) -> None:
+    chunks, offsets = written(steps)
+    records = set(offsets)
     oracle = settle(log(*chunks))
     part = index(*chunks)
     settled = {r.offset for r in [*oracle.committed, *oracle.aborted]}
@@ -76,3 +84,38 @@ def test_an_unreachable_broker_leaves_records_unsettled_not_trusted(caplog: pyte
     failed = [r for r in caplog.records if "failed twice" in r.message]
     assert 1 <= len(failed) <= 3, "read once per UNREACHABLE_S, not once per record"
     assert AbortedIndex(KafkaSettings(security_protocol="SSL")).enabled is False
+
+
+@settings(max_examples=150, deadline=None)
+@given(STEPS, st.integers(1, 3))
+def test_asking_once_a_run_up_to_clear_to_finds_the_aborted_records_asking_each_does(
+    steps: list[tuple[int, str]], batches_a_read: int
+) -> None:
+    """The ledger asks about the first record of a run of one partition, then only past ``clear_to``."""
+    chunks, records = written(steps)
+
+    def fed() -> AbortedIndex:
+        """An index whose raw reads return the log's next batches, as fetches from the broker would."""
+        index_, unread = AbortedIndex(KafkaSettings(bootstrap="127.0.0.1:1")), list(chunks)
+
+        def read(tp: tuple[str, int], part: _Partition) -> None:
+            for chunk in unread[:batches_a_read]:
+                for batch in MemoryRecords(chunk):
+                    assert isinstance(batch, DefaultRecordBatch)
+                    part.add(batch)
+            del unread[:batches_a_read]
+
+        index_._read = read  # type: ignore[method-assign]
+        return index_
+
+    each, runs = fed(), fed()
+    asked_each = {o for o in records if each.aborted("t", 0, o)}
+    asked_in_runs, clear = set(), 0
+    for o in records:
+        if o < clear:
+            continue
+        if runs.aborted("t", 0, o):
+            asked_in_runs.add(o)
+        else:
+            clear = runs.clear_to("t", 0, o)
+    assert asked_in_runs == asked_each == {r.offset for r in settle(log(*chunks)).aborted}

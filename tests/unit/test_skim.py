@@ -20,7 +20,7 @@ from batchline.kafka import headers as h
 from batchline.kafka.topics import JobTopics
 from schemas import codec_for
 from schemas.codec import DecodeError, fallback_id
-from schemas.skim import Skimmer
+from schemas.skim import Skimmer, _long, _Unsure
 from streams.outcomes import OutcomeReader
 from streams.tally import DEAD, RESULT, RETRY, Outcome
 from tests.unit.test_codec import HISTORY
@@ -197,3 +197,23 @@ def test_a_retry_reads_its_headers_as_the_helpers_do(headers: list[Any], key: by
     rid = h.text(seen, h.REQUEST_ID) or fallback_id(key, value)
     expected = Outcome(RETRY, rid, h.text(seen, h.RUN_ID), attempt=h.integer(seen, h.ATTEMPT, 0))
     assert READER.retry(headers, key, value) == expected
+
+
+@settings(max_examples=500, deadline=None)
+@given(longs, st.binary(max_size=3))
+def test_a_long_is_read_as_fastavro_reads_it(value: int, tail: bytes) -> None:
+    buf = io.BytesIO()
+    fastavro.schemaless_writer(buf, "long", value)
+    data = buf.getvalue()
+    assert _long(data + tail, 0) == (value, len(data))
+
+
+@settings(max_examples=500, deadline=None)
+@given(st.binary(min_size=1, max_size=12))
+def test_a_varint_the_skimmer_takes_is_one_fastavro_reads_the_same(data: bytes) -> None:
+    try:
+        value, end = _long(data, 0)
+    except (_Unsure, IndexError):
+        return  # unsure or cut short: the codec decides
+    stream = io.BytesIO(data)
+    assert fastavro.schemaless_reader(stream, "long") == value and stream.tell() == end
