@@ -42,12 +42,11 @@ from opentelemetry.trace import SpanKind, Status, StatusCode
 from batchline.config import KafkaSettings
 from batchline.kafka.liveness import BrokerDown
 from batchline.kafka.ownership import Claim, Ownership
+from batchline.kafka.record_size import Outgoing, RecordError
 from batchline.kafka.transactions import (
     CommitReport,
     Fit,
     Guard,
-    Outgoing,
-    RecordError,
     TransactionalProducer,
     TransactionFailed,
     TransactionFenced,

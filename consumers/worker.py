@@ -34,7 +34,9 @@ Who owns what, and how work crosses (docs/architecture.md#threads counts them in
   it). Hand-off: the worker queues a routed transaction (condition-guarded); the commit thread writes its outcome
   (replacements, error), sets ``done`` last, then ``wake``. It checks each transaction's claim against what the
   worker last observed and fenced (:class:`~batchline.kafka.ownership.Claim`), and calls
-  ``Router.replacement``, which reads only configuration.
+  ``Router.replacement``, which reads only configuration. Its blocking librdkafka calls run on the producer's
+  **txn-calls** thread (:mod:`batchline.kafka.bounded_calls`), which it waits on; one that never returns is given
+  up and the thread abandoned with its producer.
 - **runs-view**, **broker-liveness**, **lanes**, **group-sampler**, **slot-sweeper**: side threads that each own
   one client and publish what the loop reads (runs and stops under a lock, the broker's down-since under a lock,
   ``Lanes.yielding_to``, the group watch under a lock); the sweeper fences dead slots of the group and shares

@@ -21,8 +21,9 @@ from batchline.config import KafkaSettings
 from batchline.kafka import headers as h
 from batchline.kafka.liveness import BrokerDown, never_down
 from batchline.kafka.ownership import Claim
+from batchline.kafka.record_size import Outgoing, RecordError
 from batchline.kafka.topics import JobTopics
-from batchline.kafka.transactions import Outgoing, RecordError, TransactionalProducer, TransactionFailed
+from batchline.kafka.transactions import TransactionalProducer, TransactionFailed
 from batchline.runs.control import CANCELLED, stop_message
 from schemas import DeadLetter, codec_for
 from schemas.codec import DecodeError, decode_request

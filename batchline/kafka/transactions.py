@@ -34,7 +34,6 @@ replacement goes in the same transaction:
 from __future__ import annotations
 
 import logging
-import threading
 import time
 from collections.abc import Callable, Iterable, Mapping
 from dataclasses import dataclass, field
@@ -44,8 +43,17 @@ from confluent_kafka import KafkaError, KafkaException, Message, Producer, Topic
 
 from batchline.config import KafkaSettings
 from batchline.exceptions import BatchlineError
+from batchline.kafka.bounded_calls import CallHung, _BoundedCalls
 from batchline.kafka.client import make_producer, producer_conf
 from batchline.kafka.liveness import BrokerDown, never_down
+from batchline.kafka.record_size import (
+    LIBRDKAFKA_MESSAGE_MAX_BYTES,
+    PER_RECORD_ERRORS,
+    RECORD_BATCH_OVERHEAD,
+    Outgoing,
+    RecordError,
+    wire_size,
+)
 
 log = logging.getLogger(__name__)
 T = TypeVar("T")
@@ -53,25 +61,7 @@ CALL_TIMEOUT_S = 30.0  # one transactional call (begin, flush, send offsets, com
 ABORT_BUDGET_S = 60.0  # an abort keeps resuming this long, also while the broker is suspected down (see _abort)
 CALL_SLICE_S = 2.0  # the longest one librdkafka call blocks before the guard is asked again (session timeout: 6 s+)
 CALL_RETRIES = 5  # errors other than a slice's time-out, per call
-HANG_GRACE_S = 10.0  # a call still blocked this long past its own timeout is hung (librdkafka #5456): abandoned
 MAX_ROUNDS = 4  # real transactions of one commit: the first, and re-tries each with more replacements
-LIBRDKAFKA_MESSAGE_MAX_BYTES = 1_000_000  # librdkafka's default message.max.bytes
-RECORD_V2_MAX_OVERHEAD = 36  # librdkafka's RD_KAFKAP_MESSAGE_V2_MAX_OVERHEAD: length, attributes, deltas, lengths
-RECORD_BATCH_OVERHEAD = 61  # a v2 record batch's header: what a one-record batch adds on the broker
-
-Outgoing = tuple[str, bytes | None, bytes | None, list[tuple[str, bytes]]]  # topic, value, key, headers
-
-# Errors that belong to the message, not to the transaction or the connection.
-PER_RECORD_ERRORS = frozenset(
-    {
-        KafkaError.MSG_SIZE_TOO_LARGE,  # librdkafka's message.max.bytes (sync) or the broker's (delivery)
-        KafkaError.RECORD_LIST_TOO_LARGE,
-        KafkaError.INVALID_RECORD,
-        KafkaError.INVALID_MSG,  # CORRUPT_MESSAGE
-        KafkaError.INVALID_MSG_SIZE,
-        KafkaError.INVALID_TIMESTAMP,
-    }
-)
 FoundBy = Literal["precheck", "produce", "delivery", "probe"]
 
 
@@ -99,21 +89,6 @@ class Guard(Protocol):
 
     def group_metadata(self) -> Any:
         """The consumer group metadata to send the offsets with, read when they are sent."""
-
-
-@dataclass(frozen=True)
-class RecordError:
-    """Why one message could not be produced: a Kafka error code, its name and a line for the operator."""
-
-    code: int
-    name: str
-    reason: str
-    size: int
-    limit: int | None = None
-
-    @classmethod
-    def of(cls, err: KafkaError, size: int) -> RecordError:
-        return cls(err.code(), err.name(), err.str(), size)
 
 
 @dataclass(frozen=True)
@@ -153,78 +128,6 @@ FENCED_CODES = frozenset({KafkaError._FENCED, KafkaError.PRODUCER_FENCED})
 
 class ReplacementTooLarge(TransactionFailed):
     """``fit`` returned a replacement that does not fit either: a bug of the caller's ``fit``."""
-
-
-class CallHung(BatchlineError):
-    """A transactional call still blocked :data:`HANG_GRACE_S` past its own timeout: its producer is abandoned."""
-
-
-class _BoundedCalls:
-    """Runs one producer's blocking transactional calls on a daemon thread of their own, so the caller waits at
-    most the call's timeout plus :data:`HANG_GRACE_S`. librdkafka 2.16 may block such a call for good whatever
-    timeout it is given: ``send_offsets_to_transaction`` after a connection reset or behind a blackhole waits in
-    ``rd_kafka_txn_op_req0`` for a coordinator request that never times out (librdkafka issue #5456). A call that
-    hangs keeps its thread: the runner is abandoned with its producer (see
-    :meth:`TransactionalProducer._recreate`), and a daemon thread never holds the process's exit.
-
-    Hand-off: the caller's thread puts one call in ``_call`` and waits on ``_done``; the runner's thread runs it
-    and stores its outcome. One call at a time (the producer's owner is one thread)."""
-
-    def __init__(self, name: str) -> None:
-        self._ready = threading.Event()
-        self._done = threading.Event()
-        self._call: Callable[[], Any] | None = None
-        self._outcome: tuple[bool, Any] = (True, None)
-        self.hung = False
-        self._thread = threading.Thread(target=self._run, name=f"txn-calls {name}", daemon=True)
-        self._thread.start()
-
-    def call(self, fn: Callable[[float], T], timeout: float) -> T:
-        """``fn(timeout)`` on the runner's thread; its result or its exception, or :class:`CallHung`."""
-        if self.hung:
-            raise CallHung("an earlier call of this producer is still blocked")
-        self._done.clear()
-        self._call = lambda: fn(timeout)
-        self._ready.set()
-        if not self._done.wait(timeout + HANG_GRACE_S):
-            self.hung = True
-            raise CallHung(f"a transactional call still blocked {timeout + HANG_GRACE_S:.0f}s after it began")
-        ok, value = self._outcome
-        if not ok:
-            raise value
-        return value
-
-    def _run(self) -> None:
-        while True:
-            self._ready.wait()
-            self._ready.clear()
-            call, self._call = self._call, None
-            assert call is not None
-            try:
-                self._outcome = (True, call())
-            except BaseException as exc:  # handed to the caller's thread, raised there
-                self._outcome = (False, exc)
-            self._done.set()
-
-
-def _varint_size(n: int) -> int:
-    zigzag = (n << 1) ^ (n >> 63)
-    size = 1
-    while zigzag >= 0x80:
-        zigzag >>= 7
-        size += 1
-    return size
-
-
-def wire_size(message: Outgoing) -> int:
-    """The size librdkafka checks against ``message.max.bytes`` (``rd_kafka_msg_max_wire_size``): the record's
-    key, value and serialized headers plus the v2 record's maximum overhead."""
-    _, value, key, headers = message
-    size = RECORD_V2_MAX_OVERHEAD + len(key or b"") + len(value or b"")
-    for name, raw in headers:
-        name_len, value_len = len(name.encode()), len(raw or b"")
-        size += _varint_size(name_len) + name_len + _varint_size(value_len) + value_len
-    return size
 
 
 class TransactionalProducer:

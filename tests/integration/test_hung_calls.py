@@ -21,10 +21,12 @@ import pytest
 from confluent_kafka import Consumer, TopicPartition
 
 from batchline.config import KafkaSettings
+from batchline.kafka.bounded_calls import HANG_GRACE_S
 from batchline.kafka.broker import EmbeddedBroker, free_port
 from batchline.kafka.client import make_consumer
+from batchline.kafka.record_size import Outgoing
 from batchline.kafka.topics import JobTopics, create_job_topics
-from batchline.kafka.transactions import HANG_GRACE_S, Outgoing, TransactionalProducer, TransactionFailed
+from batchline.kafka.transactions import TransactionalProducer, TransactionFailed
 from tests.support.fault_proxy import FaultProxy
 from tests.support.kafka import wait_for
 from tests.support.oracle import committed, open_transactions

@@ -20,6 +20,7 @@ from confluent_kafka.admin import NewTopic
 
 from batchline.config import KafkaSettings
 from batchline.kafka.client import PRODUCER_MESSAGE_MAX_BYTES, make_admin, make_consumer
+from batchline.kafka.record_size import Outgoing, RecordError, wire_size
 from batchline.kafka.topics import (
     KAFKA_DEFAULT_MAX_MESSAGE_BYTES,
     JobTopics,
@@ -27,14 +28,7 @@ from batchline.kafka.topics import (
     effective_max_message_bytes,
     topic_message_bytes,
 )
-from batchline.kafka.transactions import (
-    Outgoing,
-    RecordError,
-    ReplacementTooLarge,
-    TransactionalProducer,
-    TransactionFailed,
-    wire_size,
-)
+from batchline.kafka.transactions import ReplacementTooLarge, TransactionalProducer, TransactionFailed
 from tests.integration.size_limit_proxy import SizeLimitProxy, size_limited_broker
 from tests.support.oracle import Rec, committed, open_transactions
 

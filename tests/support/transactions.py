@@ -13,15 +13,8 @@ from typing import Any
 
 from confluent_kafka import KafkaError, KafkaException, TopicPartition
 
-from batchline.kafka.transactions import (
-    CommitReport,
-    Fit,
-    Guard,
-    Outgoing,
-    RecordError,
-    TransactionalProducer,
-    TransactionFailed,
-)
+from batchline.kafka.record_size import Outgoing, RecordError
+from batchline.kafka.transactions import CommitReport, Fit, Guard, TransactionalProducer, TransactionFailed
 
 TP = tuple[str, int]
 

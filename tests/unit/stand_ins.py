@@ -10,8 +10,9 @@ from typing import Any
 from confluent_kafka import KafkaError, KafkaException
 
 from batchline.config import KafkaSettings
+from batchline.kafka.bounded_calls import _BoundedCalls
 from batchline.kafka.liveness import never_down
-from batchline.kafka.transactions import TransactionalProducer, _BoundedCalls
+from batchline.kafka.transactions import TransactionalProducer
 
 
 def metadata(generation: int, member: str, group: str = "g") -> bytes:

@@ -16,7 +16,8 @@ import pytest
 from confluent_kafka import KafkaError, KafkaException, TopicPartition
 
 from batchline.kafka.ownership import Ownership, member_of
-from batchline.kafka.transactions import Outgoing, TransactionFenced
+from batchline.kafka.record_size import Outgoing
+from batchline.kafka.transactions import TransactionFenced
 from tests.unit.stand_ins import Member, metadata, stand_in_txn, timed_out
 
 T = "unit.requests"

@@ -1,0 +1,64 @@
+"""Blocking librdkafka calls run on a thread of their own, so that one that never returns can be given up."""
+
+from __future__ import annotations
+
+import threading
+from collections.abc import Callable
+from typing import Any, TypeVar
+
+from batchline.exceptions import BatchlineError
+
+T = TypeVar("T")
+HANG_GRACE_S = 10.0  # a call still blocked this long past its own timeout is hung (librdkafka #5456): abandoned
+
+
+class CallHung(BatchlineError):
+    """A transactional call still blocked :data:`HANG_GRACE_S` past its own timeout: its producer is abandoned."""
+
+
+class _BoundedCalls:
+    """Runs one producer's blocking transactional calls on a daemon thread of their own, so the caller waits at
+    most the call's timeout plus :data:`HANG_GRACE_S`. librdkafka 2.16 may block such a call for good whatever
+    timeout it is given: ``send_offsets_to_transaction`` after a connection reset or behind a blackhole waits in
+    ``rd_kafka_txn_op_req0`` for a coordinator request that never times out (librdkafka issue #5456). A call that
+    hangs keeps its thread: the runner is abandoned with its producer (see
+    :meth:`TransactionalProducer._recreate`), and a daemon thread never holds the process's exit.
+
+    Hand-off: the caller's thread puts one call in ``_call`` and waits on ``_done``; the runner's thread runs it
+    and stores its outcome. One call at a time (the producer's owner is one thread)."""
+
+    def __init__(self, name: str) -> None:
+        self._ready = threading.Event()
+        self._done = threading.Event()
+        self._call: Callable[[], Any] | None = None
+        self._outcome: tuple[bool, Any] = (True, None)
+        self.hung = False
+        self._thread = threading.Thread(target=self._run, name=f"txn-calls {name}", daemon=True)
+        self._thread.start()
+
+    def call(self, fn: Callable[[float], T], timeout: float) -> T:
+        """``fn(timeout)`` on the runner's thread; its result or its exception, or :class:`CallHung`."""
+        if self.hung:
+            raise CallHung("an earlier call of this producer is still blocked")
+        self._done.clear()
+        self._call = lambda: fn(timeout)
+        self._ready.set()
+        if not self._done.wait(timeout + HANG_GRACE_S):
+            self.hung = True
+            raise CallHung(f"a transactional call still blocked {timeout + HANG_GRACE_S:.0f}s after it began")
+        ok, value = self._outcome
+        if not ok:
+            raise value
+        return value
+
+    def _run(self) -> None:
+        while True:
+            self._ready.wait()
+            self._ready.clear()
+            call, self._call = self._call, None
+            assert call is not None
+            try:
+                self._outcome = (True, call())
+            except BaseException as exc:  # handed to the caller's thread, raised there
+                self._outcome = (False, exc)
+            self._done.set()

@@ -1,0 +1,60 @@
+"""The sizes and errors of one outgoing Kafka message, as librdkafka and the broker judge them."""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+from confluent_kafka import KafkaError
+
+LIBRDKAFKA_MESSAGE_MAX_BYTES = 1_000_000  # librdkafka's default message.max.bytes
+RECORD_V2_MAX_OVERHEAD = 36  # librdkafka's RD_KAFKAP_MESSAGE_V2_MAX_OVERHEAD: length, attributes, deltas, lengths
+RECORD_BATCH_OVERHEAD = 61  # a v2 record batch's header: what a one-record batch adds on the broker
+
+Outgoing = tuple[str, bytes | None, bytes | None, list[tuple[str, bytes]]]  # topic, value, key, headers
+
+# Errors that belong to the message, not to the transaction or the connection.
+PER_RECORD_ERRORS = frozenset(
+    {
+        KafkaError.MSG_SIZE_TOO_LARGE,  # librdkafka's message.max.bytes (sync) or the broker's (delivery)
+        KafkaError.RECORD_LIST_TOO_LARGE,
+        KafkaError.INVALID_RECORD,
+        KafkaError.INVALID_MSG,  # CORRUPT_MESSAGE
+        KafkaError.INVALID_MSG_SIZE,
+        KafkaError.INVALID_TIMESTAMP,
+    }
+)
+
+
+@dataclass(frozen=True)
+class RecordError:
+    """Why one message could not be produced: a Kafka error code, its name and a line for the operator."""
+
+    code: int
+    name: str
+    reason: str
+    size: int
+    limit: int | None = None
+
+    @classmethod
+    def of(cls, err: KafkaError, size: int) -> RecordError:
+        return cls(err.code(), err.name(), err.str(), size)
+
+
+def _varint_size(n: int) -> int:
+    zigzag = (n << 1) ^ (n >> 63)
+    size = 1
+    while zigzag >= 0x80:
+        zigzag >>= 7
+        size += 1
+    return size
+
+
+def wire_size(message: Outgoing) -> int:
+    """The size librdkafka checks against ``message.max.bytes`` (``rd_kafka_msg_max_wire_size``): the record's
+    key, value and serialized headers plus the v2 record's maximum overhead."""
+    _, value, key, headers = message
+    size = RECORD_V2_MAX_OVERHEAD + len(key or b"") + len(value or b"")
+    for name, raw in headers:
+        name_len, value_len = len(name.encode()), len(raw or b"")
+        size += _varint_size(name_len) + name_len + _varint_size(value_len) + value_len
+    return size
