@@ -54,6 +54,7 @@ SETTLE_TRIES = 20  # fetches that may pass before a record's transaction shows i
 FETCH_MAX, METADATA_MAX = 11, 8  # highest versions asked for (non-flexible; Fetch names topics up to v12)
 NOT_LEADER = {3, 5, 6}  # unknown topic or partition, leader not available, not leader: ask metadata again
 TP = tuple[str, int]
+OFFSET_MAX = (1 << 63) - 1  # above every Kafka offset
 
 
 @dataclass
@@ -82,7 +83,7 @@ class _Partition:
         """Whether ``offset`` lies in a batch of a transaction still in progress (each producer's ranges are
         appended in offset order: one bisection each)."""
         for ranges in self.pending.values():
-            i = bisect.bisect_right(ranges, (offset, offset)) - 1
+            i = bisect.bisect_right(ranges, (offset, OFFSET_MAX)) - 1  # the last batch starting at or before it
             if i >= 0 and ranges[i][0] <= offset <= ranges[i][1]:
                 return True
         return False
