@@ -75,8 +75,8 @@ def _longest_gap_s(stamps: list[int]) -> float:
 
 @pytest.mark.skipif(
     not os.environ.get("BATCHLINE_LOSSY_LINK"),
-    reason="duplicates are still seen in some runs (see the xfail reasons) and a run costs about a minute: run with "
-    "BATCHLINE_LOSSY_LINK=1",
+    reason="opt-in: two runs cost about two minutes of CI, and the resets case has an untraced duplicate (its xfail "
+    "reason); run with BATCHLINE_LOSSY_LINK=1",
 )
 @pytest.mark.parametrize(
     "schedule",
@@ -86,25 +86,12 @@ def _longest_gap_s(stamps: list[int]) -> float:
             id="latency-and-resets",
             marks=pytest.mark.xfail(
                 strict=False,
-                reason="open: in 2 of ~10 runs before the AbortedIndex stopped trusting read_committed after a failed "
-                "raw read, one worker committed results of the same source offset from two consecutive micro-batches "
-                "(62 and 80 ids; cause not traced); 6 of 6 runs since passed",
+                reason="open: in 2 of ~10 runs before the AbortedIndex fixes (no trust after a failed raw read, the "
+                "first record of an open batch), one worker committed results of the same source offset from two "
+                "consecutive micro-batches (62 and 80 ids; cause not traced); 9 of 9 runs since passed",
             ),
         ),
-        pytest.param(
-            BLACKHOLE,
-            id="blackhole",
-            marks=[
-                pytest.mark.chaos,
-                pytest.mark.xfail(
-                    strict=False,
-                    reason="open: in 2 of 3 runs the retry scheduler, whose partitions were lost and re-assigned "
-                    "around "
-                    "a hung re-publish, held the aborted copy of the first record of a worker's aborted retry batch "
-                    "beside its committed copy, and re-published both (1-2 ids with two results; cause not traced)",
-                ),
-            ],
-        ),
+        pytest.param(BLACKHOLE, id="blackhole", marks=pytest.mark.chaos),
     ],
 )
 def test_no_loss_no_duplicate_and_bounded_stalls_through_a_lossy_link(
