@@ -10,7 +10,7 @@ from kafka.record.default_records import DefaultRecordBatch
 from kafka.record.memory_records import MemoryRecords
 
 from batchline.config import KafkaSettings
-from batchline.kafka.aborted import AbortedIndex, Unsettled, _Partition
+from batchline.kafka.aborted import SETTLE_TRIES, AbortedIndex, Unsettled, _Partition
 from batchline.kafka.broker import free_port
 from tests.support.oracle import settle
 from tests.unit.test_oracle import ABORT, COMMIT, STEPS, data, log, marker
@@ -108,13 +108,17 @@ def test_asking_once_a_run_up_to_clear_to_finds_the_aborted_records_asking_each_
     def fed() -> AbortedIndex:
         """An index whose raw reads return the log's next batches, as fetches from the broker would."""
         index_, unread = AbortedIndex(KafkaSettings(bootstrap="127.0.0.1:1")), list(chunks)
+        # The index gives up on a marker after SETTLE_TRIES reads and counts the record committed (with a warning):
+        # a fetch returns up to 1 MiB, so that takes a transaction left open across ~20 MiB of other records. Here
+        # a read returns at least a SETTLE_TRIES-th of the log, so the marker is always within reach.
+        per_read = max(batches_a_read, -(-len(chunks) // SETTLE_TRIES))
 
         def read(tp: tuple[str, int], part: _Partition) -> None:
-            for chunk in unread[:batches_a_read]:
+            for chunk in unread[:per_read]:
                 for batch in MemoryRecords(chunk):
                     assert isinstance(batch, DefaultRecordBatch)
                     part.add(batch)
-            del unread[:batches_a_read]
+            del unread[:per_read]
 
         index_._read = read  # type: ignore[method-assign]
         return index_
