@@ -1,10 +1,8 @@
 """Aborted transactions read from the log itself, for readers on a broker that does not hide them.
 
 A read_committed consumer relies on the broker to list a fetch's aborted transactions. Apache Kafka does; the
-embedded broker (tansu 0.6) never does, so there its read_committed readers get aborted records too - and, seen
-in the lossy-link runs, records of a transaction still open (the retry scheduler was handed the first records of a
-worker's transaction whose ABORT came later): an open record is not answered until its marker is read (or
-:data:`SETTLE_TRIES` reads pass). :class:`AbortedIndex` finds the
+embedded broker (tansu 0.6) never does, so there its read_committed readers get aborted records too (they do stop
+at the last stable offset: an open transaction's records are not delivered). :class:`AbortedIndex` finds the
 aborted records the way a broker does: it reads a partition's record batches raw (kafka-python's Fetch at
 read_uncommitted, batch headers only - data is never decompressed) and settles each producer's transactional
 batches by its next control record, ABORT or COMMIT. A reader asks :meth:`AbortedIndex.aborted` about each
