@@ -46,9 +46,10 @@ def test_a_read_started_mid_log_settles_what_follows() -> None:
 
 def test_every_record_of_an_open_batch_is_open_its_first_too() -> None:
     """A batch of several records whose transaction has no marker yet: each of its records is open, the first one
-    too. (open_at once compared (offset, offset) with the batch's (first, last) and missed the first record: the
-    retry scheduler, handed the first record of a worker's transaction still open, counted it committed and
-    re-published it beside the transaction's redo - two results for one id in the lossy-link blackhole runs.)"""
+    too. (open_at once compared (offset, offset) with the batch's (first, last) and missed the first record: asked
+    about the first record of a batch it had read before its marker, the index did not read again and answered it
+    committed, so the retry scheduler re-published it beside the transaction's redo - two results for one id in
+    the lossy-link blackhole runs.)"""
     part = index(data(0, 4, ["a", "b", "c"]), data(3, 5, ["x"]))
     assert [o for o in range(4) if part.open_at(o)] == [0, 1, 2, 3]
     part = index(data(0, 4, ["a", "b", "c"]), marker(3, 4, ABORT))
