@@ -16,7 +16,7 @@ class CallHung(BatchlineError):
     """A transactional call still blocked :data:`HANG_GRACE_S` past its own timeout: its producer is abandoned."""
 
 
-class _BoundedCalls:
+class BoundedCalls:
     """Runs one producer's blocking transactional calls on a daemon thread of their own, so the caller waits at
     most the call's timeout plus :data:`HANG_GRACE_S`. librdkafka 2.16 may block such a call for good whatever
     timeout it is given: ``send_offsets_to_transaction`` after a connection reset or behind a blackhole waits in

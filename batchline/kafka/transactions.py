@@ -43,7 +43,7 @@ from confluent_kafka import KafkaError, KafkaException, Message, Producer, Topic
 
 from batchline.config import KafkaSettings
 from batchline.exceptions import BatchlineError
-from batchline.kafka.bounded_calls import CallHung, _BoundedCalls
+from batchline.kafka.bounded_calls import BoundedCalls, CallHung
 from batchline.kafka.client import make_producer, producer_conf
 from batchline.kafka.liveness import BrokerDown, never_down
 from batchline.kafka.record_size import (
@@ -159,21 +159,21 @@ class TransactionalProducer:
         # cut off from the broker aborted its transaction). So the timed-out call is kept (``_pending``) and
         # resumed before an abort, and a producer whose commit is pending is retired, kept referenced, not
         # destroyed. Owned by the thread that calls commit().
-        # A call that hangs (librdkafka #5456, :class:`_BoundedCalls`) leaves its producer blocked inside it: the
+        # A call that hangs (librdkafka #5456, :class:`BoundedCalls`) leaves its producer blocked inside it: the
         # producer and its runner are retired the same way, and the next commit (or close) makes a new producer,
         # whose init_transactions fences the transaction the hung one held. Not at once: the broker that did not
         # answer would keep the caller waiting as long again (``_replace``).
         self._pending: Callable[[float], Any] | None = None
-        self._retired: list[tuple[Producer, _BoundedCalls]] = []
+        self._retired: list[tuple[Producer, BoundedCalls]] = []
         self._replace = False
         self.hung = 0
         self.producer, self._calls = self._new_producer()
 
-    def _new_producer(self) -> tuple[Producer, _BoundedCalls]:
+    def _new_producer(self) -> tuple[Producer, BoundedCalls]:
         """A producer whose init_transactions fenced every earlier epoch of our id (its open transaction aborted),
         or TransactionFailed (fatal: the next commit tries again)."""
         producer = make_producer(self.kafka, self.transactional_id, **self.overrides)
-        calls = _BoundedCalls(self.transactional_id)
+        calls = BoundedCalls(self.transactional_id)
         try:
             calls.call(producer.init_transactions, CALL_TIMEOUT_S)
         except (CallHung, KafkaException) as exc:
@@ -440,7 +440,7 @@ class TransactionalProducer:
         is asked before every slice (but the first when not ``check_first``). Retries stop while the broker is
         suspected down (its liveness detector decides when to give up): a lost broker costs one slice - unless
         ``while_down``. A slice that times out leaves its operation pending (``_pending``) until the call ends; one
-        that never returns raises :class:`CallHung` (:class:`_BoundedCalls`)."""
+        that never returns raises :class:`CallHung` (:class:`BoundedCalls`)."""
         deadline = time.monotonic() + budget_s
         errors = 0
         first = True

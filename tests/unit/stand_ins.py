@@ -10,7 +10,7 @@ from typing import Any
 from confluent_kafka import KafkaError, KafkaException
 
 from batchline.config import KafkaSettings
-from batchline.kafka.bounded_calls import _BoundedCalls
+from batchline.kafka.bounded_calls import BoundedCalls
 from batchline.kafka.liveness import never_down
 from batchline.kafka.transactions import TransactionalProducer
 
@@ -106,12 +106,12 @@ def stand_in_txn(
     txn._pending, txn._retired, txn._replace, txn.hung = None, [], False, 0
     txn.broker_down = never_down
     producer = Producer(calls, script)
-    txn.producer, txn._calls = producer, _BoundedCalls("unit-txn")
+    txn.producer, txn._calls = producer, BoundedCalls("unit-txn")
 
-    def new_producer() -> tuple[Producer, _BoundedCalls]:  # as _new_producer: init_transactions fences the epoch
+    def new_producer() -> tuple[Producer, BoundedCalls]:  # as _new_producer: init_transactions fences the epoch
         fresh = Producer(calls)
         fresh.init_transactions(30)
-        return fresh, _BoundedCalls("unit-txn")
+        return fresh, BoundedCalls("unit-txn")
 
     txn._new_producer = new_producer  # type: ignore[method-assign]
     return txn, producer
