@@ -166,8 +166,12 @@ class TransactionalProducer:
         self._pending: Callable[[float], Any] | None = None
         self._retired: list[tuple[Producer, BoundedCalls]] = []
         self._replace = False
-        self.hung = 0
         self.producer, self._calls = self._new_producer()
+
+    @property
+    def hung(self) -> int:
+        """Calls given up as hung: each retired its producer (a hung runner is always retired)."""
+        return sum(calls.hung for _, calls in self._retired)
 
     def _new_producer(self) -> tuple[Producer, BoundedCalls]:
         """A producer whose init_transactions fenced every earlier epoch of our id (its open transaction aborted),
@@ -177,7 +181,6 @@ class TransactionalProducer:
         try:
             calls.call(producer.init_transactions, CALL_TIMEOUT_S)
         except (CallHung, KafkaException) as exc:
-            self.hung += isinstance(exc, CallHung)
             self._retired.append((producer, calls))
             why = exc if isinstance(exc, CallHung) else exc.args[0].str()
             raise TransactionFailed(f"init_transactions of {self.transactional_id} failed: {why}", True) from None
@@ -297,7 +300,6 @@ class TransactionalProducer:
         except CallHung as exc:
             # The call never returned: nothing more can be asked of this producer, so it is replaced, and the new
             # one's epoch aborts its transaction - unless the commit was under way (the outcome is unknown then).
-            self.hung += 1
             log.error("transaction of %s: %s; recreating its producer", self.transactional_id, exc)
             self._recreate()
             raise TransactionFailed(str(exc), True, ambiguous=committing) from None
@@ -418,7 +420,6 @@ class TransactionalProducer:
             self._abort_or_recreate(exc.args[0])
             raise TransactionFailed(f"probe transaction failed: {exc.args[0].str()}", False) from exc
         except CallHung as exc:
-            self.hung += 1
             self._recreate()
             raise TransactionFailed(f"probe transaction failed: {exc}", True) from None
         by_broker = _per_record(delivery, outgoing)
@@ -505,7 +506,6 @@ class TransactionalProducer:
             log.error("abort of transaction %s failed: %s", self.transactional_id, exc.args[0].str())
             return False
         except CallHung as exc:
-            self.hung += 1
             log.error("abort of transaction %s: %s", self.transactional_id, exc)
             return False
         return True

@@ -103,7 +103,7 @@ def stand_in_txn(
     txn.kafka = KafkaSettings(bootstrap="unit.invalid:9092")
     txn.transactional_id, txn.overrides, txn.topic_limits = "unit-txn", {}, {}
     txn.max_message_bytes, txn.aborts, txn.recreated = 1_000_000, 0, 0
-    txn._pending, txn._retired, txn._replace, txn.hung = None, [], False, 0
+    txn._pending, txn._retired, txn._replace = None, [], False
     txn.broker_down = never_down
     producer = Producer(calls, script)
     txn.producer, txn._calls = producer, BoundedCalls("unit-txn")
