@@ -59,7 +59,7 @@ from confluent_kafka import Consumer, KafkaError, KafkaException, TopicPartition
 
 from batchline.config import JobConfig, KafkaSettings
 from batchline.exceptions import BatchlineError, ConfigError
-from batchline.kafka.aborted import AbortedIndex, Unsettled
+from batchline.kafka.aborted import AbortedIndex
 from batchline.kafka.client import make_admin, make_consumer
 from batchline.kafka.groups import close_member, watch_member
 from batchline.kafka.liveness import BrokerLiveness
@@ -316,22 +316,18 @@ class Worker:
                 first = self.consumer.poll(self._linger_left(WAIT_IDLE_S))
                 if first is not None:
                     msgs = [first, *(self.consumer.consume(take - 1, 0) if take > 1 else [])]
-        unsettled: set[TP] = set()
+        held_back: set[TP] = set()  # partitions sought back to a record whose transaction cannot be told yet
         for msg in msgs:
             if msg.error():
                 if msg.error().code() != KafkaError._PARTITION_EOF:
                     log.warning("consume error: %s", msg.error())
                     self.liveness.on_error(msg.error())
                 continue
-            tp = (msg.topic(), msg.partition())
-            if tp in unsettled:
-                continue  # read again from an earlier record of its partition
-            try:
-                aborted = self.aborted.aborted(*tp, msg.offset())
-            except Unsettled:  # cannot tell whether it was aborted: read it again, later (AbortedIndex)
-                unsettled.add(tp)
-                self.rewinder.seek(*tp, msg.offset())
-                continue
+            aborted = self.aborted.aborted_or_seek_back(
+                msg.topic(), msg.partition(), msg.offset(), held_back, self.rewinder.seek
+            )
+            if aborted is None:
+                continue  # read again, later
             item = self.intake.admit(msg)
             item.passed_over = self.pinning.pass_over(item)
             if item.passed_over:

@@ -248,12 +248,7 @@ class Ledger:
         last: dict[TP, Message] = {}
         stale: set[int] = set()
         slot_of, retry = self.slot_of, self.outcomes.retry
-        index = self.aborted
-        clear_to = index.clear_to
-
-        def aborted(topic: str, partition: int, offset: int) -> bool:  # waits out a raw read that fails
-            return index.aborted_waiting(topic, partition, offset, UNSETTLED_WAIT_S)
-
+        aborted, clear_to = self.aborted.aborted_waiting, self.aborted.clear_to  # waits out a failed raw read
         topic, partition, slot, batch, skim, clear, prev = "", -1, None, [], None, 0, None
         for msg in msgs:
             if msg.error():
@@ -279,7 +274,7 @@ class Ledger:
             prev = msg  # an aborted record moves the checkpoint too
             offset = msg.offset()
             if offset >= clear:
-                if aborted(topic, partition, offset):
+                if aborted(topic, partition, offset, UNSETTLED_WAIT_S):
                     continue
                 clear = clear_to(topic, partition, offset)
             if skim is None:  # a retry tier

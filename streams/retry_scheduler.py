@@ -50,7 +50,7 @@ from confluent_kafka import Consumer, KafkaError, KafkaException, TopicPartition
 
 from batchline.config import JobConfig, KafkaSettings
 from batchline.kafka import headers as h
-from batchline.kafka.aborted import AbortedIndex, Unsettled
+from batchline.kafka.aborted import AbortedIndex
 from batchline.kafka.client import make_admin, make_consumer
 from batchline.kafka.groups import close_member, watch_member
 from batchline.kafka.liveness import BrokerDown, never_down
@@ -194,21 +194,19 @@ class RetryScheduler:
     # -- the loop ----------------------------------------------------------------------------------
     def step(self) -> None:
         """Wait for records or the earliest due head, then re-publish what is due and pause what is not."""
-        unsettled: set[TP] = set()
+        held_back: set[TP] = set()  # partitions sought back to a record whose transaction cannot be told yet
         for msg in self.consumer.consume(POLL_BATCH, self._wait_s()):
             if msg.error():
                 if msg.error().code() != KafkaError._PARTITION_EOF:
                     log.warning("retry consumer: %s", msg.error().str())
                 continue
-            tp = (msg.topic(), msg.partition())
-            if tp not in self.assigned or tp in unsettled:
-                continue  # a straggler of a partition given away, or read again from an unsettled record
-            try:
-                aborted = self.aborted.aborted(*tp, msg.offset())
-            except Unsettled:  # cannot tell whether it was aborted: read it again, later (AbortedIndex)
-                unsettled.add(tp)
-                self.consumer.seek(TopicPartition(*tp, msg.offset()))
-                continue
+            if (msg.topic(), msg.partition()) not in self.assigned:
+                continue  # a straggler of a partition given away
+            aborted = self.aborted.aborted_or_seek_back(
+                msg.topic(), msg.partition(), msg.offset(), held_back, self._seek
+            )
+            if aborted is None:
+                continue  # read again, later
             if aborted:
                 self.stats.aborted += 1  # a worker's aborted transaction: the worker redoes that record itself
             else:
@@ -216,6 +214,9 @@ class RetryScheduler:
         if time.monotonic() >= self._backoff_until and self._settle():
             self._release_due()
         self._flow_control()
+
+    def _seek(self, topic: str, partition: int, offset: int) -> None:
+        self.consumer.seek(TopicPartition(topic, partition, offset))
 
     def _hold(self, held: Held) -> None:
         queue = self.queues.setdefault((held.topic, held.partition), PartitionQueue())

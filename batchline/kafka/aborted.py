@@ -32,6 +32,7 @@ import bisect
 import logging
 import socket
 import time
+from collections.abc import Callable
 from dataclasses import dataclass, field
 from typing import Any
 
@@ -181,6 +182,22 @@ class AbortedIndex:
                 if time.monotonic() >= deadline:
                     raise
                 time.sleep(WAIT_POLL_S)
+
+    def aborted_or_seek_back(
+        self, topic: str, partition: int, offset: int, held_back: set[TP], seek: Callable[[str, int, int], None]
+    ) -> bool | None:
+        """:meth:`aborted` for a reader that polls on (the worker, the retry scheduler), or None: the record must
+        wait - it is :class:`Unsettled` (its partition is sought back to it with ``seek`` and put in ``held_back``),
+        or its partition was sought back earlier in the same poll (in ``held_back``). A None record is skipped: it
+        is read again."""
+        if (topic, partition) in held_back:
+            return None
+        try:
+            return self.aborted(topic, partition, offset)
+        except Unsettled:
+            held_back.add((topic, partition))
+            seek(topic, partition, offset)
+            return None
 
     def clear_to(self, topic: str, partition: int, offset: int) -> int:
         """After :meth:`aborted` answered ``offset``: the offset below which the records after it are known not to be

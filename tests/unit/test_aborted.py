@@ -98,6 +98,18 @@ def test_an_unreachable_broker_leaves_records_unsettled_not_trusted(caplog: pyte
     assert AbortedIndex(KafkaSettings(security_protocol="SSL")).enabled is False
 
 
+def test_a_reader_that_polls_on_seeks_back_once_to_the_unsettled_record_and_skips_the_rest_of_its_partition() -> None:
+    index_ = AbortedIndex(KafkaSettings(bootstrap=f"127.0.0.1:{free_port()}"))
+    seeks: list[tuple[str, int, int]] = []
+    held_back: set[tuple[str, int]] = set()
+    try:
+        answers = [index_.aborted_or_seek_back("t", 0, o, held_back, lambda *at: seeks.append(at)) for o in (5, 6)]
+    finally:
+        index_.close()
+    assert answers == [None, None] and seeks == [("t", 0, 5)] and held_back == {("t", 0)}
+    assert AbortedIndex(KafkaSettings(security_protocol="SSL")).aborted_or_seek_back("t", 0, 5, set(), print) is False
+
+
 @settings(max_examples=150, deadline=None)
 @given(STEPS, st.integers(1, 3))
 def test_asking_once_a_run_up_to_clear_to_finds_the_aborted_records_asking_each_does(
