@@ -1,6 +1,7 @@
 """Run control: cancel a run, bound it with a completion window, and make a submission idempotent.
 
-All three live in the run's manifest on the compacted ``J.runs`` (DESIGN.md §6), so every process that follows
+All three live in the run's manifest on the compacted ``J.runs``
+(docs/architecture.md#runs-fingerprints-and-pinning), so every process that follows
 ``J.runs`` through a :class:`~batchline.runs.manifests.RunsView` learns of them without another topic:
 
 - **cancel** (:func:`cancel_run`) writes the run's manifest again, under the same key, with ``cancelled_at``.

@@ -1,7 +1,8 @@
 """Records of aborted transactions are not inputs: the worker does not process an aborted request, the retry
 scheduler does not re-publish an aborted retry.
 
-On the embedded broker a read_committed consumer gets aborted records too (DESIGN.md §10). A retry scheduler whose
+On the embedded broker a read_committed consumer gets aborted records too
+(docs/architecture.md#known-limits-of-the-embedded-broker). A retry scheduler whose
 re-publish transaction aborts, or a worker whose transaction with a retry aborts, leaves such records on
 ``J.requests`` and the retry tiers; read as inputs, each becomes a second line of work for its id, and a second
 committed outcome. Judged by the oracle (tests/support/oracle.py).

@@ -2,8 +2,9 @@
 
 A transactional producer (as a worker writes) commits results for ids 0-19 and dead letters for 20-29, and aborts
 transactions that hold results for 20-24 and 30-34, dead letters for 35-37 and retries for 38-39 (ids 30-39 have
-no committed outcome). On the embedded broker a read_committed reader sees the aborted records too (DESIGN.md
-§10); ``batchline export``, the ledger and ``batchline status`` must not count them. The oracle confirms the log.
+no committed outcome). On the embedded broker a read_committed reader sees the aborted records too
+(docs/architecture.md#known-limits-of-the-embedded-broker); ``batchline export``, the ledger and ``batchline
+status`` must not count them. The oracle confirms the log.
 """
 
 from __future__ import annotations

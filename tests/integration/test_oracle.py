@@ -1,7 +1,8 @@
 """The oracle against the real broker: a transactional producer commits one transaction, aborts another and
 leaves a third open; the oracle reports exactly the committed records and the open one. A read_committed
 consumer of the same topic shows what the broker itself hides: on the embedded broker, the aborted records too
-(DESIGN.md §10: it never fills a fetch response's aborted list); on Apache Kafka, the committed ones only. The
+(docs/architecture.md#known-limits-of-the-embedded-broker: it never fills a fetch response's aborted list); on
+Apache Kafka, the committed ones only. The
 product's reader (``batchline.kafka.scan``, which leaves aborted records out itself) agrees with the oracle."""
 
 from __future__ import annotations
@@ -59,5 +60,5 @@ def test_the_oracle_shows_committed_records_only_where_read_committed_shows_abor
         aborted = sorted([f"a-{i}" for i in range(4)] + [f"o-{i}" for i in range(3)])
         assert seen == sorted([f"c-{i}" for i in range(6)] + aborted), (
             "the embedded broker's read_committed shows aborted records (if this fails, the broker was fixed: "
-            "update DESIGN.md §10 and the README's Guarantees)"
+            "update docs/architecture.md#known-limits-of-the-embedded-broker and the README's Guarantees)"
         )
