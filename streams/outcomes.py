@@ -16,7 +16,7 @@ from batchline.kafka.topics import JobTopics
 from schemas import codec_for
 from schemas.codec import fallback_id
 from schemas.skim import Fixed, Shape, Skimmer
-from streams.tally import DEAD, RESULT, RETRY, Outcome
+from streams.tally import DEAD, RESULT, RETRY, Outcome, outcome_of
 
 # What a skimmed record becomes: an Outcome in its field order, built by the generated walk itself.
 RESULT_SHAPE: Shape = (
@@ -78,20 +78,10 @@ class OutcomeReader:
         outcome: Outcome | None = self._results.read(data)
         if outcome is not None:
             return outcome
-        r = codec_for("result").decode(data)
-        return Outcome(
-            RESULT,
-            r.request_id,
-            r.run_id,
-            r.value,
-            tokens_in=r.prompt_tokens,
-            tokens_out=r.completion_tokens,
-            latency_ms=r.latency_ms,
-        )
+        return outcome_of(codec_for("result").decode(data))
 
     def dead_letter(self, data: bytes) -> Outcome:
         outcome: Outcome | None = self._letters.read(data)
         if outcome is not None:
             return outcome
-        d = codec_for("dead_letter").decode(data)
-        return Outcome(DEAD, d.request_id, d.run_id, d.value, failure_class=d.failure_class)
+        return outcome_of(codec_for("dead_letter").decode(data))
