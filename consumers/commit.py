@@ -60,6 +60,7 @@ from consumers.work import WorkerStats
 log = logging.getLogger(__name__)
 COMMIT_GROUP_RECORDS = 2048  # finished micro-batches committed in one transaction, at most this many records
 QUEUE_DEPTH = 2  # transactions queued or committing at once: the worker routes the next while one commits
+SETTLE_RETRY_S = 1.0  # between tries to make an ambiguous commit final (CommitLine._settle)
 TP = tuple[str, int]
 
 
@@ -78,6 +79,8 @@ class Transactions(Protocol):
     ) -> CommitReport: ...
 
     def oversize(self, message: Outgoing) -> RecordError | None: ...
+
+    def settle(self) -> None: ...
 
     def close(self, timeout: float = ...) -> None: ...
 
@@ -158,6 +161,7 @@ class CommitLine:
         self._queue: deque[_Txn] = deque()  # to commit, its head committing while _busy (under _cond)
         self._busy = False
         self._stopping = False
+        self._abandoned = False  # under _cond: the worker gave up (the commit thread stops settling)
         self._thread = threading.Thread(target=self._run, name="commit", daemon=True)
 
     # -- the worker's side -------------------------------------------------------------------------
@@ -243,6 +247,8 @@ class CommitLine:
         """Stop committing (the broker is lost): the transactions not yet started are dropped (the one committing
         finishes) and every micro-batch not committed is forgotten and returned."""
         with self._cond:
+            self._abandoned = True
+            self._cond.notify_all()
             started = [self._queue[0]] if self._busy and self._queue else []
             for txn in list(self._queue)[len(started) :]:
                 txn.error = CommitFailed("discarded: the worker is stopping", txn.batch_id, True, False)
@@ -375,10 +381,12 @@ class CommitLine:
             report = self.producer.commit(outgoing, txn.offsets, None, fit=fit, guard=txn.claim)
         except TransactionFenced as exc:
             log.warning("batch %s: not committed, %s", txn.batch_id, exc)
-            return _failed(exc, txn, abortable=not exc.fatal, fatal=exc.fatal, fenced=True)
+            self._settle(exc)
+            return _failed(exc, txn, abortable=not exc.fatal, fatal=exc.fatal, fenced=True, ambiguous=exc.ambiguous)
         except TransactionFailed as exc:
             log.error("batch %s: transaction failed (%s); fatal=%s", txn.batch_id, exc, exc.fatal)
-            return _failed(exc, txn, abortable=not exc.fatal, fatal=exc.fatal)
+            self._settle(exc)
+            return _failed(exc, txn, abortable=not exc.fatal, fatal=exc.fatal, ambiguous=exc.ambiguous)
         except BaseException as exc:  # a bug or an unexpected client error: reported like a failed commit
             log.exception("transaction of batch %s failed unexpectedly", txn.batch_id)
             return _failed(exc, txn, abortable=False, fatal=True, message=f"{type(exc).__name__}: {exc}")
@@ -393,11 +401,36 @@ class CommitLine:
             )
         return None
 
+    def _settle(self, exc: TransactionFailed) -> None:
+        """A commit whose outcome is unknown (``exc.ambiguous``) is made final before the worker learns of it: the
+        producer that fences it is made now, retried until the broker answers or the line is abandoned or closed.
+        Else a late commit could land after the worker read the committed offsets and re-read its records."""
+        if not exc.ambiguous:
+            return
+        while True:
+            try:
+                self.producer.settle()
+                return
+            except TransactionFailed as again:
+                log.warning("the ambiguous commit is not settled yet (%s): trying again", again)
+            with self._cond:
+                if self._stopping or self._abandoned:
+                    return  # nothing more is committed; the next owner's producer fences it
+                self._cond.wait(SETTLE_RETRY_S)
+
 
 def _failed(
-    exc: BaseException, txn: _Txn, abortable: bool, fatal: bool, fenced: bool = False, message: str | None = None
+    exc: BaseException,
+    txn: _Txn,
+    abortable: bool,
+    fatal: bool,
+    fenced: bool = False,
+    message: str | None = None,
+    ambiguous: bool = False,
 ) -> CommitFailed:
-    error = CommitFailed(message or str(exc), txn.batch_id, abortable=abortable, fatal=fatal, fenced=fenced)
+    error = CommitFailed(
+        message or str(exc), txn.batch_id, abortable=abortable, fatal=fatal, fenced=fenced, ambiguous=ambiguous
+    )
     error.__cause__ = exc
     return error
 

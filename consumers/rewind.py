@@ -1,25 +1,32 @@
 """Rewinds: where to re-read from when uncommitted work is dropped (a failed transaction, a lost partition, a
 revocation that outlasts its grace period, records given back outside a time window).
 
-The target of a partition is its committed offset when the broker can tell it - so a transaction whose commit
-was ambiguous but went through is not processed again - else the first record this worker still holds of it: a
-duplicate at worst, never a loss. Never the beginning of a partition: with no commit yet, the first record held
-is where this worker started. Reading the committed offsets is retried; a partition the broker keeps failing on
-falls back to the first record held.
+The target of a partition is its committed offset when the broker can tell it, else the first record this worker
+still holds of it. Never the beginning of a partition: with no commit yet, the first record held is where this
+worker started. Reading the committed offsets is retried; a partition the broker keeps failing on falls back to
+the first record held - which is exact only when every transaction before it is known to have committed or not.
+
+After a commit whose outcome was unknown (its answer lost: ``CommitFailed.ambiguous``) it is not: that transaction
+may hold the first record held. The commit line first makes the outcome final (a new producer's epoch fences it,
+so a late commit cannot land after the offsets are read), then the rewind is ``exact``: the committed offsets or
+nothing, and a worker the broker will not answer stops (:class:`~consumers.exceptions.CommittedUnknown`) rather
+than re-read records that may already have results.
 """
 
 from __future__ import annotations
 
 import logging
-from collections.abc import Iterable
+from collections.abc import Callable, Iterable
 
 from confluent_kafka import Consumer, KafkaException, TopicPartition
 
+from consumers.exceptions import CommittedUnknown
 from consumers.work import WorkItem
 
 log = logging.getLogger(__name__)
 COMMITTED_TIMEOUT_S = 10.0
 COMMITTED_TRIES = 3
+EXACT_TRIES = 5  # after an ambiguous commit (seek_back's ``exact``): within max.poll.interval.ms (60 s), then stop
 TP = tuple[str, int]
 
 
@@ -38,22 +45,36 @@ class Rewinder:
     def __init__(self, consumer: Consumer) -> None:
         self.consumer = consumer
 
-    def seek_back(self, partitions: Iterable[TP], held: dict[TP, int]) -> None:
-        """Seek each partition (all of them in ``held``) to its committed offset, else to its first held record."""
+    def seek_back(self, partitions: Iterable[TP], held: dict[TP, int], exact: Callable[[], None] | None = None) -> None:
+        """Seek each partition (all of them in ``held``) to its committed offset, else to its first held record.
+
+        ``exact`` (after a commit whose outcome was unknown): the committed offset or nothing - the first record
+        held may be committed already. The read is tried EXACT_TRIES times, ``exact()`` called between tries (it
+        may raise: the worker's liveness check); then :class:`CommittedUnknown`."""
         wanted = set(partitions)
-        committed = self.committed(wanted)
+        committed = self.committed(wanted, EXACT_TRIES if exact else COMMITTED_TRIES, exact)
+        unknown = wanted - set(committed)
+        if exact is not None and unknown:
+            raise CommittedUnknown(
+                f"no committed offset for {sorted(unknown)} after a commit whose outcome was unknown: stopping "
+                "rather than re-reading records that may have been committed"
+            )
         for topic, partition in wanted:
             offset = committed.get((topic, partition))
             self.seek(topic, partition, offset if offset is not None and offset >= 0 else held[(topic, partition)])
 
-    def committed(self, partitions: set[TP]) -> dict[TP, int]:
+    def committed(
+        self, partitions: set[TP], tries: int = COMMITTED_TRIES, between: Callable[[], None] | None = None
+    ) -> dict[TP, int]:
         """The group's committed offsets, retried; partitions the broker cannot answer for are left out (an
         answer of "no commit yet" is a negative offset)."""
         todo = [TopicPartition(t, p) for t, p in partitions]
         out: dict[TP, int] = {}
-        for attempt in range(COMMITTED_TRIES):
+        for attempt in range(tries):
             if not todo:
                 break
+            if attempt and between is not None:
+                between()
             try:
                 answer = self.consumer.committed(todo, timeout=COMMITTED_TIMEOUT_S)
             except KafkaException as exc:
@@ -66,7 +87,7 @@ class Rewinder:
                 else:
                     out[(tp.topic, tp.partition)] = tp.offset
         if todo:
-            log.warning("no committed offset for %d partitions: rewinding them to the first record held", len(todo))
+            log.warning("no committed offset for %d partitions", len(todo))
         return out
 
     def seek(self, topic: str, partition: int, offset: int) -> None:

@@ -210,7 +210,7 @@ class Worker:
         self.idle_exit_s = idle_exit_s
         self._seq = 0
         self._last_record = time.monotonic()
-        self._pending_seeks: tuple[set[TP], dict[TP, int]] | None = None
+        self._pending_seeks: tuple[set[TP], dict[TP, int], bool] | None = None  # targets, held, exact
         self._abandoned = False
         self._full_since: float | None = None  # when the worker last reached max_in_flight_records (flow control)
 
@@ -344,10 +344,10 @@ class Worker:
         """What rebalance callbacks left to do: Kafka calls nested inside a callback would break the client's call
         state, so seeks back and fetcher wake-ups run here, after ``consume()`` returned."""
         if self._pending_seeks is not None:
-            targets, held = self._pending_seeks
+            targets, held, exact = self._pending_seeks
             self._pending_seeks = None
             self.batcher.drop(targets)  # read again from the seek target, so not twice
-            self.rewinder.seek_back(targets & self.pauses.assigned, held)
+            self.rewinder.seek_back(targets & self.pauses.assigned, held, self._heartbeat if exact else None)
         self.pauses.wake_fetchers()
 
     def _work_ready(self) -> bool:
@@ -454,8 +454,13 @@ class Worker:
                 raise error.__cause__  # another live process holds our slot: stop, never fence it back
             if not error.fenced:  # a fenced transaction was aborted on purpose, the broker is fine
                 self.liveness.failed(str(error))
-            log.warning("rewinding after a failed transaction (fatal=%s, fenced=%s)", error.fatal, error.fenced)
-            self._rewind(in_callback=in_callback)
+            log.warning(
+                "rewinding after a failed transaction (fatal=%s, fenced=%s, ambiguous=%s)",
+                error.fatal,
+                error.fenced,
+                error.ambiguous,
+            )
+            self._rewind(in_callback=in_callback, exact=error.ambiguous)
             return False
         if not self.liveness.down:  # no new transaction while the broker is suspected down: it would only block
             self.commits.queue()
@@ -469,23 +474,29 @@ class Worker:
         self.batcher.drop({(i.source.topic, i.source.partition) for i in self.batcher.items()})
 
     # -- rewinds ---------------------------------------------------------------------------------
-    def _rewind(self, partitions: set[TP] | None = None, in_callback: bool = False) -> None:
+    def _rewind(self, partitions: set[TP] | None = None, in_callback: bool = False, exact: bool = False) -> None:
         """Drop everything uncommitted (in flight and buffered) and re-read it. ``partitions`` limits the seeks
         (the others were lost or revoked); by default every assigned partition. Transactions already queued are
         let finish first (what they committed is not re-read), except those holding fenced partitions: the commit
         thread aborts them (or drops them unbegun), so this waits for an abort, never for a stale commit. From a
-        rebalance callback the seeks wait until ``consume()`` has returned (:meth:`_after_callbacks`)."""
+        rebalance callback the seeks wait until ``consume()`` has returned (:meth:`_after_callbacks`).
+
+        ``exact`` (a commit whose outcome was unknown, made final by the commit line): the targets are the committed
+        offsets and nothing else - the first record held may have been committed already (CommittedUnknown if the
+        broker will not tell)."""
         self.stats.rewinds += 1
-        self.commits.settle()  # a failure here drops the transactions queued after it: all re-read below
+        failure = self.commits.settle()  # a failure here drops the transactions queued after it: all re-read below
+        exact = exact or (failure is not None and failure.ambiguous)
         flights = self.commits.drop()
         held = first_offsets([i for f in flights for i in f.items] + list(self.batcher.items()))
         self.feeder.cancel(flights)
         self.batcher.drop(self.pauses.assigned | set(held))
         targets = (self.pauses.assigned if partitions is None else partitions) & set(held)
         if in_callback:
-            self._pending_seeks = (targets, held)
+            exact = exact or (self._pending_seeks is not None and self._pending_seeks[2])
+            self._pending_seeks = (targets, held, exact)
         else:
-            self.rewinder.seek_back(targets, held)
+            self.rewinder.seek_back(targets, held, self._heartbeat if exact else None)
         log.warning("rewound %d partitions to their committed offsets", len(targets))
 
     def _give_back_buffered(self) -> None:

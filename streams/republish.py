@@ -183,5 +183,10 @@ class Republisher:
             value=value,
         )
 
+    def settle(self) -> None:
+        """Make a failed transaction's outcome final before the committed offsets are read
+        (:meth:`TransactionalProducer.settle`); TransactionFailed while the broker cannot be reached."""
+        self.txn.settle()
+
     def close(self) -> None:
         self.txn.close()

@@ -57,7 +57,7 @@ from batchline.kafka.liveness import BrokerDown, never_down
 from batchline.kafka.ownership import Ownership
 from batchline.kafka.slots import SlotSweeper, claim_slot
 from batchline.kafka.topics import JobTopics, effective_max_message_bytes
-from batchline.kafka.transactions import TransactionalIdTaken
+from batchline.kafka.transactions import TransactionalIdTaken, TransactionFailed
 from batchline.runs.manifests import RunsView
 from streams.exceptions import RepublishError
 from streams.republish import OVERSIZE, RETRIED_AT, Held, Republisher, held_of, now_ms, republished_headers
@@ -277,12 +277,19 @@ class RetryScheduler:
         return stop[1] if stop is not None and time.time() >= stop[0] else None
 
     def _settle(self) -> bool:
-        """After a commit whose outcome is unknown: drop the held records the group's committed offsets say were
-        re-published. False while the committed offsets cannot be read (nothing is released meanwhile)."""
+        """After a commit whose outcome is unknown: make it final (a new producer's epoch), then drop the held
+        records the group's committed offsets say were re-published. False while either cannot be done (nothing is
+        released meanwhile)."""
         unsettled = sorted(tp for tp in self.unsettled if tp in self.assigned)
         self.unsettled = set(unsettled)
         if not unsettled:
             return True
+        try:  # the failed transaction is final only once a new producer fenced it: a late commit cannot land after
+            self.republisher.settle()
+        except TransactionFailed as exc:
+            log.warning("cannot settle the ambiguous commit yet (%s): retrying", exc)
+            self._backoff_until = time.monotonic() + FAILURE_BACKOFF_S
+            return False
         try:
             committed = self.consumer.committed([TopicPartition(t, p) for t, p in unsettled], COMMITTED_TIMEOUT_S)
         except KafkaException as exc:

@@ -187,10 +187,18 @@ class TransactionalProducer:
         return producer, calls
 
     def _ensure_producer(self) -> None:
-        """Replace a producer retired after a hung call (:meth:`_recreate`), before it is used again."""
+        """Replace a producer retired by :meth:`_recreate`, before it is used again; TransactionFailed (fatal) while
+        the broker cannot be reached (``_replace`` stays set: the next call tries again)."""
         if self._replace:
             self.producer, self._calls = self._new_producer()
             self._replace = False
+
+    def settle(self) -> None:
+        """Make sure no transaction of ours is left open or in doubt: after a failure that retired the producer, make
+        the one whose init_transactions fences it (an ambiguous commit is final after this, committed or aborted,
+        and the group's committed offsets say which). Nothing to do otherwise; TransactionFailed while the broker
+        cannot be reached."""
+        self._ensure_producer()
 
     # -- the commit --------------------------------------------------------------------------------
     def commit(
@@ -210,7 +218,6 @@ class TransactionalProducer:
         transaction commits only while its partitions are ours (else TransactionFenced), and the offsets go with
         ``guard.group_metadata()`` instead of ``group_metadata``.
         """
-        self._ensure_producer()
         outgoing = list(messages)
         report = CommitReport()
         if fit is not None:
@@ -271,6 +278,7 @@ class TransactionalProducer:
         (the transaction was aborted). Raises TransactionFailed for everything else."""
         delivery: dict[int, KafkaError | None] = {}
         began = committing = False
+        self._ensure_producer()  # the previous round may have retired it
         try:
             self._call(lambda _t: self.producer.begin_transaction(), guard)
             began = True
@@ -402,6 +410,7 @@ class TransactionalProducer:
         """Produce ``group`` in a transaction that is always aborted; the messages the broker rejects."""
         delivery: dict[int, KafkaError | None] = {}
         rejected: dict[int, RecordError] = {}
+        self._ensure_producer()  # the previous round may have retired it
         try:
             self._call(lambda _t: self.producer.begin_transaction())
             for i in group:
@@ -511,7 +520,11 @@ class TransactionalProducer:
         return True
 
     def _recreate(self, purge: bool = False) -> None:
-        """``purge``: what the old producer still holds is dropped unsent, not flushed."""
+        """Retire the producer and make a new one, whose epoch fences its transaction. ``purge``: what the old
+        producer still holds is dropped unsent, not flushed. After a hung call the new one is made later
+        (``_replace``, see ``__init__``); a new one that cannot be made now (the broker is unreachable) is made by
+        the next commit, :meth:`settle` or :meth:`close` - never an error here: this runs while a transaction's own
+        failure is being raised, and that failure (ambiguous or not) is what the caller must learn."""
         log.warning("recreating transactional producer %s", self.transactional_id)
         self.recreated += 1
         old, calls = self.producer, self._calls
@@ -527,10 +540,12 @@ class TransactionalProducer:
                 log.warning("keeping the old producer of %s: a call of it is still pending", self.transactional_id)
                 self._retired.append((old, calls))
                 self._pending = None
-            if calls.hung:
-                self._replace = True  # by the next commit or close: _ensure_producer
-            else:
-                self.producer, self._calls = self._new_producer()
+            self._replace = True
+            if not calls.hung:
+                try:
+                    self._ensure_producer()
+                except TransactionFailed as exc:
+                    log.error("%s; the next commit makes it", exc)
 
     def close(self, timeout: float = CALL_TIMEOUT_S) -> None:
         """Flush; after a hung call, first make the producer that fences its transaction (bounded like a call)."""

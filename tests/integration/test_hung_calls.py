@@ -11,6 +11,7 @@ Before that change this test's commit stayed blocked until the watchdog lifted t
 
 from __future__ import annotations
 
+import struct
 import threading
 import uuid
 from collections.abc import Iterator
@@ -21,6 +22,7 @@ import pytest
 from confluent_kafka import Consumer, TopicPartition
 
 from batchline.config import KafkaSettings
+from batchline.kafka import transactions
 from batchline.kafka.bounded_calls import HANG_GRACE_S
 from batchline.kafka.broker import EmbeddedBroker, free_port
 from batchline.kafka.client import make_consumer
@@ -97,6 +99,76 @@ def test_a_send_offsets_call_that_never_returns_is_abandoned_and_its_transaction
         offset = consumer.committed([TopicPartition(topics.requests, 0)], timeout=15)[0].offset
         assert offset == RECORDS
     finally:
+        proxy.blackhole(False)
+        consumer.close()
+        txn.close()
+
+
+END_TXN = 26  # the Kafka API key of EndTxn (the commit or abort of a transaction)
+
+
+class _CutAfterEndTxn(FaultProxy):
+    """Passes the first EndTxn on to the broker once armed, then cuts the link (a blackhole): the broker commits
+    the transaction and its answer never reaches the producer - a commit whose outcome the producer cannot know."""
+
+    frames = True
+    armed = False
+
+    def passed_frame(self, frame: bytes) -> None:
+        if self.armed and struct.unpack(">h", frame[:2])[0] == END_TXN:
+            self.armed = False
+            self.blackhole(True)
+
+
+@pytest.fixture
+def cut_after_end_txn(tmp_path: Path) -> Iterator[tuple[KafkaSettings, _CutAfterEndTxn]]:
+    broker_port, proxy_port = free_port(), free_port()
+    with (
+        EmbeddedBroker(broker_port, str(tmp_path / "broker.log"), advertised=f"127.0.0.1:{proxy_port}"),
+        _CutAfterEndTxn(broker_port, proxy_port) as proxy,
+    ):
+        yield KafkaSettings(bootstrap=proxy.address), proxy
+
+
+def test_a_commit_whose_answer_is_lost_is_reported_ambiguous_and_settled_before_anything_is_reread(
+    cut_after_end_txn: tuple[KafkaSettings, _CutAfterEndTxn], job_name: str, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """The broker committed; the producer never heard. Its failure must say the outcome is unknown (``ambiguous``)
+    even when the producer that would fence the transaction cannot be made while the link is down - before, that
+    second failure replaced the first and said "nothing committed", and a worker re-read records already
+    committed. ``settle()`` after the heal makes that producer; only then are the committed offsets final."""
+    kafka, proxy = cut_after_end_txn
+    monkeypatch.setattr(transactions, "CALL_TIMEOUT_S", 4.0)  # the replacement's init_transactions, behind the cut
+    topics = JobTopics(job_name, ("1s",))
+    create_job_topics(kafka, topics, 1)
+    consumer = make_consumer(kafka, f"g-{uuid.uuid4().hex[:6]}")
+    cut = threading.Event()
+    txn = TransactionalProducer(kafka, f"t-{uuid.uuid4().hex[:6]}", broker_down=cut.is_set)
+    messages: list[Outgoing] = [(topics.results, f"v{i}".encode(), f"id-{i}".encode(), []) for i in range(RECORDS)]
+    offsets = [TopicPartition(topics.requests, 0, RECORDS)]
+    watchdog = threading.Timer(WATCHDOG_S, proxy.blackhole, [False])
+    try:
+        proxy.armed = True
+        cut.set()  # the liveness detector's view during the cut: one slice per call, no retries
+        watchdog.start()
+        with pytest.raises(TransactionFailed) as failed:
+            txn.commit(messages, offsets, consumer.consumer_group_metadata())
+        assert not proxy.armed, "the commit's EndTxn reached the broker"
+        assert failed.value.ambiguous, f"the outcome of a commit whose answer was lost is unknown: {failed.value}"
+        still_cut = watchdog.is_alive()
+        watchdog.cancel()
+        proxy.blackhole(False)
+        cut.clear()
+        assert still_cut, "the commit stayed blocked until the watchdog lifted the blackhole"
+
+        txn.settle()  # the new producer's epoch: the lost commit is final now, whichever way it went
+        assert open_transactions(kafka.bootstrap, [topics.results]) == []
+        keys = sorted(r.key for r in committed(kafka.bootstrap, topics.results))
+        assert keys == sorted(m[2] for m in messages), "the broker had committed the transaction: each record once"
+        offset = consumer.committed([TopicPartition(topics.requests, 0)], timeout=15)[0].offset
+        assert offset == RECORDS, "so a worker must rewind to the committed offset, not to the records it held"
+    finally:
+        watchdog.cancel()
         proxy.blackhole(False)
         consumer.close()
         txn.close()

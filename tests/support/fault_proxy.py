@@ -74,7 +74,11 @@ class FaultProxy:
         passes it. Here: always None. Only called when a subclass sets ``frames``."""
         return None
 
-    frames = False  # read the client's stream as Kafka frames (for client_frame) rather than as bytes
+    def passed_frame(self, frame: bytes) -> None:
+        """Called once ``frame`` (a request without its size prefix) was written to the broker, before the next
+        one is read: a fault may start here, with the request delivered and its response not yet. Here: nothing."""
+
+    frames = False  # read the client's stream as Kafka frames (client_frame, passed_frame) rather than as bytes
 
     # -- lifecycle -------------------------------------------------------------------------------------
     def start(self) -> FaultProxy:
@@ -177,6 +181,7 @@ class FaultProxy:
             if reply is None:
                 dst.write(struct.pack(">i", size) + frame)
                 await dst.drain()
+                self.passed_frame(frame)
             else:
                 async with lock:
                     client.write(reply)

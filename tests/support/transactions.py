@@ -60,6 +60,9 @@ class FailingTransactions:
     def oversize(self, message: Outgoing) -> RecordError | None:
         return self.inner.oversize(message)
 
+    def settle(self) -> None:
+        self.inner.settle()
+
     def close(self, timeout: float = 30.0) -> None:
         self.inner.close(timeout)
 

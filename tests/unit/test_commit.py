@@ -8,6 +8,7 @@ counted and what it hands back to the worker for a rewind.
 from __future__ import annotations
 
 import threading
+import time
 from typing import Any
 
 import pytest
@@ -15,7 +16,7 @@ from confluent_kafka import KafkaError, KafkaException
 
 from batchline.kafka.ownership import Ownership
 from batchline.kafka.topics import JobTopics
-from batchline.kafka.transactions import TransactionalIdTaken
+from batchline.kafka.transactions import TransactionalIdTaken, TransactionFailed
 from batchline.runs.identity import fingerprint_of
 from batchline.telemetry import Health, WorkerMetrics
 from consumers import commit
@@ -25,7 +26,7 @@ from consumers.infer import Flight
 from consumers.route import Router
 from consumers.work import WorkerStats
 from tests.unit.helpers import config, item
-from tests.unit.stand_ins import Member, stand_in_txn
+from tests.unit.stand_ins import Member, stand_in_txn, timed_out
 
 T = "unit.requests"
 SETTLE_TIMEOUT_S = 10.0
@@ -206,3 +207,61 @@ def test_the_commit_thread_wakes_the_worker_when_a_transaction_finishes(line: Li
     line.line.start()
     assert line.woken.wait(SETTLE_TIMEOUT_S)
     assert line.line.ready() and line.line.harvest() is None and line.stats.results == 1
+
+
+def _flaky_new_producer(made: Line, failures: int) -> list[int]:
+    """The replacement producer cannot be made ``failures`` times (its init_transactions fails: the broker is
+    unreachable), then can; returns the list of attempts, one entry per try."""
+    tries: list[int] = []
+    real = made.txn._new_producer
+
+    def new_producer() -> Any:
+        tries.append(len(tries) + 1)
+        if len(tries) <= failures:
+            raise TransactionFailed("init_transactions of unit-txn failed: broker unreachable", True)
+        return real()
+
+    made.txn._new_producer = new_producer  # type: ignore[method-assign]
+    return tries
+
+
+def test_a_commit_whose_answer_was_lost_is_made_final_before_the_worker_hears_of_it(
+    monkeypatch: pytest.MonkeyPatch,
+) -> None:
+    """commit_transaction times out (the broker may have committed), and the producer that would fence the
+    transaction cannot be made at first: the worker must learn "ambiguous" - not the replacement's own failure,
+    which says nothing was committed - and only once a new producer's epoch made the outcome final, so the
+    committed offsets its rewind reads cannot change after it read them."""
+    monkeypatch.setattr(commit, "SETTLE_RETRY_S", 0.01)
+    made = Line({"commit": [timed_out() for _ in range(5)]})
+    made.txn.broker_down = lambda: True  # as during a cut: one slice per call, no retries
+    tries = _flaky_new_producer(made, failures=2)
+    try:
+        made.launch([0, 1])
+        made.line.queue()
+        error = made.settle()
+        assert error is not None and error.ambiguous and error.fatal
+        assert tries == [1, 2, 3], "made in _recreate (failed), then by the line's settling: failed, made"
+        assert not made.txn._replace and made.calls[-1] == "init", "reported only after the fencing producer"
+        assert made.stats.transactions == 0 and made.stats.sink_failures == 1
+    finally:
+        made.close()
+
+
+def test_settling_stops_when_the_worker_abandons_the_line(monkeypatch: pytest.MonkeyPatch) -> None:
+    monkeypatch.setattr(commit, "SETTLE_RETRY_S", 0.01)
+    made = Line({"commit": [timed_out() for _ in range(5)]})
+    made.txn.broker_down = lambda: True
+    tries = _flaky_new_producer(made, failures=1_000_000)  # the broker never comes back
+    try:
+        flights = [made.launch([0])]
+        made.line.queue()
+        made.line.start()
+        deadline = time.monotonic() + SETTLE_TIMEOUT_S
+        while len(tries) < 3 and time.monotonic() < deadline:
+            time.sleep(0.01)
+        assert len(tries) >= 3, "the line keeps trying to settle while the worker waits"
+        assert made.line.abandon() == flights  # BrokerLost: the worker gives up
+        assert made.settle() is None and made.txn._replace, "the thread stopped; the next owner's producer fences"
+    finally:
+        made.close()

@@ -9,9 +9,12 @@ from __future__ import annotations
 from dataclasses import dataclass
 from typing import Any
 
+import pytest
 from confluent_kafka import KafkaError, KafkaException, TopicPartition
 
-from consumers.rewind import COMMITTED_TRIES, Rewinder, first_offsets
+from batchline.exceptions import BrokerLost
+from consumers.exceptions import CommittedUnknown
+from consumers.rewind import COMMITTED_TRIES, EXACT_TRIES, Rewinder, first_offsets
 from tests.unit.helpers import item
 
 T = "unit.requests"
@@ -87,3 +90,31 @@ def test_a_timeout_is_retried_and_never_crashes_the_worker() -> None:
     down = ScriptedConsumer([timeout])
     Rewinder(down).seek_back({(T, 0)}, {(T, 0): 250})  # type: ignore[arg-type]
     assert down.seeks == [(0, 250)]
+
+
+def test_after_an_ambiguous_commit_the_rewind_is_the_committed_offset_or_nothing() -> None:
+    """The first record held may be in the transaction whose answer was lost: no fallback to it. The read is
+    retried with the worker's check between tries; a broker that never says stops the worker."""
+    timeout = KafkaException(KafkaError(KafkaError._TIMED_OUT))
+    checks: list[int] = []
+    consumer = ScriptedConsumer([timeout, timeout, timeout, [_tp(0, 310)]])
+    Rewinder(consumer).seek_back({(T, 0)}, {(T, 0): 250}, lambda: checks.append(1))  # type: ignore[arg-type]
+    assert consumer.seeks == [(0, 310)] and len(checks) == 3, "past COMMITTED_TRIES, checked between tries"
+
+    down = ScriptedConsumer([timeout])
+    with pytest.raises(CommittedUnknown, match="may have been committed"):
+        Rewinder(down).seek_back({(T, 0)}, {(T, 0): 250}, lambda: None)  # type: ignore[arg-type]
+    assert down.seeks == [] and down.calls == EXACT_TRIES
+
+    lost = ScriptedConsumer([timeout])
+    with pytest.raises(BrokerLost):  # the worker's liveness check gives up first
+        Rewinder(lost).seek_back({(T, 0)}, {(T, 0): 250}, _broker_lost)  # type: ignore[arg-type]
+    assert lost.seeks == [] and lost.calls == 1
+
+    unset = ScriptedConsumer([[_tp(0, -1001)]])  # no commit at all: the lost commit did not go through
+    Rewinder(unset).seek_back({(T, 0)}, {(T, 0): 250}, lambda: None)  # type: ignore[arg-type]
+    assert unset.seeks == [(0, 250)]
+
+
+def _broker_lost() -> None:
+    raise BrokerLost("unit.invalid:9092", 30.0, "unreachable")
