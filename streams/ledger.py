@@ -292,7 +292,9 @@ class Ledger:
         if prev is not None:
             last[(topic, partition)] = prev
         for tp, msg in last.items():
-            self.consumed[tp] = (msg.offset() + 1, msg.timestamp()[1])
+            # a slot found stale is not folded: _stop_slot's checkpoint must not commit offsets past its records
+            if slot_of[tp] not in stale:
+                self.consumed[tp] = (msg.offset() + 1, msg.timestamp()[1])
         for slot_, outcomes in batches.items():
             if outcomes and slot_ not in stale:
                 self.reading[slot_].dirty |= self._store.fold(slot_, outcomes)
