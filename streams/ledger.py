@@ -28,15 +28,12 @@ manifest (README "Streams"). faust was not used, see ``retry_scheduler``.
 
 from __future__ import annotations
 
-import ctypes
-import ctypes.util
 import gc
 import logging
 import time
-from dataclasses import dataclass, field
 from datetime import UTC, datetime
 
-from confluent_kafka import OFFSET_BEGINNING, Consumer, KafkaError, KafkaException, Message, TopicPartition
+from confluent_kafka import Consumer, KafkaError, Message, TopicPartition
 
 from batchline.config import JobConfig, KafkaSettings, LedgerSettings
 from batchline.kafka.aborted import AbortedIndex
@@ -47,7 +44,8 @@ from batchline.kafka.topics import JobTopics
 from batchline.runs.status import TOP_QUARANTINED
 from schemas import codec_for
 from schemas.codec import DecodeError
-from streams.exceptions import StreamsError
+from streams.assignment import METADATA_TIMEOUT_S, SlotAssignment, SlotProgress
+from streams.memory import GC_THRESHOLDS, READER_LIMITS, TRIM_EVERY, malloc_trim
 from streams.outcomes import OutcomeReader
 from streams.slots import TP, Layout
 from streams.store import LedgerStore
@@ -57,72 +55,15 @@ log = logging.getLogger(__name__)
 UNSETTLED_WAIT_S = 60.0  # how long the fold waits for a record's transaction to be told committed or aborted
 POLL_BATCH = 1000
 POLL_TIMEOUT_S = 0.2
-METADATA_TIMEOUT_S = 10.0
 REFRESH_S = 10.0  # how often partition counts are checked (a grown topic changes the layout)
 FLUSH_TIMEOUT_S = 30.0
 CATCH_UP_EMPTY_POLLS = 10
 CHECKPOINT_S = 5.0  # longest time between commits while a slot is still catching up
 SNAPSHOT_SHARE = 10  # the next snapshot round waits at least this many times as long as the last one took
 UNCONFIRMED_S = 60.0  # resumed slots the group has not confirmed by then are let go
-# Bounded prefetch: librdkafka's own queues count towards the ledger's memory (default 64 MiB, and its fetch
-# buffers stay resident in its threads' malloc arenas). What it holds grows with the messages queued (~0.5 KB each
-# here: the message and its share of a decompressed lz4 batch), and the fold waits on the broker when too few are.
-# Measured at 1M ids (one run each, this busy 2-core machine), 1 MiB fetches of 64 KiB a partition, by messages
-# queued: 20k -> 34k records/s, peak RSS 109 MB; 50k -> 60k/s, 124 MB; 100k (16 MiB) -> 70k/s, 159 MB. Before:
-# 4 MiB fetches of at most 256 KiB a partition, 1 MiB and 10k messages queued (146 MB and ~54k/s at 1M ids in the
-# benchmark, a bare consume of the same partitions ~90k/s; and before that 2 MiB fetches, 40 % of a fold waiting).
-READER_LIMITS = {
-    "queued.max.messages.kbytes": 8 << 10,
-    "queued.min.messages": 50_000,
-    "fetch.max.bytes": 1 << 20,  # librdkafka's floor: message.max.bytes
-    "max.partition.fetch.bytes": 64 << 10,
-    "enable.partition.eof": False,
-    # A fetch of a caught-up partition waits at most this long at the broker, and a watermark or position request
-    # behind it on the same connection as long (librdkafka's 500 ms showed in every restart).
-    "fetch.wait.max.ms": 100,
-}
 
 
-TRIM_EVERY = 50  # polls with records between returns of freed memory to the OS (malloc_trim)
-# The fold allocates a few tuples per record, and with CPython's default thresholds (700, 10, 10) its garbage
-# collector ran ~2,100 young and 13 full collections per 300k records, each full one walking every object the
-# imports made. Those are frozen once the ledger has started (out of every collection), and young collections wait
-# for this many allocations: main-thread CPU per record at 200k ids 14.3-15.5 -> 11.6-12.7 us. Process-wide, so
-# the retry scheduler beside the ledger gets it too (it holds no reference cycles that must go sooner).
-GC_THRESHOLDS = (50_000, 20, 100)
-
-
-def _malloc_trim() -> None:
-    """Give the memory freed since the last call back to the OS (glibc's ``malloc_trim``; elsewhere nothing).
-
-    The reader's fetch buffers are freed in librdkafka's threads' malloc arenas and stayed resident: at 1M ids a
-    fold ended at 155 MB RSS, 93 MB when trimmed every 50 polls, and the peak went from 151 to 140 MB."""
-    if _LIBC is not None:
-        _LIBC.malloc_trim(0)
-
-
-def _libc() -> ctypes.CDLL | None:
-    try:
-        libc = ctypes.CDLL(ctypes.util.find_library("c"))
-    except OSError:
-        return None
-    return libc if hasattr(libc, "malloc_trim") else None
-
-
-_LIBC = _libc()
-
-
-@dataclass
-class SlotProgress:
-    """A slot being read: how far it must read before its snapshots may go out, and what changed since."""
-
-    targets: dict[TP, int]
-    verify: dict[TP, tuple[int, int]]  # partition -> (offset, timestamp) of the last record the store folded
-    caught_up: bool = False
-    dirty: set[str] = field(default_factory=set)
-
-
-class Ledger:
+class Ledger(SlotAssignment):
     """The ledger of one job in one process. ``step()`` reads and folds; snapshots go out once caught up."""
 
     def __init__(
@@ -164,18 +105,9 @@ class Ledger:
         self._verifying = False  # some slot still has a checkpointed record to re-read (SlotProgress.verify)
 
     @property
-    def outcome_topics(self) -> list[str]:
-        return [self.topics.results, self.topics.dlq, *self.topics.retries]
-
-    @property
     def runs(self) -> int:
         """Runs this process has published snapshots of."""
         return len(self.published_runs)
-
-    @property
-    def _store(self) -> LedgerStore:
-        assert self.store is not None, "Ledger.start() opens the store"
-        return self.store
 
     def start(self) -> None:
         self.store = LedgerStore(self.settings.dir, self.topics.job)
@@ -228,7 +160,7 @@ class Ledger:
             self.last_activity = time.monotonic()
             self._polls += 1
             if self._polls % TRIM_EVERY == 0:
-                _malloc_trim()
+                malloc_trim()
         self._empty_rounds = 0 if msgs else self._empty_rounds + 1
         if len(msgs) < POLL_BATCH and any(not p.caught_up for p in self.reading.values()):
             self._check_caught_up()  # the queue ran dry: positions are local, no request
@@ -292,7 +224,9 @@ class Ledger:
         if prev is not None:
             last[(topic, partition)] = prev
         for tp, msg in last.items():
-            self.consumed[tp] = (msg.offset() + 1, msg.timestamp()[1])
+            # a slot found stale is not folded: _stop_slot's checkpoint must not commit offsets past its records
+            if slot_of[tp] not in stale:
+                self.consumed[tp] = (msg.offset() + 1, msg.timestamp()[1])
         for slot_, outcomes in batches.items():
             if outcomes and slot_ not in stale:
                 self.reading[slot_].dirty |= self._store.fold(slot_, outcomes)
@@ -374,10 +308,6 @@ class Ledger:
             self.last_activity = time.monotonic()
         return sent
 
-    def _checkpoint(self) -> None:
-        self._store.checkpoint(self.consumed, self.slot_of)
-        self._last_commit = time.monotonic()
-
     def _delivered(self, err: KafkaError | None, msg: Message) -> None:
         if err is None:
             return
@@ -387,113 +317,6 @@ class Ledger:
         slot = int(where.split("/")[0]) if where.split("/")[0].isdigit() else -1
         if slot in self.reading:
             self.reading[slot].dirty.add(run)  # published again with the next round
-
-    # -- slots -------------------------------------------------------------------------------------
-    @property
-    def _layout(self) -> Layout:
-        assert self.layout is not None, "Ledger.start() reads the layout"
-        return self.layout
-
-    def _layout_of(self, meta: object) -> Layout:
-        topics = getattr(meta, "topics", {})
-        counts = {t: len(topics[t].partitions) for t in self.outcome_topics if t in topics and not topics[t].error}
-        if self.topics.results not in counts:
-            raise StreamsError(f"ledger of {self.topics.job}: {self.topics.results} does not exist")
-        return Layout.of(self.topics.results, counts)
-
-    def _start_slot(self, slot: int) -> None:
-        self._start_slots([slot])
-
-    def _start_slots(self, slots: list[int]) -> None:
-        """Read slots from their checkpoint (re-reading the last folded record to verify it), else from the start.
-
-        Every watermark is asked for before any partition is assigned: once the reader fetches, each ListOffsets
-        request waits behind a fetch the broker holds for ``fetch.wait.max.ms`` (12 partitions took 3 s to resume
-        when asked slot by slot)."""
-        starting = [s for s in dict.fromkeys(slots) if s not in self.reading and s < self._layout.slots]
-        if starting:
-            self._empty_rounds = 0  # polls before a slot read anything (the group join) say nothing of its catch-up
-        highs = {
-            tp: self.reader.get_watermark_offsets(TopicPartition(*tp), METADATA_TIMEOUT_S, cached=False)[1]
-            for slot in starting
-            for tp in self._layout.partitions(slot)
-        }
-        assign = []
-        for slot in starting:
-            checkpoint = self._store.offsets(slot)
-            if any(checkpoint.get(tp, (0, 0))[0] > 0 and highs[tp] == 0 for tp in self._layout.partitions(slot)):
-                log.warning("ledger store of slot %d: a partition is empty now: rebuilding the slot", slot)
-                self._store.drop_slot(slot)
-                checkpoint = {}
-            progress = SlotProgress(targets={}, verify={})
-            for tp in self._layout.partitions(slot):
-                progress.targets[tp] = highs[tp]
-                nxt, ts = checkpoint.get(tp, (0, 0))
-                if nxt > 0:
-                    progress.verify[tp] = (nxt - 1, ts)
-                    self._verifying = True
-                self.consumed[tp] = (nxt, ts)
-                self.slot_of[tp] = slot
-                assign.append(TopicPartition(*tp, nxt - 1 if nxt > 0 else OFFSET_BEGINNING))
-            self.reading[slot] = progress
-        if assign:
-            self.reader.incremental_assign(assign)
-
-    def _stop_slot(self, slot: int) -> None:
-        """Checkpoint a slot and stop reading it; its state stays on disk for a later resume."""
-        if slot not in self.reading:
-            return
-        self._checkpoint()
-        tps = self._layout.partitions(slot)
-        self.reader.incremental_unassign([TopicPartition(*tp) for tp in tps])
-        for tp in tps:
-            self.slot_of.pop(tp, None)
-            self.consumed.pop(tp, None)
-            self.aborted.forget(*tp)
-        del self.reading[slot]
-        self._store.release(slot)
-
-    def _on_assign(self, consumer: Consumer, partitions: list[TopicPartition]) -> None:
-        consumer.incremental_assign(partitions)
-        consumer.pause(partitions)  # the group only says who owns what; the reader reads
-        given = [s for tp in partitions if (s := self._layout.slot_of_assigned(tp.partition)) is not None]
-        self.owned.update(given)
-        self._start_slots(given)
-        self.group_watch.assigned(len(self.owned))
-        self._confirm()
-
-    def _on_revoke(self, consumer: Consumer, partitions: list[TopicPartition]) -> None:
-        for tp in partitions:
-            slot = self._layout.slot_of_assigned(tp.partition)
-            if slot is not None:
-                self.owned.discard(slot)
-                self._stop_slot(slot)
-        self.group_watch.assigned(len(self.owned))
-        self._confirm()
-
-    def _confirm(self) -> None:
-        """The group has answered: slots resumed on speculation that it did not give this process are let go."""
-        self.confirmed = True
-        for slot in [s for s in self.reading if s not in self.owned]:
-            log.info("ledger of %s lets go of slot %d (owned by another process)", self.topics.job, slot)
-            self._stop_slot(slot)
-
-    def _refresh_layout(self) -> None:
-        """A grown outcome topic changes where ids land: start over in the new layout (the group rebalances too)."""
-        self._last_refresh = time.monotonic()
-        try:
-            meta = self.reader.list_topics(timeout=METADATA_TIMEOUT_S)
-        except KafkaException as exc:  # a network blip must not end the process: the next refresh tries again
-            log.warning("ledger of %s: cannot refresh its layout (%s)", self.topics.job, exc.args[0].str())
-            return
-        layout = self._layout_of(meta)
-        if layout == self.layout:
-            return
-        for slot in list(self.reading):
-            self._stop_slot(slot)
-        self.layout = layout
-        self._store.reset(f"layout changed to {layout.describe()}", layout=layout.describe(), cluster=self.cluster)
-        self._start_slots(sorted(self.owned))
 
     def close(self) -> None:
         self.group_sampler.close()

@@ -42,9 +42,8 @@ from __future__ import annotations
 
 import logging
 import time
-from collections import deque
-from collections.abc import Callable, Iterable
-from dataclasses import dataclass, field
+from collections.abc import Iterable
+from dataclasses import dataclass
 
 from confluent_kafka import Consumer, KafkaError, KafkaException, TopicPartition
 
@@ -60,6 +59,7 @@ from batchline.kafka.topics import JobTopics, effective_max_message_bytes
 from batchline.kafka.transactions import TransactionalIdTaken, TransactionFailed
 from batchline.runs.manifests import RunsView
 from streams.exceptions import RepublishError
+from streams.partition_queue import PartitionQueue
 from streams.republish import OVERSIZE, RETRIED_AT, Held, Republisher, held_of, now_ms, republished_headers
 
 __all__ = [
@@ -83,41 +83,6 @@ RECONCILE_S = 5.0  # how often the pauses are re-checked against the consumer's 
 COMMITTED_TIMEOUT_S = 10.0
 
 TP = tuple[str, int]
-
-
-@dataclass
-class PartitionQueue:
-    """The held records of one retry partition, in offset order. Offsets already held are ignored (redelivery)."""
-
-    records: deque[Held] = field(default_factory=deque)
-    next_offset: int = -1
-
-    def push(self, held: Held) -> bool:
-        if held.offset < self.next_offset:
-            return False
-        self.records.append(held)
-        self.next_offset = held.offset + 1
-        return True
-
-    def due(self, at_ms: int, limit: int, stopped: Callable[[Held], bool] | None = None) -> list[Held]:
-        """The due prefix (at most ``limit``): the head decides, a later record never overtakes it. A record for
-        which ``stopped`` is true (its run was cancelled or expired) is due at once."""
-        out: list[Held] = []
-        for held in self.records:
-            if len(out) >= limit or (held.due_at_ms > at_ms and not (stopped and stopped(held))):
-                break
-            out.append(held)
-        return out
-
-    def drop(self, n: int) -> None:
-        for _ in range(n):
-            self.records.popleft()
-
-    def next_due(self) -> int | None:
-        return self.records[0].due_at_ms if self.records else None
-
-    def __len__(self) -> int:
-        return len(self.records)
 
 
 def scheduler_group(job: str) -> str:

@@ -40,7 +40,7 @@ from batchline.runs.identity import Fingerprint
 from batchline.runs.manifests import manifest_for, write_manifest
 from batchline.runs.status import latest_stats
 from schemas import codec_for
-from streams.ledger import READER_LIMITS
+from streams.memory import READER_LIMITS
 
 OUT = Path(__file__).resolve().parents[2] / "out"
 SIZES = [int(n) for n in os.environ.get("BENCH_LEDGER_IDS", "1000000,10000000").split(",") if n]
