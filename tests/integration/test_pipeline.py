@@ -21,7 +21,7 @@ from tests.support.jobs import job_toml, requests_file
 from tests.support.kafka import produce_raw, wait_for
 from tests.support.oracle import assert_exactly_once, lineage_of, outcome_ids
 from tests.support.procs import CliProcess
-from tests.support.transactions import FailingTransactions
+from tests.support.transactions import FailingTransactions, LateCommit
 
 RUN_TIMEOUT_S = 180.0
 
@@ -142,6 +142,34 @@ def test_sink_failure_commits_nothing_and_the_batch_is_processed_again(
     for rid in failed:
         [(_, rec)] = view[rid]
         assert _seq(lineage_of(rec).batch_id) > max(failed.values()), rid  # re-read, processed by a later batch
+
+
+def test_a_commit_whose_answer_was_lost_is_not_processed_again(
+    kafka: KafkaSettings, job_name: str, make_job: Callable[..., JobTopics], tmp_path: Path
+) -> None:
+    """The third transaction's answer is lost and the broker commits it late - when the producer is next used
+    (:class:`~tests.support.transactions.LateCommit`). The worker must not read the committed offsets before that:
+    the commit line settles the transaction (a new epoch) before it reports the failure, and the rewind takes the
+    committed offsets. Before, the rewind read them first, re-read the transaction's records and committed them
+    a second time."""
+    from consumers.worker import Worker
+
+    topics = make_job(job_name, partitions=1)
+    knobs = "batch_latency_ms = 30, streaming = false"
+    cfg = load_job_config(job_name, job_toml(tmp_path / "job.toml", kwargs=knobs, max_records=10))
+    valid, _ = requests_file(tmp_path / "in.jsonl", 60)
+    submit_file(kafka, topics, tmp_path / "in.jsonl", fingerprint_of(cfg))
+
+    worker = Worker(cfg, kafka, idle_exit_s=4)
+    txns = LateCommit(worker.commits.producer, lose=3)
+    worker.commits.producer = txns
+    stats = worker.run()
+
+    view = assert_exactly_once(kafka.bootstrap, topics, valid).results
+    assert set(view) == valid
+    landed = {key.decode() for _, _, key, _ in txns.landed if key}
+    assert landed and txns.landed_at == "settle", "the lost commit landed when the line settled it"
+    assert stats.sink_failures == 1 and stats.rewinds == 1
 
 
 def _seq(batch_id: str) -> int:

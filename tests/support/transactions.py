@@ -69,3 +69,68 @@ class FailingTransactions:
 
 def _abort() -> None:
     raise KafkaException(KafkaError(KafkaError._STATE, "injected transaction fault", txn_requires_abort=True))
+
+
+class LateCommit:
+    """A commit whose answer is lost and which the broker carries out late: transaction ``lose`` (1 = the first)
+    is not committed when asked - the call fails ``ambiguous``, as when ``commit_transaction``'s answer never
+    came - and is committed, for real, at the latest moment the protocol allows: when the producer is next used
+    (``settle()``, whose new epoch would fence it, or the next ``commit()``). A commit of the old epoch still in
+    flight may land any time until then (librdkafka retries EndTxn in the background); a worker must learn the
+    committed offsets only after that, or it re-reads records whose results are committed."""
+
+    def __init__(self, inner: TransactionalProducer, lose: int) -> None:
+        self.inner = inner
+        self.lose = lose
+        self.calls = 0
+        self.held: tuple[list[Outgoing], list[TopicPartition], Any] | None = None  # messages, offsets, metadata
+        self.landed: list[Outgoing] = []  # what the late commit committed
+        self.landed_at = ""  # "settle" or "commit": what made it land
+
+    def commit(
+        self,
+        messages: Iterable[Outgoing],
+        offsets: list[TopicPartition],
+        group_metadata: Any,
+        before_commit: Callable[[], None] | None = None,
+        fit: Fit | None = None,
+        guard: Guard | None = None,
+    ) -> CommitReport:
+        self._land("commit")
+        self.calls += 1
+        outgoing = list(messages)
+        if self.calls == self.lose:
+            self.held = (outgoing, offsets, guard.group_metadata() if guard is not None else group_metadata)
+            raise TransactionFailed("commit_transaction: answer lost (injected)", True, ambiguous=True)
+        return self.inner.commit(outgoing, offsets, group_metadata, before_commit, fit, guard)
+
+    def _land(self, by: str) -> None:
+        if self.held is not None:
+            outgoing, offsets, metadata = self.held
+            self.held = None
+            self.inner.commit(outgoing, offsets, None, guard=_Sent(metadata))
+            self.landed, self.landed_at = outgoing, by
+
+    def oversize(self, message: Outgoing) -> RecordError | None:
+        return self.inner.oversize(message)
+
+    def settle(self) -> None:
+        self._land("settle")
+        self.inner.settle()
+
+    def close(self, timeout: float = 30.0) -> None:
+        self.inner.close(timeout)
+
+
+class _Sent:
+    """The claim of a commit already sent: the group's metadata of then, and no second check of the partitions
+    (the broker carries out what it was sent)."""
+
+    def __init__(self, metadata: Any) -> None:
+        self.metadata = metadata
+
+    def stale(self) -> str | None:
+        return None
+
+    def group_metadata(self) -> Any:
+        return self.metadata
