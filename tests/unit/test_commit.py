@@ -15,7 +15,7 @@ from confluent_kafka import KafkaError, KafkaException
 
 from batchline.kafka.ownership import Ownership
 from batchline.kafka.topics import JobTopics
-from batchline.kafka.transactions import TransactionalIdTaken
+from batchline.kafka.transaction_errors import TransactionalIdTaken
 from batchline.runs.identity import fingerprint_of
 from batchline.telemetry import Health, WorkerMetrics
 from consumers import commit
