@@ -43,14 +43,8 @@ from batchline.config import KafkaSettings
 from batchline.kafka.liveness import BrokerDown
 from batchline.kafka.ownership import Claim, Ownership
 from batchline.kafka.record_size import Outgoing, RecordError
-from batchline.kafka.transactions import (
-    CommitReport,
-    Fit,
-    Guard,
-    TransactionalProducer,
-    TransactionFailed,
-    TransactionFenced,
-)
+from batchline.kafka.transaction_errors import TransactionFailed, TransactionFenced
+from batchline.kafka.transactions import CommitReport, Fit, Guard, TransactionalProducer
 from batchline.telemetry import Health, WorkerMetrics, link_from_traceparent, traceparent_of
 from consumers.exceptions import CommitFailed
 from consumers.infer import Flight

@@ -72,7 +72,7 @@ from batchline.kafka.topics import (
     sized_topics,
     topic_message_bytes,
 )
-from batchline.kafka.transactions import TransactionalIdTaken
+from batchline.kafka.transaction_errors import TransactionalIdTaken
 from batchline.runs.control import CANCELLED, stop_message
 from batchline.runs.identity import Fingerprint, fingerprint_of
 from batchline.telemetry import Health, WorkerMetrics

@@ -23,7 +23,8 @@ from batchline.kafka.liveness import BrokerDown, never_down
 from batchline.kafka.ownership import Claim
 from batchline.kafka.record_size import Outgoing, RecordError
 from batchline.kafka.topics import JobTopics
-from batchline.kafka.transactions import TransactionalProducer, TransactionFailed
+from batchline.kafka.transaction_errors import TransactionFailed
+from batchline.kafka.transactions import TransactionalProducer
 from batchline.runs.control import CANCELLED, stop_message
 from schemas import DeadLetter, codec_for
 from schemas.codec import DecodeError, decode_request

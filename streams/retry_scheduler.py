@@ -56,7 +56,7 @@ from batchline.kafka.liveness import BrokerDown, never_down
 from batchline.kafka.ownership import Ownership
 from batchline.kafka.slots import SlotSweeper, claim_slot
 from batchline.kafka.topics import JobTopics, effective_max_message_bytes
-from batchline.kafka.transactions import TransactionalIdTaken, TransactionFailed
+from batchline.kafka.transaction_errors import TransactionalIdTaken, TransactionFailed
 from batchline.runs.manifests import RunsView
 from streams.exceptions import RepublishError
 from streams.partition_queue import PartitionQueue

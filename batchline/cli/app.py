@@ -18,6 +18,7 @@ import typer
 
 from batchline.cli import api_cmd as cli_api
 from batchline.cli import ops as cli_ops
+from batchline.cli import processes as cli_processes
 from batchline.cli.common import (
     check_model,
     connect,
@@ -27,7 +28,7 @@ from batchline.cli.common import (
     out,
 )
 from batchline.cli.options import FileFormat, JobOptions, LogLevel, root, uses
-from batchline.config import DEFAULT_BOOTSTRAP, JobConfig, KafkaSettings, LedgerSettings
+from batchline.config import DEFAULT_BOOTSTRAP, JobConfig, KafkaSettings
 from batchline.exceptions import InputFileError
 
 app = typer.Typer(
@@ -57,18 +58,6 @@ def main_options(
 ) -> None:
     """High-volume batch inference on Kafka."""
     root.bootstrap, root.log_level = bootstrap, log_level
-
-
-MetricsPort = Annotated[
-    int | None,
-    typer.Option(
-        "--metrics-port",
-        envvar="BATCHLINE_METRICS_PORT",
-        min=1,
-        max=65535,
-        help="Serve Prometheus /metrics, /healthz and /readyz on this port (all interfaces).",
-    ),
-]
 
 
 @app.command()
@@ -217,94 +206,8 @@ def submit(
     out.print(report.run_id)
 
 
-@app.command()
-@uses
-def worker(
-    job: str,
-    idle_exit: Annotated[float | None, typer.Option(help="Exit after this many idle seconds.")] = None,
-    metrics_port: MetricsPort = None,
-    worker_id: Annotated[
-        str | None,
-        typer.Option(
-            envvar="BATCHLINE_WORKER_ID",
-            help="This worker's slot: its transactional id is <group>.<id>, so a restart with the same id fences "
-            "what the last one left open. Default: <hostname>-<lowest free index on this host>.",
-        ),
-    ] = None,
-    *,
-    opts: JobOptions,
-    log_level: LogLevel,
-    bootstrap: str,
-) -> None:
-    """Run a GPU consumer-group worker for JOB until SIGTERM/Ctrl-C (then drains and commits)."""
-    from batchline.kafka.topics import JobTopics
-    from batchline.telemetry import Health, serve_probes, setup_telemetry
-    from consumers.worker import Worker
-
-    cfg = opts.load(job)
-    check_model(cfg)  # before anything heavy loads
-    topics = JobTopics(job, cfg.retry.tiers)
-    # Retry tiers are not required here: where the broker auto-creates topics, the first retry creates its tier.
-    # `batchline streams` refuses to start without them.
-    kafka = connect(bootstrap, topics, [topics.requests, topics.results, topics.dlq, topics.runs])
-    setup_telemetry(cfg.telemetry, f"batchline-worker-{job}", prometheus=metrics_port is not None)
-    health = Health.for_worker(cfg)
-    serve_probes(metrics_port, health)  # before the engine loads: live, not ready
-    w = Worker(cfg, kafka, worker_id=worker_id, idle_exit_s=idle_exit, health=health)
-    signal.signal(signal.SIGTERM, lambda *_: w.stop())
-    signal.signal(signal.SIGINT, lambda *_: w.stop())
-    stats = w.run()
-    console.print(
-        f"worker {w.worker_id} stopped: {stats.batches} batches, {stats.results} results, "
-        f"{stats.retries} retries, {stats.dead_letters} dead letters, {stats.passed_over} passed over"
-        + (f", {stats.aborted} aborted requests skipped" if stats.aborted else ""),
-        soft_wrap=True,
-    )
-
-
-@app.command("streams")
-@uses
-def streams_cmd(
-    job: str,
-    idle_exit: Annotated[float | None, typer.Option(help="Exit after this many idle seconds.")] = None,
-    snapshot_interval: Annotated[float, typer.Option(min=0.05, help="Seconds between ledger snapshots.")] = 1.0,
-    ledger_dir: Annotated[
-        Path | None, typer.Option(help="Root of the ledger's store (env BATCHLINE_LEDGER_DIR; default: temp dir).")
-    ] = None,
-    metrics_port: MetricsPort = None,
-    *,
-    opts: JobOptions,
-    log_level: LogLevel,
-    bootstrap: str,
-) -> None:
-    """Run JOB's retry scheduler and completion ledger until SIGTERM/Ctrl-C (retry tiers from the config)."""
-    from batchline.kafka.topics import JobTopics
-    from batchline.telemetry import Health, serve_probes, setup_telemetry
-    from streams import StreamsApp
-
-    cfg = opts.load(job)
-    topics = JobTopics(job, cfg.retry.tiers)
-    kafka = connect(bootstrap, topics, topics.all())
-    ledger = LedgerSettings(dir=ledger_dir) if ledger_dir else LedgerSettings()
-    setup_telemetry(cfg.telemetry, f"batchline-streams-{job}", prometheus=metrics_port is not None)
-    health = Health.for_streams(cfg)
-    serve_probes(metrics_port, health)
-    streams_app = StreamsApp(
-        cfg,
-        kafka,
-        idle_exit_s=idle_exit,
-        snapshot_interval_s=snapshot_interval,
-        ledger=ledger,
-        health=health,
-    )
-    signal.signal(signal.SIGTERM, lambda *_: streams_app.stop())
-    signal.signal(signal.SIGINT, lambda *_: streams_app.stop())
-    report = streams_app.run()
-    console.print(
-        f"streams of {job} stopped: {report.republished} retries re-published in {report.transactions} "
-        f"transactions, ledger folded {report.ledger_records} records into {report.runs} runs "
-        f"({report.snapshots} snapshots)"
-    )
+# worker and streams here, between submit and demo: --help lists the commands in the order they are registered
+cli_processes.register(app)
 
 
 @app.command()

@@ -42,7 +42,6 @@ from typing import Any, Literal, Protocol, TypeVar
 from confluent_kafka import KafkaError, KafkaException, Message, Producer, TopicPartition
 
 from batchline.config import KafkaSettings
-from batchline.exceptions import BatchlineError
 from batchline.kafka.bounded_calls import BoundedCalls, CallHung
 from batchline.kafka.client import make_producer, producer_conf
 from batchline.kafka.liveness import BrokerDown, never_down
@@ -54,6 +53,13 @@ from batchline.kafka.record_size import (
     RecordError,
     wire_size,
 )
+from batchline.kafka.transaction_errors import (
+    FENCED_CODES,
+    ReplacementTooLarge,
+    TransactionalIdTaken,
+    TransactionFailed,
+    TransactionFenced,
+)
 
 log = logging.getLogger(__name__)
 T = TypeVar("T")
@@ -63,22 +69,6 @@ CALL_SLICE_S = 2.0  # the longest one librdkafka call blocks before the guard is
 CALL_RETRIES = 5  # errors other than a slice's time-out, per call
 MAX_ROUNDS = 4  # real transactions of one commit: the first, and re-tries each with more replacements
 FoundBy = Literal["precheck", "produce", "delivery", "probe"]
-
-
-class TransactionFailed(BatchlineError):
-    """Nothing of the transaction was committed - unless ``ambiguous``: the commit was sent and its outcome is
-    unknown (the broker may have committed; the caller must read the committed offsets to know).
-    ``fatal``: the producer was recreated."""
-
-    def __init__(self, message: str, fatal: bool, ambiguous: bool = False) -> None:
-        super().__init__(message)
-        self.fatal = fatal
-        self.ambiguous = ambiguous
-
-
-class TransactionFenced(TransactionFailed):
-    """The transaction's partitions are no longer ours (:class:`Guard`): it was aborted, or, when ``ambiguous``
-    (its commit was under way), its producer recreated."""
 
 
 class Guard(Protocol):
@@ -108,26 +98,6 @@ class CommitReport:
 
 
 Fit = Callable[[int, Outgoing, RecordError], Outgoing]
-
-
-class TransactionalIdTaken(TransactionFailed):
-    """Another producer with our ``transactional.id`` started after us (the broker says PRODUCER_FENCED): a second
-    live process holds our slot (:mod:`batchline.kafka.slots`), or we are a zombie that was replaced. Fencing back
-    (recreating the producer) would make both fence each other for ever: the caller stops instead."""
-
-    def __init__(self, transactional_id: str, reason: str) -> None:
-        super().__init__(
-            f"transactional id {transactional_id} was taken by a newer producer ({reason}): another live process "
-            "holds this slot, or this one was replaced; stopping without committing anything more",
-            fatal=True,
-        )
-
-
-FENCED_CODES = frozenset({KafkaError._FENCED, KafkaError.PRODUCER_FENCED})
-
-
-class ReplacementTooLarge(TransactionFailed):
-    """``fit`` returned a replacement that does not fit either: a bug of the caller's ``fit``."""
 
 
 class TransactionalProducer:

@@ -25,7 +25,8 @@ from batchline.kafka.broker import die_with_parent
 from batchline.kafka.client import make_consumer, make_reader
 from batchline.kafka.slots import SLOT_DIR_ENV, SlotTaken, claim_slot
 from batchline.kafka.topics import JobTopics
-from batchline.kafka.transactions import TransactionalIdTaken, TransactionalProducer
+from batchline.kafka.transaction_errors import TransactionalIdTaken
+from batchline.kafka.transactions import TransactionalProducer
 from batchline.runs.identity import fingerprint_of
 from batchline.runs.submit import submit_file
 from tests.support.jobs import job_toml, requests_file

@@ -28,7 +28,8 @@ from batchline.kafka.broker import EmbeddedBroker, free_port
 from batchline.kafka.client import make_consumer
 from batchline.kafka.record_size import Outgoing
 from batchline.kafka.topics import JobTopics, create_job_topics
-from batchline.kafka.transactions import TransactionalProducer, TransactionFailed
+from batchline.kafka.transaction_errors import TransactionFailed
+from batchline.kafka.transactions import TransactionalProducer
 from tests.support.fault_proxy import FaultProxy
 from tests.support.kafka import wait_for
 from tests.support.oracle import committed, open_transactions

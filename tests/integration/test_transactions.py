@@ -28,7 +28,8 @@ from batchline.kafka.topics import (
     effective_max_message_bytes,
     topic_message_bytes,
 )
-from batchline.kafka.transactions import ReplacementTooLarge, TransactionalProducer, TransactionFailed
+from batchline.kafka.transaction_errors import ReplacementTooLarge, TransactionFailed
+from batchline.kafka.transactions import TransactionalProducer
 from tests.integration.size_limit_proxy import SizeLimitProxy, size_limited_broker
 from tests.support.oracle import Rec, committed, open_transactions
 

@@ -14,7 +14,8 @@ from typing import Any
 from confluent_kafka import KafkaError, KafkaException, TopicPartition
 
 from batchline.kafka.record_size import Outgoing, RecordError
-from batchline.kafka.transactions import CommitReport, Fit, Guard, TransactionalProducer, TransactionFailed
+from batchline.kafka.transaction_errors import TransactionFailed
+from batchline.kafka.transactions import CommitReport, Fit, Guard, TransactionalProducer
 
 TP = tuple[str, int]
 

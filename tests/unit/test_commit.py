@@ -16,7 +16,7 @@ from confluent_kafka import KafkaError, KafkaException
 
 from batchline.kafka.ownership import Ownership
 from batchline.kafka.topics import JobTopics
-from batchline.kafka.transactions import TransactionalIdTaken, TransactionFailed
+from batchline.kafka.transaction_errors import TransactionalIdTaken, TransactionFailed
 from batchline.runs.identity import fingerprint_of
 from batchline.telemetry import Health, WorkerMetrics
 from consumers import commit

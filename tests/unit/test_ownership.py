@@ -17,7 +17,7 @@ from confluent_kafka import KafkaError, KafkaException, TopicPartition
 
 from batchline.kafka.ownership import Ownership, member_of
 from batchline.kafka.record_size import Outgoing
-from batchline.kafka.transactions import TransactionFenced
+from batchline.kafka.transaction_errors import TransactionFenced
 from tests.unit.stand_ins import Member, metadata, stand_in_txn, timed_out
 
 T = "unit.requests"
