@@ -11,12 +11,13 @@ Before that change this test's commit stayed blocked until the watchdog lifted t
 
 from __future__ import annotations
 
+import contextlib
 import struct
 import threading
 import uuid
 from collections.abc import Iterator
 from pathlib import Path
-from typing import Any
+from typing import Any, TypeVar
 
 import pytest
 from confluent_kafka import Consumer, TopicPartition
@@ -38,14 +39,24 @@ WATCHDOG_S = HANG_GRACE_S + 50.0  # lifts the blackhole if the commit is still b
 RECORDS = 5
 
 
-@pytest.fixture
-def proxied(tmp_path: Path) -> Iterator[tuple[KafkaSettings, FaultProxy]]:
+P = TypeVar("P", bound=FaultProxy)
+
+
+@contextlib.contextmanager
+def _behind(kind: type[P], tmp_path: Path) -> Iterator[tuple[KafkaSettings, P]]:
+    """A broker of its own that advertises a proxy of ``kind`` in front of it."""
     broker_port, proxy_port = free_port(), free_port()
     with (
         EmbeddedBroker(broker_port, str(tmp_path / "broker.log"), advertised=f"127.0.0.1:{proxy_port}"),
-        FaultProxy(broker_port, proxy_port) as proxy,
+        kind(broker_port, proxy_port) as proxy,
     ):
         yield KafkaSettings(bootstrap=proxy.address), proxy
+
+
+@pytest.fixture
+def proxied(tmp_path: Path) -> Iterator[tuple[KafkaSettings, FaultProxy]]:
+    with _behind(FaultProxy, tmp_path) as both:
+        yield both
 
 
 class _BlackholeBeforeOffsets:
@@ -123,12 +134,8 @@ class _CutAfterEndTxn(FaultProxy):
 
 @pytest.fixture
 def cut_after_end_txn(tmp_path: Path) -> Iterator[tuple[KafkaSettings, _CutAfterEndTxn]]:
-    broker_port, proxy_port = free_port(), free_port()
-    with (
-        EmbeddedBroker(broker_port, str(tmp_path / "broker.log"), advertised=f"127.0.0.1:{proxy_port}"),
-        _CutAfterEndTxn(broker_port, proxy_port) as proxy,
-    ):
-        yield KafkaSettings(bootstrap=proxy.address), proxy
+    with _behind(_CutAfterEndTxn, tmp_path) as both:
+        yield both
 
 
 def test_a_commit_whose_answer_is_lost_is_reported_ambiguous_and_settled_before_anything_is_reread(

@@ -7,6 +7,7 @@ import json
 import time
 from collections.abc import Callable
 from pathlib import Path
+from typing import TYPE_CHECKING
 
 from confluent_kafka import TopicPartition
 
@@ -22,6 +23,9 @@ from tests.support.kafka import produce_raw, wait_for
 from tests.support.oracle import assert_exactly_once, lineage_of, outcome_ids
 from tests.support.procs import CliProcess
 from tests.support.transactions import FailingTransactions, LateCommit
+
+if TYPE_CHECKING:
+    from consumers.worker import Worker
 
 RUN_TIMEOUT_S = 180.0
 
@@ -98,19 +102,25 @@ def test_worker_killed_mid_run_loses_nothing(
     assert set(assert_exactly_once(kafka.bootstrap, topics, valid).results) == valid
 
 
-def test_sink_failure_commits_nothing_and_the_batch_is_processed_again(
+def _one_batch_a_transaction(
     kafka: KafkaSettings, job_name: str, make_job: Callable[..., JobTopics], tmp_path: Path
-) -> None:
+) -> tuple[JobTopics, set[str], Worker]:
+    """60 submitted requests on one partition and an in-process worker (not started) whose micro-batches of 10
+    each finish, and commit, on their own: one engine call per micro-batch, with a little latency."""
     from consumers.worker import Worker
 
     topics = make_job(job_name, partitions=1)
-    # One call per micro-batch with a little latency: each micro-batch finishes, and commits, on its own.
     knobs = "batch_latency_ms = 30, streaming = false"
     cfg = load_job_config(job_name, job_toml(tmp_path / "job.toml", kwargs=knobs, max_records=10))
     valid, _ = requests_file(tmp_path / "in.jsonl", 60)
     submit_file(kafka, topics, tmp_path / "in.jsonl", fingerprint_of(cfg))
+    return topics, valid, Worker(cfg, kafka, idle_exit_s=4)
 
-    worker = Worker(cfg, kafka, idle_exit_s=4)
+
+def test_sink_failure_commits_nothing_and_the_batch_is_processed_again(
+    kafka: KafkaSettings, job_name: str, make_job: Callable[..., JobTopics], tmp_path: Path
+) -> None:
+    topics, valid, worker = _one_batch_a_transaction(kafka, job_name, make_job, tmp_path)
     requests = (topics.requests, 0)
     reader = make_consumer(kafka, worker.group)  # never subscribes: it only reads the group's committed offsets
     at_failure: dict[int, int] = {}  # transaction number -> the group's committed offset right after it failed
@@ -152,15 +162,7 @@ def test_a_commit_whose_answer_was_lost_is_not_processed_again(
     the commit line settles the transaction (a new epoch) before it reports the failure, and the rewind takes the
     committed offsets. Before, the rewind read them first, re-read the transaction's records and committed them
     a second time."""
-    from consumers.worker import Worker
-
-    topics = make_job(job_name, partitions=1)
-    knobs = "batch_latency_ms = 30, streaming = false"
-    cfg = load_job_config(job_name, job_toml(tmp_path / "job.toml", kwargs=knobs, max_records=10))
-    valid, _ = requests_file(tmp_path / "in.jsonl", 60)
-    submit_file(kafka, topics, tmp_path / "in.jsonl", fingerprint_of(cfg))
-
-    worker = Worker(cfg, kafka, idle_exit_s=4)
+    topics, valid, worker = _one_batch_a_transaction(kafka, job_name, make_job, tmp_path)
     txns = LateCommit(worker.commits.producer, lose=3)
     worker.commits.producer = txns
     stats = worker.run()
