@@ -50,6 +50,7 @@ announces, and the rest is read only after it.
 from __future__ import annotations
 
 import gc
+import json
 import logging
 import threading
 import time
@@ -98,6 +99,7 @@ ABANDON_WAIT_S = 2.0  # how long a worker that lost its broker waits for its com
 LEAVE_S = 30.0  # longest wait for a stable group before leaving it (batchline.kafka.groups.close_member)
 OBSERVE_EVERY_S = 0.2  # how often the loop reads the group membership for the commit thread (Ownership.observe)
 REVOKE_GRACE_S = 20.0  # how long a revocation waits for in-flight micro-batches before rewinding them
+STATS_EVERY_MS = 1000  # librdkafka statistics: the join state the ownership's rejoin rule reads
 # At max_in_flight_records the loop stops taking records but leaves its partitions fetching this long (a commit
 # usually frees room within tens of ms); only then does it pause them. A pause makes librdkafka drop what it has
 # prefetched and fetch it again on resume: pausing at every full line cost the engine-free worker half its rate.
@@ -181,6 +183,9 @@ class Worker:
             "max.partition.fetch.bytes": fetch_bytes // 4,
             "message.max.bytes": fetch_bytes,
             "fetch.queue.backoff.ms": 20,
+            # librdkafka's join state, for the ownership's rejoin rule (batchline/kafka/ownership.py)
+            "statistics.interval.ms": STATS_EVERY_MS,
+            "stats_cb": self._on_stats,
         }
         self.consumer: Consumer = make_consumer(kafka, self.group, **prefetch)
         self.pauses = PauseBook(self.consumer)
@@ -462,7 +467,9 @@ class Worker:
             )
             self._rewind(in_callback=in_callback, exact=error.ambiguous)
             return False
-        if not self.liveness.down:  # no new transaction while the broker is suspected down: it would only block
+        # No new transaction while the broker is suspected down (it would only block) or while a rejoin has lasted
+        # past a claim's lifetime (its claims would be stale: batchline/kafka/ownership.py).
+        if not self.liveness.down and self.ownership.rejoining_too_long() is None:
             self.commits.queue()
         return True
 
@@ -552,6 +559,19 @@ class Worker:
         self.health.set_assigned(len(self.pauses.assigned))  # readiness
         self.group_watch.assigned(len(self.pauses.assigned))
         log.info("revoked %s (dropped %d buffered)", sorted(revoked), dropped)
+
+    def _on_stats(self, stats: str) -> None:
+        """librdkafka's statistics (served inside ``consume()``, like the rebalance callbacks): its join state feeds
+        the ownership's rejoin rule. A rejoin that outlasted the claim TTL may have left this member's partitions
+        with another member meanwhile (the embedded broker does not say so): everything held is dropped and re-read
+        from the committed offsets, as after a loss, and the partitions stay assigned."""
+        join_state = json.loads(stats).get("cgrp", {}).get("join_state")
+        held = set(self.pauses.assigned)
+        if not isinstance(join_state, str) or not self.ownership.joining(join_state, bool(held)):
+            return
+        log.warning("rejoined the group after more than %.1fs: re-reading %s", self.ownership.claim_ttl_s, sorted(held))
+        self.ownership.fence(held)  # what was claimed before, or during the rejoin, never commits
+        self._rewind(held, in_callback=True, exact=True)
 
     def _on_lost(self, consumer: Consumer, partitions: list[TopicPartition]) -> None:
         """Partitions taken from us (session timeout): commit nothing for them, forget everything uncommitted

@@ -25,6 +25,15 @@ consumer's thread (the retry scheduler commits on it) reads the consumer live. A
 A view of the membership older than ``lease_s`` (the session timeout) proves nothing: a process frozen (SIGSTOP, a
 VM pause) past it resumes before librdkafka has noticed its session is gone, so its claims are stale until the
 consumer's thread has looked again.
+
+A rejoin that lasts longer than a claim's lifetime proves nothing either (:meth:`Ownership.joining`, fed with
+librdkafka's join state from its statistics on the consumer's thread). A member cut off while it rejoins keeps
+its partitions (cooperative rebalancing) and librdkafka checks no session timeout while it waits for JoinGroup;
+the embedded broker completes generations without it, gives its partitions away, then lets it rejoin as itself
+and even hands the partitions back - no ``on_lost``, no new member id, and offsets of the old generation accepted
+(seen: 8 and 11 ids committed twice in the chaos test). So claims are stale while a rejoin has lasted past the
+claim TTL, and when such a rejoin completes the member drops what it holds and re-reads it from the committed
+offsets, as if its partitions had been lost and assigned again.
 """
 
 from __future__ import annotations
@@ -37,6 +46,7 @@ from dataclasses import dataclass
 from typing import Any, Protocol
 
 TP = tuple[str, int]
+REJOINING = frozenset({"init", "wait-join", "wait-sync", "wait-metadata"})  # librdkafka's cgrp join states
 METADATA_MAGIC = b"CGMDv2:"  # librdkafka's serialized rd_kafka_consumer_group_metadata_t
 
 
@@ -96,7 +106,9 @@ class Ownership:
         self._reader: int | None = None  # that thread
         self._observed = 0.0  # when (monotonic)
         self._previous = 0.0  # the look before it
+        self._rejoining_since: float | None = None  # when (monotonic) librdkafka left the steady join state
         self.fenced = 0  # partitions fenced so far (a counter for logs and tests)
+        self.late_rejoins = 0  # rejoins that outlasted the claim TTL (a counter for logs and tests)
 
     def observe(self, max_age_s: float = 0.0) -> Any:
         """Read the consumer's group metadata (the consumer's own thread only) and keep it for the others; not
@@ -120,6 +132,32 @@ class Ownership:
         with self._lock:
             return self._metadata
 
+    def joining(self, join_state: str, holding: bool, now: float | None = None) -> bool:
+        """librdkafka's join state of the consumer, as its statistics report it (the consumer's thread), and whether
+        it holds partitions. True when a rejoin begun while holding partitions, and that outlasted the claim TTL,
+        has just completed: what the member holds may have been another member's meanwhile, so it must be dropped
+        and re-read from the committed offsets (module docstring). A first join holds nothing and counts not."""
+        at = time.monotonic() if now is None else now
+        with self._lock:
+            since = self._rejoining_since
+            if join_state in REJOINING:
+                if since is None and holding:
+                    self._rejoining_since = at
+                return False
+            self._rejoining_since = None
+        late = since is not None and self.claim_ttl_s is not None and at - since > self.claim_ttl_s
+        self.late_rejoins += late
+        return late
+
+    def rejoining_too_long(self, now: float | None = None) -> float | None:
+        """How long the consumer has been rejoining, once that is past the claim TTL (no claim can hold then)."""
+        with self._lock:
+            since = self._rejoining_since
+        if since is None or self.claim_ttl_s is None:
+            return None
+        age = (time.monotonic() if now is None else now) - since
+        return age if age > self.claim_ttl_s else None
+
     def claim(self, partitions: Iterable[TP]) -> Claim:
         """A claim on ``partitions`` as they are now (the consumer's own thread)."""
         found = member_of(self.observe())
@@ -142,6 +180,9 @@ class Ownership:
         age = time.monotonic() - claim.taken
         if self.claim_ttl_s is not None and claim.taken and age > self.claim_ttl_s:
             return f"held {age:.1f}s, past {self.claim_ttl_s:.1f}s: the member may have been evicted meanwhile"
+        rejoining = self.rejoining_too_long()
+        if rejoining is not None:
+            return f"rejoining the group for {rejoining:.1f}s: the broker may have given the partitions away meanwhile"
         if claim.member is None:
             return None
         if not claim.member:
