@@ -50,7 +50,6 @@ announces, and the rest is read only after it.
 from __future__ import annotations
 
 import gc
-import json
 import logging
 import threading
 import time
@@ -64,7 +63,7 @@ from batchline.kafka.aborted import AbortedIndex
 from batchline.kafka.client import make_admin, make_consumer
 from batchline.kafka.groups import close_member, watch_member
 from batchline.kafka.liveness import BrokerLiveness
-from batchline.kafka.ownership import Ownership
+from batchline.kafka.ownership import Ownership, join_state_of
 from batchline.kafka.slots import SlotSweeper, claim_slot
 from batchline.kafka.topics import (
     MESSAGE_HEADROOM,
@@ -565,9 +564,9 @@ class Worker:
         the ownership's rejoin rule. A rejoin that outlasted the claim TTL may have left this member's partitions
         with another member meanwhile (the embedded broker does not say so): everything held is dropped and re-read
         from the committed offsets, as after a loss, and the partitions stay assigned."""
-        join_state = json.loads(stats).get("cgrp", {}).get("join_state")
+        join_state = join_state_of(stats)
         held = set(self.pauses.assigned)
-        if not isinstance(join_state, str) or not self.ownership.joining(join_state, bool(held)):
+        if join_state is None or not self.ownership.joining(join_state, bool(held)):
             return
         log.warning("rejoined the group after more than %.1fs: re-reading %s", self.ownership.claim_ttl_s, sorted(held))
         self.ownership.fence(held)  # what was claimed before, or during the rejoin, never commits

@@ -45,7 +45,7 @@ import time
 from collections.abc import Iterable
 from dataclasses import dataclass
 
-from confluent_kafka import Consumer, KafkaError, KafkaException, TopicPartition
+from confluent_kafka import OFFSET_BEGINNING, Consumer, KafkaError, KafkaException, TopicPartition
 
 from batchline.config import JobConfig, KafkaSettings
 from batchline.kafka import headers as h
@@ -53,7 +53,7 @@ from batchline.kafka.aborted import AbortedIndex
 from batchline.kafka.client import make_admin, make_consumer
 from batchline.kafka.groups import close_member, watch_member
 from batchline.kafka.liveness import BrokerDown, never_down
-from batchline.kafka.ownership import Ownership
+from batchline.kafka.ownership import Ownership, join_state_of
 from batchline.kafka.slots import SlotSweeper, claim_slot
 from batchline.kafka.topics import JobTopics, effective_max_message_bytes
 from batchline.kafka.transaction_errors import TransactionalIdTaken, TransactionFailed
@@ -81,6 +81,7 @@ FAILURE_BACKOFF_S = 1.0
 POLL_BATCH = 500
 RECONCILE_S = 5.0  # how often the pauses are re-checked against the consumer's own assignment
 COMMITTED_TIMEOUT_S = 10.0
+STATS_EVERY_MS = 1000  # librdkafka statistics: the join state the ownership's rejoin rule reads
 
 TP = tuple[str, int]
 
@@ -122,7 +123,10 @@ class RetryScheduler:
         self.sweeper = SlotSweeper(kafka, self.group, self.slot.slot)
         self.group_watch, self.group_sampler = watch_member(kafka, self.group, broker_down)  # stuck unassigned?
         # A small prefetch: paused partitions are not fetched, but a due tier should not flood memory.
-        self.consumer: Consumer = make_consumer(kafka, self.group, **{"queued.max.messages.kbytes": 16384})
+        # (librdkafka's statistics give its join state to the ownership's rejoin rule: batchline/kafka/ownership.py)
+        stats = {"statistics.interval.ms": STATS_EVERY_MS, "stats_cb": self._on_stats}
+        conf = {"queued.max.messages.kbytes": 16384, **stats}
+        self.consumer: Consumer = make_consumer(kafka, self.group, **conf)
         self.ownership = Ownership(self.consumer, kafka.session_timeout_ms / 1000)
         self.aborted = AbortedIndex(kafka)  # asked on the scheduler's thread, in step()
         limits = effective_max_message_bytes(kafka, [self.topics.requests, self.topics.dlq])
@@ -136,6 +140,7 @@ class RetryScheduler:
         self.last_activity = time.monotonic()
         self._backoff_until = 0.0
         self._reconciled = 0.0
+        self._reread: set[TP] = set()  # partitions to read again from their committed offsets (a late rejoin)
 
     def start(self) -> None:
         log.info("retry scheduler %s: tiers %s -> %s", self.instance_id, self.topics.retries, self.topics.requests)
@@ -176,8 +181,9 @@ class RetryScheduler:
                 self.stats.aborted += 1  # a worker's aborted transaction: the worker redoes that record itself
             else:
                 self._hold(held_of(msg))
-        if time.monotonic() >= self._backoff_until and self._settle():
-            self._release_due()
+        self._read_again()
+        if time.monotonic() >= self._backoff_until and self._settle() and self.ownership.rejoining_too_long() is None:
+            self._release_due()  # (no claim holds while a rejoin has lasted past its lifetime)
         self._flow_control()
 
     def _seek(self, topic: str, partition: int, offset: int) -> None:
@@ -207,6 +213,8 @@ class RetryScheduler:
         taken: dict[TP, int] = {}
         stopped = (lambda held: self._stop(held) is not None) if self.runs.stops else None
         for tp, queue in self.queues.items():
+            if tp in self._reread:
+                continue  # to be read again from its committed offset: nothing held of it is published
             due = queue.due(at, MAX_TXN_RECORDS - len(batch), stopped)
             if due:
                 batch.extend(due)
@@ -336,6 +344,34 @@ class RetryScheduler:
         # committed for them; their held records are dropped, the new owner re-publishes them.
         self._forget(partitions)
         log.warning("retry scheduler lost %s (session timed out)", _names(partitions))
+
+    def _on_stats(self, stats: str) -> None:
+        """A rejoin that outlasted a claim's lifetime has completed (batchline/kafka/ownership.py): what is held may
+        have been re-published by another member meanwhile. Fenced now, read again from the committed offsets
+        after ``consume()`` returns (no seek inside a callback)."""
+        state = join_state_of(stats)
+        if state is not None and self.ownership.joining(state, bool(self.assigned)):
+            log.warning("retry scheduler rejoined after more than %.1fs: reading again", self.ownership.claim_ttl_s)
+            self.ownership.fence(self.assigned)
+            self._reread |= self.assigned
+
+    def _read_again(self) -> None:
+        """Drop what is held of the partitions to read again and seek them to their committed offsets; a partition
+        whose offset the broker does not tell stays to read again (nothing of it is re-published meanwhile)."""
+        tps = [TopicPartition(t, p) for t, p in sorted(self._reread & self.assigned)]
+        self._reread &= self.assigned
+        if not tps:
+            return
+        try:
+            answer = self.consumer.committed(tps, COMMITTED_TIMEOUT_S)
+        except KafkaException as exc:
+            log.warning("cannot read committed offsets to read again (%s): retrying", exc.args[0].str())
+            return
+        for tp in answer:
+            if tp.error is None:
+                self._reread.discard((tp.topic, tp.partition))
+                self.queues.pop((tp.topic, tp.partition), None)
+                self._seek(tp.topic, tp.partition, tp.offset if tp.offset >= 0 else OFFSET_BEGINNING)
 
     def _forget(self, partitions: list[TopicPartition]) -> None:
         self.ownership.fence((tp.topic, tp.partition) for tp in partitions)

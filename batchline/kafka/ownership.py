@@ -38,6 +38,7 @@ offsets, as if its partitions had been lost and assigned again.
 
 from __future__ import annotations
 
+import json
 import struct
 import threading
 import time
@@ -54,6 +55,12 @@ class GroupMember(Protocol):
     """What ownership needs of a consumer (confluent_kafka.Consumer has it)."""
 
     def consumer_group_metadata(self) -> Any: ...
+
+
+def join_state_of(stats: str) -> str | None:
+    """librdkafka's consumer-group join state in one of its statistics documents (``statistics.interval.ms``)."""
+    state = json.loads(stats).get("cgrp", {}).get("join_state")
+    return state if isinstance(state, str) else None
 
 
 def member_of(metadata: Any) -> tuple[int, str] | None:
