@@ -297,6 +297,8 @@ class Worker:
     def _heartbeat(self) -> None:
         self.health.beat(waiting=bool(self.commits))  # liveness: records wait on the engine or the commit thread
         self.liveness.check()  # BrokerLost after broker_loss_timeout_s; MissingTopicError
+        if self.liveness.down:
+            self.ownership.disrupted()  # a rejoin under way may be left behind (batchline/kafka/ownership.py)
 
     def _check_engine(self) -> None:
         if self.feeder.error is not None:

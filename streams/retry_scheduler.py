@@ -121,6 +121,7 @@ class RetryScheduler:
         self.slot = claim_slot(kafka, self.group, instance_id)
         self.instance_id = self.slot.slot
         self.sweeper = SlotSweeper(kafka, self.group, self.slot.slot)
+        self.broker_down = broker_down
         self.group_watch, self.group_sampler = watch_member(kafka, self.group, broker_down)  # stuck unassigned?
         # A small prefetch: paused partitions are not fetched, but a due tier should not flood memory.
         # (librdkafka's statistics give its join state to the ownership's rejoin rule: batchline/kafka/ownership.py)
@@ -181,6 +182,8 @@ class RetryScheduler:
                 self.stats.aborted += 1  # a worker's aborted transaction: the worker redoes that record itself
             else:
                 self._hold(held_of(msg))
+        if self.broker_down():
+            self.ownership.disrupted()  # a rejoin under way may be left behind (batchline/kafka/ownership.py)
         self._read_again()
         if time.monotonic() >= self._backoff_until and self._settle() and self.ownership.rejoining_too_long() is None:
             self._release_due()  # (no claim holds while a rejoin has lasted past its lifetime)

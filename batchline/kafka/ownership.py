@@ -26,13 +26,14 @@ A view of the membership older than ``lease_s`` (the session timeout) proves not
 VM pause) past it resumes before librdkafka has noticed its session is gone, so its claims are stale until the
 consumer's thread has looked again.
 
-A rejoin that lasts longer than a claim's lifetime proves nothing either (:meth:`Ownership.joining`, fed with
-librdkafka's join state from its statistics on the consumer's thread). A member cut off while it rejoins keeps
+A rejoin that lasts longer than a claim's lifetime, with the broker out of reach or the process frozen during it,
+proves nothing either (:meth:`Ownership.joining`, fed with librdkafka's join state from its statistics on the
+consumer's thread, and :meth:`Ownership.disrupted`). A member cut off while it rejoins keeps
 its partitions (cooperative rebalancing) and librdkafka checks no session timeout while it waits for JoinGroup;
 the embedded broker completes generations without it, gives its partitions away, then lets it rejoin as itself
 and even hands the partitions back - no ``on_lost``, no new member id, and offsets of the old generation accepted
-(seen: 8 and 11 ids committed twice in the chaos test). So claims are stale while a rejoin has lasted past the
-claim TTL, and when such a rejoin completes the member drops what it holds and re-reads it from the committed
+(seen: 8 and 11 ids committed twice in the chaos test). So claims are stale while such a rejoin has lasted past the
+claim TTL, and when it completes the member drops what it holds and re-reads it from the committed
 offsets, as if its partitions had been lost and assigned again.
 """
 
@@ -114,6 +115,7 @@ class Ownership:
         self._observed = 0.0  # when (monotonic)
         self._previous = 0.0  # the look before it
         self._rejoining_since: float | None = None  # when (monotonic) librdkafka left the steady join state
+        self._disrupted = float("-inf")  # when (monotonic) the broker was last out of reach, or this process frozen
         self.fenced = 0  # partitions fenced so far (a counter for logs and tests)
         self.late_rejoins = 0  # rejoins that outlasted the claim TTL (a counter for logs and tests)
 
@@ -124,6 +126,8 @@ class Ownership:
             return self._metadata
         with self._lock:
             self._previous, self._observed = self._observed, time.monotonic()
+            if self.lease_s is not None and self._previous and self._observed - self._previous > self.lease_s:
+                self._disrupted = self._observed  # no look for a session: frozen (or starved) meanwhile
         try:
             metadata = self.consumer.consumer_group_metadata()
         except RuntimeError:  # confluent-kafka: the consumer is closed
@@ -139,6 +143,12 @@ class Ownership:
         with self._lock:
             return self._metadata
 
+    def disrupted(self, now: float | None = None) -> None:
+        """The broker is out of reach now (the process's liveness detector says so): a rejoin under way may be
+        left behind by its group."""
+        with self._lock:
+            self._disrupted = time.monotonic() if now is None else now
+
     def joining(self, join_state: str, holding: bool, now: float | None = None) -> bool:
         """librdkafka's join state of the consumer, as its statistics report it (the consumer's thread), and whether
         it holds partitions. True when a rejoin begun while holding partitions, and that outlasted the claim TTL,
@@ -152,18 +162,29 @@ class Ownership:
                     self._rejoining_since = at
                 return False
             self._rejoining_since = None
-        late = since is not None and self.claim_ttl_s is not None and at - since > self.claim_ttl_s
+        late = since is not None and self._left_behind(since, at)
         self.late_rejoins += late
         return late
 
     def rejoining_too_long(self, now: float | None = None) -> float | None:
-        """How long the consumer has been rejoining, once that is past the claim TTL (no claim can hold then)."""
+        """How long the consumer has been rejoining, once that is past the claim TTL and the broker was out of reach
+        (or this process frozen) during it: no claim can hold then. A long rejoin without such a disruption is a
+        slow rebalance, and the member keeps committing through it (cooperative rebalancing)."""
         with self._lock:
             since = self._rejoining_since
-        if since is None or self.claim_ttl_s is None:
+        at = time.monotonic() if now is None else now
+        if since is None or not self._left_behind(since, at):
             return None
-        age = (time.monotonic() if now is None else now) - since
-        return age if age > self.claim_ttl_s else None
+        return at - since
+
+    def _left_behind(self, since: float, at: float) -> bool:
+        """A rejoin begun at ``since`` may have been completed without this member by ``at``: it lasted past the
+        claim TTL and a disruption fell inside it (or within a session before it)."""
+        if self.claim_ttl_s is None or at - since <= self.claim_ttl_s:
+            return False
+        with self._lock:
+            disrupted = self._disrupted
+        return disrupted >= since - (self.lease_s or 0.0)
 
     def claim(self, partitions: Iterable[TP]) -> Claim:
         """A claim on ``partitions`` as they are now (the consumer's own thread)."""

@@ -226,26 +226,32 @@ def test_a_claim_held_past_its_ttl_is_stale_whatever_the_member_id_says() -> Non
     assert _other_thread(own.claim([(T, 0)]).stale) is None  # a fresh claim holds
 
 
-def test_a_rejoin_that_outlasts_a_claim_holds_no_claim_and_asks_for_a_re_read_when_it_completes() -> None:
+def test_a_rejoin_left_behind_holds_no_claim_and_asks_for_a_re_read_when_it_completes() -> None:
     """A member cut off while it rejoins keeps its partitions and hears nothing when the embedded broker gives them
-    away (chaos seed 2: 8 and 11 ids committed twice). While its rejoin lasts past the claim TTL no claim holds; when
-    it completes, ``joining`` says so once, so the worker re-reads what it holds from the committed offsets. A short
-    rejoin (an ordinary rebalance) and a first join (nothing held) change nothing."""
+    away (chaos seed 2: 8 and 11 ids committed twice). While a rejoin has lasted past the claim TTL with the broker
+    out of reach during it, no claim holds; when it completes, ``joining`` says so once, so the worker re-reads what
+    it holds from the committed offsets. A short rejoin, a long one with no disruption (a slow rebalance: the member
+    commits through it) and a first join (nothing held) change nothing."""
     own = Ownership(Member(), lease_s=6.0)
     assert own.claim_ttl_s == pytest.approx(4.0)
     now = time.monotonic()
-    assert not own.joining("wait-join", holding=False, now=now - 30)  # the first join: nothing held
-    assert not own.joining("steady", holding=True, now=now - 20)
+    assert not own.joining("wait-join", holding=False, now=now - 60)  # the first join: nothing held
+    assert not own.joining("steady", holding=True, now=now - 50)
+
+    assert not own.joining("wait-join", holding=True, now=now - 40)  # a slow rebalance, the broker reachable
+    assert own.rejoining_too_long(now=now - 30) is None and own.claim([(T, 0)]).stale() is None
+    assert not own.joining("steady", holding=True, now=now - 30), "10 s, nothing disrupted: committed through"
 
     assert not own.joining("wait-join", holding=True, now=now - 3)  # a rebalance begins while holding partitions
-    assert not own.joining("wait-sync", holding=True, now=now - 1)
-    assert own.rejoining_too_long() is None and own.claim([(T, 0)]).stale() is None
-    assert not own.joining("steady", holding=True), "3 s: an ordinary rebalance"
+    own.disrupted(now=now - 2)
+    assert own.rejoining_too_long() is None and own.claim([(T, 0)]).stale() is None, "3 s: within a claim's life"
+    assert not own.joining("steady", holding=True)
 
     assert not own.joining("wait-join", holding=True, now=now - 5)
+    own.disrupted(now=now - 4)  # cut off while rejoining
     assert own.rejoining_too_long() == pytest.approx(5.0, abs=0.5)
     assert "rejoining the group for 5" in str(own.claim([(T, 0)]).stale())
-    assert own.joining("steady", holding=True), "a late rejoin completed: re-read what is held"
+    assert own.joining("steady", holding=True), "a rejoin left behind completed: re-read what is held"
     assert own.late_rejoins == 1 and own.rejoining_too_long() is None
     assert own.claim([(T, 0)]).stale() is None
     assert not own.joining("steady", holding=True), "said once"
