@@ -63,7 +63,7 @@ from batchline.kafka.aborted import AbortedIndex
 from batchline.kafka.client import make_admin, make_consumer
 from batchline.kafka.groups import close_member, watch_member
 from batchline.kafka.liveness import BrokerLiveness
-from batchline.kafka.ownership import Ownership, join_state_of
+from batchline.kafka.ownership import Ownership
 from batchline.kafka.slots import SlotSweeper, claim_slot
 from batchline.kafka.topics import (
     MESSAGE_HEADROOM,
@@ -192,7 +192,7 @@ class Worker:
         self.group_watch, self.group_sampler = watch_member(kafka, self.group, self.liveness.is_down)
         self.health.watch_problem("group", self.group_watch.stuck)
         # fenced by the rebalance callbacks, read by the commit thread; a look older than the session proves nothing
-        self.ownership = Ownership(self.consumer, kafka.session_timeout_ms / 1000)
+        self.ownership = Ownership(self.consumer, kafka.session_timeout_ms / 1000, self.liveness.is_down)
         self.rewinder = Rewinder(self.consumer)
         self.metrics = WorkerMetrics(config.job, self.topics.requests, self.group)
         self.stats = WorkerStats()
@@ -297,8 +297,6 @@ class Worker:
     def _heartbeat(self) -> None:
         self.health.beat(waiting=bool(self.commits))  # liveness: records wait on the engine or the commit thread
         self.liveness.check()  # BrokerLost after broker_loss_timeout_s; MissingTopicError
-        if self.liveness.down:
-            self.ownership.disrupted()  # a rejoin under way may be left behind (batchline/kafka/ownership.py)
 
     def _check_engine(self) -> None:
         if self.feeder.error is not None:
@@ -566,12 +564,10 @@ class Worker:
         the ownership's rejoin rule. A rejoin that outlasted the claim TTL may have left this member's partitions
         with another member meanwhile (the embedded broker does not say so): everything held is dropped and re-read
         from the committed offsets, as after a loss, and the partitions stay assigned."""
-        join_state = join_state_of(stats)
         held = set(self.pauses.assigned)
-        if join_state is None or not self.ownership.joining(join_state, bool(held)):
+        if not self.ownership.rejoined_late(stats, held):
             return
         log.warning("rejoined the group after more than %.1fs: re-reading %s", self.ownership.claim_ttl_s, sorted(held))
-        self.ownership.fence(held)  # what was claimed before, or during the rejoin, never commits
         self._rewind(held, in_callback=True, exact=True)
 
     def _on_lost(self, consumer: Consumer, partitions: list[TopicPartition]) -> None:

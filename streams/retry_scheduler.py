@@ -53,7 +53,7 @@ from batchline.kafka.aborted import AbortedIndex
 from batchline.kafka.client import make_admin, make_consumer
 from batchline.kafka.groups import close_member, watch_member
 from batchline.kafka.liveness import BrokerDown, never_down
-from batchline.kafka.ownership import Ownership, join_state_of
+from batchline.kafka.ownership import Ownership
 from batchline.kafka.slots import SlotSweeper, claim_slot
 from batchline.kafka.topics import JobTopics, effective_max_message_bytes
 from batchline.kafka.transaction_errors import TransactionalIdTaken, TransactionFailed
@@ -121,14 +121,13 @@ class RetryScheduler:
         self.slot = claim_slot(kafka, self.group, instance_id)
         self.instance_id = self.slot.slot
         self.sweeper = SlotSweeper(kafka, self.group, self.slot.slot)
-        self.broker_down = broker_down
         self.group_watch, self.group_sampler = watch_member(kafka, self.group, broker_down)  # stuck unassigned?
         # A small prefetch: paused partitions are not fetched, but a due tier should not flood memory.
         # (librdkafka's statistics give its join state to the ownership's rejoin rule: batchline/kafka/ownership.py)
         stats = {"statistics.interval.ms": STATS_EVERY_MS, "stats_cb": self._on_stats}
         conf = {"queued.max.messages.kbytes": 16384, **stats}
         self.consumer: Consumer = make_consumer(kafka, self.group, **conf)
-        self.ownership = Ownership(self.consumer, kafka.session_timeout_ms / 1000)
+        self.ownership = Ownership(self.consumer, kafka.session_timeout_ms / 1000, broker_down)
         self.aborted = AbortedIndex(kafka)  # asked on the scheduler's thread, in step()
         limits = effective_max_message_bytes(kafka, [self.topics.requests, self.topics.dlq])
         self.republisher = Republisher(kafka, self.topics, self.slot.transactional_id, limits, broker_down)
@@ -182,8 +181,6 @@ class RetryScheduler:
                 self.stats.aborted += 1  # a worker's aborted transaction: the worker redoes that record itself
             else:
                 self._hold(held_of(msg))
-        if self.broker_down():
-            self.ownership.disrupted()  # a rejoin under way may be left behind (batchline/kafka/ownership.py)
         self._read_again()
         if time.monotonic() >= self._backoff_until and self._settle() and self.ownership.rejoining_too_long() is None:
             self._release_due()  # (no claim holds while a rejoin has lasted past its lifetime)
@@ -352,10 +349,8 @@ class RetryScheduler:
         """A rejoin that outlasted a claim's lifetime has completed (batchline/kafka/ownership.py): what is held may
         have been re-published by another member meanwhile. Fenced now, read again from the committed offsets
         after ``consume()`` returns (no seek inside a callback)."""
-        state = join_state_of(stats)
-        if state is not None and self.ownership.joining(state, bool(self.assigned)):
+        if self.ownership.rejoined_late(stats, self.assigned):
             log.warning("retry scheduler rejoined after more than %.1fs: reading again", self.ownership.claim_ttl_s)
-            self.ownership.fence(self.assigned)
             self._reread |= self.assigned
 
     def _read_again(self) -> None:

@@ -47,6 +47,8 @@ from collections.abc import Iterable
 from dataclasses import dataclass
 from typing import Any, Protocol
 
+from batchline.kafka.liveness import BrokerDown, never_down
+
 TP = tuple[str, int]
 REJOINING = frozenset({"init", "wait-join", "wait-sync", "wait-metadata"})  # librdkafka's cgrp join states
 METADATA_MAGIC = b"CGMDv2:"  # librdkafka's serialized rd_kafka_consumer_group_metadata_t
@@ -100,9 +102,13 @@ class Ownership:
     """The epochs of one consumer's partitions. One writer (the thread serving the consumer's rebalance callbacks),
     any number of readers (the committing thread)."""
 
-    def __init__(self, consumer: GroupMember, lease_s: float | None = None) -> None:
+    def __init__(
+        self, consumer: GroupMember, lease_s: float | None = None, broker_down: BrokerDown = never_down
+    ) -> None:
+        """``broker_down``: the process's liveness detector (a rejoin while the broker is out of reach is doubted)."""
         self.consumer = consumer
         self.lease_s = lease_s
+        self.broker_down = broker_down
         # The broker evicts a member a session timeout after its last heartbeat (every sixth of it,
         # batchline.kafka.client), and librdkafka may notice seconds later (13 s for a 6 s session on a loaded
         # machine, while the other worker already re-processed the partitions): a transaction held longer than
@@ -148,6 +154,18 @@ class Ownership:
         left behind by its group."""
         with self._lock:
             self._disrupted = time.monotonic() if now is None else now
+
+    def rejoined_late(self, stats: str, held: set[TP]) -> bool:
+        """One of librdkafka's statistics documents (its ``stats_cb``, on the consumer's thread), with the partitions
+        the member holds: True when a rejoin left behind has just completed - ``held`` is fenced then, and the
+        caller must drop what it holds of them and read them again from the committed offsets."""
+        if self.broker_down():
+            self.disrupted()
+        state = join_state_of(stats)
+        if state is None or not self.joining(state, bool(held)):
+            return False
+        self.fence(held)  # what was claimed before, or during the rejoin, never commits
+        return True
 
     def joining(self, join_state: str, holding: bool, now: float | None = None) -> bool:
         """librdkafka's join state of the consumer, as its statistics report it (the consumer's thread), and whether

@@ -9,6 +9,7 @@ its offsets nor committed.
 
 from __future__ import annotations
 
+import json
 import threading
 import time
 from typing import Any
@@ -255,3 +256,26 @@ def test_a_rejoin_left_behind_holds_no_claim_and_asks_for_a_re_read_when_it_comp
     assert own.late_rejoins == 1 and own.rejoining_too_long() is None
     assert own.claim([(T, 0)]).stale() is None
     assert not own.joining("steady", holding=True), "said once"
+
+
+def test_rejoined_late_reads_librdkafkas_statistics_and_fences_what_is_held() -> None:
+    """The statistics path the worker and the retry scheduler share: the join state from a statistics document,
+    the broker's reachability from the liveness detector at each document, and a fence on the partitions held."""
+    down = [False]
+    own = Ownership(Member(), lease_s=0.3, broker_down=lambda: down[0])
+    held = {(T, 0)}
+
+    def stats(join_state: str) -> str:
+        return json.dumps({"name": "rdkafka#consumer-1", "cgrp": {"state": "up", "join_state": join_state}})
+
+    assert not own.rejoined_late(json.dumps({"name": "rdkafka#producer-1"}), held)  # no group: nothing to read
+    claim = own.claim(held)
+    assert not own.rejoined_late(stats("wait-join"), held)
+    down[0] = True
+    threading.Event().wait(0.25)  # past the claim TTL (0.2 s) with the broker out of reach
+    assert not own.rejoined_late(stats("wait-sync"), held)
+    assert "rejoining the group" in str(own.claim(held).stale())
+    down[0] = False
+    assert own.rejoined_late(stats("steady"), held)
+    assert claim.stale() == f"partitions {T}[0] were lost or revoked"
+    assert own.claim(held).stale() is None and not own.rejoined_late(stats("steady"), held)
