@@ -117,9 +117,11 @@ class TransactionalProducer:
         self.kafka = kafka
         self.broker_down = broker_down
         self.transactional_id = transactional_id
-        self.overrides = overrides
+        # Only failed deliveries are reported: a message's outcome is known from its own callback when it failed and
+        # from flush() returning with nothing left when it did not, so no Python callback runs per delivered message.
+        self.overrides = {"delivery.report.only.error": True, **overrides}
         self.topic_limits = dict(topic_limits or {})
-        conf = producer_conf(kafka, transactional_id, **overrides)  # what the producer it builds will enforce
+        conf = producer_conf(kafka, transactional_id, **self.overrides)  # what the producer it builds will enforce
         self.max_message_bytes = int(conf.get("message.max.bytes", LIBRDKAFKA_MESSAGE_MAX_BYTES))
         self.aborts = 0
         self.recreated = 0
