@@ -63,6 +63,8 @@ class Router:
             (h.CONFIG_DIGEST, fingerprint.config_digest.encode()),
             (h.FINGERPRINT, fingerprint.value.encode()),
         ]
+        self._results_topic = topics.results
+        self._run_headers: dict[str | None, h.Headers] = {}  # per run: its run-id header, then the fixed ones
 
     def route(
         self, items: Sequence[WorkItem], outcomes: dict[int, Outcome], ctx: BatchContext, latency_ms: float
@@ -125,12 +127,20 @@ class Router:
             tail,
             item.weight,
         )
-        topic, partition, offset = self._source(item)
-        lineage = self._lineage.encode(run_id, topic, partition, offset, ctx.batch_id)
-        headers: h.Headers = [(h.LINEAGE, lineage), (h.RUN_ID, (run_id or "").encode()), *self._fixed_headers]
+        source = item.source
+        if h.ORIGINAL_TOPIC in item.headers:
+            lineage = self._lineage.encode(run_id, *self._source(item), ctx.batch_id)
+        else:
+            lineage = self._lineage.encode(run_id, source.topic, source.partition, source.offset, ctx.batch_id)
+        run_headers = self._run_headers.get(run_id)
+        if run_headers is None:
+            if len(self._run_headers) > 1024:  # many runs over a worker's life: keep the cache small
+                self._run_headers.clear()
+            run_headers = self._run_headers[run_id] = [(h.RUN_ID, (run_id or "").encode()), *self._fixed_headers]
+        headers: h.Headers = [(h.LINEAGE, lineage), *run_headers]
         if ctx.traceparent:
             headers.append((h.TRACEPARENT, ctx.traceparent.encode()))
-        return Produced(self.topics.results, item.request_id.encode(), encoded, headers, "result", item)
+        return Produced(self._results_topic, item.request_id.encode(), encoded, headers, "result", item)
 
     # -- failures --------------------------------------------------------------------------------
     def _failure(self, item: WorkItem, failure: Failure, ctx: BatchContext) -> Produced:
