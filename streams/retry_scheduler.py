@@ -43,7 +43,6 @@ from __future__ import annotations
 import logging
 import time
 from collections.abc import Iterable
-from dataclasses import dataclass
 
 from confluent_kafka import OFFSET_BEGINNING, Consumer, KafkaError, KafkaException, TopicPartition
 
@@ -61,6 +60,7 @@ from batchline.runs.manifests import RunsView
 from streams.exceptions import RepublishError
 from streams.partition_queue import PartitionQueue
 from streams.republish import OVERSIZE, RETRIED_AT, Held, Republisher, held_of, now_ms, republished_headers
+from streams.scheduler_stats import SchedulerStats
 
 __all__ = [
     "OVERSIZE",
@@ -88,18 +88,6 @@ TP = tuple[str, int]
 
 def scheduler_group(job: str) -> str:
     return f"{job}.retry-scheduler"
-
-
-@dataclass
-class SchedulerStats:
-    held: int = 0
-    republished: int = 0
-    transactions: int = 0
-    failures: int = 0
-    duplicates_ignored: int = 0
-    already_committed: int = 0  # held records dropped after an ambiguous commit: the broker had committed them
-    stopped: int = 0  # held records of cancelled or expired runs, dead-lettered instead of re-published
-    aborted: int = 0  # retries of aborted transactions, never held (batchline/kafka/aborted.py)
 
 
 class RetryScheduler:

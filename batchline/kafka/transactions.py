@@ -28,7 +28,8 @@ replacement goes in the same transaction:
   embedded broker an aborted transaction stays visible to ``read_committed`` readers, so a probe's messages may
   be read there; they are the same records the real commit then writes (results are keyed by request id).
 
-:meth:`TransactionalProducer.commit` returns a :class:`CommitReport` naming what was replaced and why.
+:meth:`TransactionalProducer.commit` returns a :class:`CommitReport` naming what was replaced and why; it, ``fit``'s
+type and the replacements it names are in :mod:`batchline.kafka.replacements`.
 """
 
 from __future__ import annotations
@@ -36,8 +37,7 @@ from __future__ import annotations
 import logging
 import time
 from collections.abc import Callable, Iterable, Mapping
-from dataclasses import dataclass, field
-from typing import Any, Literal, Protocol, TypeVar
+from typing import Any, Protocol, TypeVar
 
 from confluent_kafka import KafkaError, KafkaException, Message, Producer, TopicPartition
 
@@ -53,6 +53,7 @@ from batchline.kafka.record_size import (
     RecordError,
     wire_size,
 )
+from batchline.kafka.replacements import CommitReport, Fit, FoundBy, Replacement
 from batchline.kafka.transaction_errors import (
     FENCED_CODES,
     ReplacementTooLarge,
@@ -61,6 +62,9 @@ from batchline.kafka.transaction_errors import (
     TransactionFenced,
 )
 
+# CommitReport and Fit live in batchline.kafka.replacements; re-exported for importers that still name this module.
+__all__ = ["CommitReport", "Fit", "Guard", "TransactionalProducer"]
+
 log = logging.getLogger(__name__)
 T = TypeVar("T")
 CALL_TIMEOUT_S = 30.0  # one transactional call (begin, flush, send offsets, commit, abort), its resumed slices together
@@ -68,7 +72,6 @@ ABORT_BUDGET_S = 60.0  # an abort keeps resuming this long, also while the broke
 CALL_SLICE_S = 2.0  # the longest one librdkafka call blocks before the guard is asked again (session timeout: 6 s+)
 CALL_RETRIES = 5  # errors other than a slice's time-out, per call
 MAX_ROUNDS = 4  # real transactions of one commit: the first, and re-tries each with more replacements
-FoundBy = Literal["precheck", "produce", "delivery", "probe"]
 
 
 class Guard(Protocol):
@@ -79,25 +82,6 @@ class Guard(Protocol):
 
     def group_metadata(self) -> Any:
         """The consumer group metadata to send the offsets with, read when they are sent."""
-
-
-@dataclass(frozen=True)
-class Replacement:
-    index: int
-    error: RecordError
-    found_by: FoundBy  # precheck: never produced; produce: rejected by produce(); delivery/probe: by the broker
-
-
-@dataclass
-class CommitReport:
-    """What :meth:`TransactionalProducer.commit` did: the indices it replaced (and why), real transactions, probes."""
-
-    replaced: dict[int, Replacement] = field(default_factory=dict)
-    transactions: int = 0
-    probes: int = 0
-
-
-Fit = Callable[[int, Outgoing, RecordError], Outgoing]
 
 
 class TransactionalProducer:

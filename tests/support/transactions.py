@@ -14,8 +14,9 @@ from typing import Any
 from confluent_kafka import KafkaError, KafkaException, TopicPartition
 
 from batchline.kafka.record_size import Outgoing, RecordError
+from batchline.kafka.replacements import CommitReport, Fit
 from batchline.kafka.transaction_errors import TransactionFailed
-from batchline.kafka.transactions import CommitReport, Fit, Guard, TransactionalProducer
+from batchline.kafka.transactions import Guard, TransactionalProducer
 
 TP = tuple[str, int]
 
