@@ -43,8 +43,9 @@ from batchline.config import KafkaSettings
 from batchline.kafka.liveness import BrokerDown
 from batchline.kafka.ownership import Claim, Ownership
 from batchline.kafka.record_size import Outgoing, RecordError
+from batchline.kafka.replacements import CommitReport, Fit
 from batchline.kafka.transaction_errors import TransactionFailed, TransactionFenced
-from batchline.kafka.transactions import CommitReport, Fit, Guard, TransactionalProducer
+from batchline.kafka.transactions import Guard, TransactionalProducer
 from batchline.telemetry import Health, WorkerMetrics, link_from_traceparent, traceparent_of
 from consumers.exceptions import CommitFailed
 from consumers.infer import Flight

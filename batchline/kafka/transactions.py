@@ -62,9 +62,6 @@ from batchline.kafka.transaction_errors import (
     TransactionFenced,
 )
 
-# CommitReport and Fit live in batchline.kafka.replacements; re-exported for importers that still name this module.
-__all__ = ["CommitReport", "Fit", "Guard", "TransactionalProducer"]
-
 log = logging.getLogger(__name__)
 T = TypeVar("T")
 CALL_TIMEOUT_S = 30.0  # one transactional call (begin, flush, send offsets, commit, abort), its resumed slices together
