@@ -41,6 +41,41 @@ def first_offsets(items: Iterable[WorkItem]) -> dict[TP, int]:
     return held
 
 
+class PendingSeeks:
+    """Seeks back asked for inside rebalance callbacks, made once ``consume()`` has returned (a Kafka call nested in
+    a callback would break the client's call state). Owned by the worker's thread.
+
+    Rewinds asked for in one round of callbacks add up, never replace each other: each drops everything the worker
+    holds, so a later one (a rejoin after a revocation, say) may hold nothing of a partition an earlier one still
+    has to seek back - replacing it left that partition's fetch position past records dropped uncommitted, read by
+    no one until the partition moved (chaos seed 2: five ids without an outcome)."""
+
+    def __init__(self) -> None:
+        self._targets: set[TP] = set()
+        self._held: dict[TP, int] = {}
+        self._exact = False
+        self._asked = False
+
+    def add(self, targets: set[TP], held: dict[TP, int], exact: bool) -> None:
+        """One rewind: seek ``targets`` (each in ``held``, its first record dropped) back; ``exact``: see
+        :meth:`Rewinder.seek_back`. Each partition goes back to the earliest record any rewind dropped."""
+        self._targets |= targets
+        for tp, offset in held.items():
+            if offset < self._held.get(tp, offset + 1):
+                self._held[tp] = offset
+        self._exact = self._exact or exact
+        self._asked = True
+
+    def take(self) -> tuple[set[TP], dict[TP, int], bool] | None:
+        """What the rewinds of the last round of callbacks ask for (targets, first records dropped, exact), and
+        forget it; None if there were none."""
+        if not self._asked:
+            return None
+        pending = (self._targets, self._held, self._exact)
+        self._targets, self._held, self._exact, self._asked = set(), {}, False, False
+        return pending
+
+
 class Rewinder:
     def __init__(self, consumer: Consumer) -> None:
         self.consumer = consumer

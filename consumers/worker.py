@@ -84,7 +84,7 @@ from consumers.intake import Intake
 from consumers.lanes import Lanes
 from consumers.pauses import PauseBook, Reason
 from consumers.pinning import Pinning
-from consumers.rewind import Rewinder, first_offsets
+from consumers.rewind import PendingSeeks, Rewinder, first_offsets
 from consumers.route import Router
 from consumers.schedule import Schedule
 from consumers.work import Failure, WorkerStats, WorkItem
@@ -214,7 +214,7 @@ class Worker:
         self.idle_exit_s = idle_exit_s
         self._seq = 0
         self._last_record = time.monotonic()
-        self._pending_seeks: tuple[set[TP], dict[TP, int], bool] | None = None  # targets, held, exact
+        self._pending_seeks = PendingSeeks()  # rewinds asked for in rebalance callbacks, made after consume()
         self._abandoned = False
         self._full_since: float | None = None  # when the worker last reached max_in_flight_records (flow control)
 
@@ -347,9 +347,9 @@ class Worker:
     def _after_callbacks(self) -> None:
         """What rebalance callbacks left to do: Kafka calls nested inside a callback would break the client's call
         state, so seeks back and fetcher wake-ups run here, after ``consume()`` returned."""
-        if self._pending_seeks is not None:
-            targets, held, exact = self._pending_seeks
-            self._pending_seeks = None
+        pending = self._pending_seeks.take()
+        if pending is not None:
+            targets, held, exact = pending
             self.batcher.drop(targets)  # read again from the seek target, so not twice
             self.rewinder.seek_back(targets & self.pauses.assigned, held, self._heartbeat if exact else None)
         self.pauses.wake_fetchers()
@@ -499,8 +499,7 @@ class Worker:
         self.batcher.drop(self.pauses.assigned | set(held))
         targets = (self.pauses.assigned if partitions is None else partitions) & set(held)
         if in_callback:
-            exact = exact or (self._pending_seeks is not None and self._pending_seeks[2])
-            self._pending_seeks = (targets, held, exact)
+            self._pending_seeks.add(targets, held, exact)
         else:
             self.rewinder.seek_back(targets, held, self._heartbeat if exact else None)
         log.warning("rewound %d partitions to their committed offsets", len(targets))

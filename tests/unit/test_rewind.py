@@ -14,7 +14,7 @@ from confluent_kafka import KafkaError, KafkaException, TopicPartition
 
 from batchline.exceptions import BrokerLost
 from consumers.exceptions import CommittedUnknown
-from consumers.rewind import COMMITTED_TRIES, EXACT_TRIES, Rewinder, first_offsets
+from consumers.rewind import COMMITTED_TRIES, EXACT_TRIES, PendingSeeks, Rewinder, first_offsets
 from tests.unit.helpers import item
 
 T = "unit.requests"
@@ -118,3 +118,28 @@ def test_after_an_ambiguous_commit_the_rewind_is_the_committed_offset_or_nothing
 
 def _broker_lost() -> None:
     raise BrokerLost("unit.invalid:9092", 30.0, "unreachable")
+
+
+def test_rewinds_asked_in_one_round_of_callbacks_add_up() -> None:
+    """A revocation rewinds what is held (partition 3 back to 504), then the rejoin rule, in the same round of
+    callbacks, rewinds again with nothing left to hold. Both seeks must be made: the second replacing the first left
+    partition 3 fetching past the records dropped (chaos seed 2)."""
+    pending = PendingSeeks()
+    assert pending.take() is None
+    pending.add({(T, 3)}, {(T, 3): 504, (T, 1): 20}, exact=False)
+    pending.add(set(), {}, exact=True)
+    pending.add({(T, 3), (T, 0)}, {(T, 3): 506, (T, 0): 7}, exact=False)
+    assert pending.take() == ({(T, 3), (T, 0)}, {(T, 3): 504, (T, 1): 20, (T, 0): 7}, True)
+    assert pending.take() is None  # taken once
+
+
+def test_the_merged_seeks_go_through_the_rewinder() -> None:
+    consumer = ScriptedConsumer([[TopicPartition(T, 3, 500)]])
+    pending = PendingSeeks()
+    pending.add({(T, 3)}, {(T, 3): 504}, exact=False)
+    pending.add(set(), {}, exact=True)
+    taken = pending.take()
+    assert taken is not None
+    targets, held, exact = taken
+    Rewinder(consumer).seek_back(targets, held, (lambda: None) if exact else None)  # type: ignore[arg-type]
+    assert consumer.seeks == [(3, 500)]  # the committed offset: exact after the rejoin
