@@ -137,6 +137,8 @@ def bad_numbers(near: list[Any]) -> st.SearchStrategy[Any]:
 
 
 BIG = 2**70
+# 65-bit integers msgspec before 0.19 decoded wrong (PR 751: its int64 overflow check), and their neighbours
+HARD_INTS = [2**64 + 10**18, 2**64 + 10**18 + 1, 19933688932870350000, 19999999999999999999, 20000000000000000000]
 VALID: dict[str, st.SearchStrategy[Any]] = {
     "id": sized_texts(512),
     "run_id": st.one_of(st.none(), sized_texts(256)),
@@ -145,7 +147,7 @@ VALID: dict[str, st.SearchStrategy[Any]] = {
     "role": sized_texts(64),
     "content": texts(),
     "metadata.value": texts(),
-    "priority": st.one_of(st.integers(-BIG, BIG), st.sampled_from([0, -1, 2**63, -(2**63) - 1, 2**64])),
+    "priority": st.one_of(st.integers(-BIG, BIG), st.sampled_from([0, -1, 2**63, -(2**63) - 1, 2**64, *HARD_INTS])),
     "value": st.one_of(
         st.floats(0.0, allow_infinity=False),
         st.integers(0, BIG),
@@ -155,7 +157,7 @@ VALID: dict[str, st.SearchStrategy[Any]] = {
     "temperature": st.one_of(st.none(), st.integers(0, 10), st.floats(0.0, 10.0), fractions, st.sampled_from([10.0])),
     "top_p": st.one_of(st.none(), st.floats(5e-324, 1.0), st.sampled_from([1, 1.0, 5e-324, Raw("1e-300")])),
     "max_tokens": st.one_of(st.none(), st.integers(1, 1 << 20), st.sampled_from([1, 1 << 20])),
-    "seed": st.one_of(st.none(), st.integers(-BIG, BIG)),
+    "seed": st.one_of(st.none(), st.integers(-BIG, BIG), st.sampled_from(HARD_INTS)),
 }
 BAD_INTS = [1.0, 5.0, 5.5, -0.0, Raw("1e2"), Raw("1E0"), Raw("2.000")]
 NEAR_MISS: dict[str, st.SearchStrategy[Any]] = {
@@ -387,6 +389,7 @@ def test_the_fast_path_never_accepts_more_than_pydantic_and_decodes_the_same(dat
             "sampling": {"temperature": 0.7, "top_p": 0.9, "max_tokens": 64, "seed": 7},
         },
         {"id": "n1", "prompt": "p", "run_id": None, "messages": None, "text": None, "sampling": None},
+        {"id": "b1", "prompt": "p", "priority": 19933688932870350000, "sampling": {"seed": -(2**70)}},  # msgspec>=0.19
     ],
 )
 def test_typical_records_take_the_fast_path_with_the_same_values(record: dict[str, Any]) -> None:
