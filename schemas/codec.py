@@ -213,6 +213,8 @@ def _json_request_model(data: bytes) -> models.Request:
         raise DecodeError("invalid json", str(exc)) from None
     except RecursionError:
         raise DecodeError("invalid json", "nesting too deep") from None
+    except ValueError as exc:  # an integer of more digits than sys.get_int_max_str_digits() (4300), anywhere
+        raise DecodeError("invalid json", str(exc)) from None
     if not isinstance(obj, dict):
         raise DecodeError("schema violation", f"expected a JSON object, got {type(obj).__name__}")
     try:

@@ -193,6 +193,9 @@ def test_plain_json_request_is_read() -> None:
         (b'{"id": "x", "prompt": "a", "text": "b"}', "schema violation"),
         (b'{"id": 3, "prompt": "a"}', "schema violation"),
         (b'{"id": "x", "prompt": "a", "value": -1}', "schema violation"),
+        # more digits than Python converts (sys.get_int_max_str_digits()): json.loads raised ValueError, uncaught
+        (b'{"id": "x", "prompt": "a", "n": ' + b"9" * 4301 + b"}", "invalid json"),
+        (b'{"id": "x", "prompt": "a", "priority": ' + b"9" * 4301 + b"}", "invalid json"),
     ],
 )
 def test_bad_payloads_raise_one_typed_error_with_a_reason(payload: bytes, reason: str) -> None:

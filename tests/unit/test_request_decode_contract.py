@@ -127,13 +127,15 @@ def number_texts(draw: st.DrawFn, negative: bool = True, max_exp: int = 400) -> 
 
 
 fractions = st.builds(lambda d, e: Raw(f"0.{d}{e}"), digits, st.sampled_from(["", "e-1", "e-20", "e-330", "E-3"]))
+# more digits than Python converts to an int (sys.get_int_max_str_digits(): 4300): json.loads raises ValueError
+HUGE_INT = Raw("9" * 4301)
 not_json_numbers = st.sampled_from(["01", "1.", ".5", "+1", "NaN", "Infinity", "-Infinity", "1e", "0x10", "-"]).map(Raw)
 
 
 def bad_numbers(near: list[Any]) -> st.SearchStrategy[Any]:
     """Just out of range (or of the wrong kind: ``near``), any number, non-JSON spellings, wrong types."""
     anything = st.one_of(st.integers(-(2**70), 2**70), st.floats(allow_nan=False, allow_infinity=False), number_texts())
-    return st.one_of(st.sampled_from(near), anything, not_json_numbers, wrong_types)
+    return st.one_of(st.sampled_from(near), anything, not_json_numbers, st.just(HUGE_INT), wrong_types)
 
 
 BIG = 2**70
@@ -198,7 +200,8 @@ def extra_pairs(taken: set[str]) -> st.SearchStrategy[list[tuple[str, Any]]]:
     nested = st.recursive(
         st.one_of(
             st.none(), st.booleans(), st.integers(), texts(0, 5), with_lone_surrogate(), number_texts(), raw_strings
-        ),
+        )
+        | st.just(HUGE_INT),
         lambda inner: st.one_of(st.lists(inner, max_size=3), st.builds(lambda v: Obj((("k", v),)), inner)),
         max_leaves=6,
     )
