@@ -6,7 +6,7 @@ from dataclasses import dataclass, field
 from datetime import datetime
 from typing import Literal, NamedTuple
 
-from schemas import Request
+from schemas import RequestLike
 
 FailureClass = Literal[
     "invalid_input",
@@ -53,7 +53,7 @@ class WorkItem:
     key: bytes | None
     payload: bytes
     headers: dict[str, bytes]
-    request: Request | None = None
+    request: RequestLike | None = None  # models.Request (Avro) or schemas.fast.Request (JSON)
     request_id: str = ""
     attempt: int = 1
     first_failure_at: datetime | None = None

@@ -1,6 +1,7 @@
 """The contracts on the wire: Avro schemas, the codec, and the pydantic models of each record."""
 
 from schemas.codec import AvroCodec, DecodeError, codec_for
+from schemas.fast import ChatMessageLike, RequestLike, SamplingLike
 from schemas.models import (
     ChatMessage,
     DeadLetter,
@@ -17,15 +18,18 @@ from schemas.models import (
 __all__ = [
     "AvroCodec",
     "ChatMessage",
+    "ChatMessageLike",
     "DeadLetter",
     "DecodeError",
     "Lineage",
     "PartitionBoundary",
     "QuarantinedRecord",
     "Request",
+    "RequestLike",
     "Result",
     "RunManifest",
     "RunStats",
+    "SamplingLike",
     "SamplingOverrides",
     "codec_for",
 ]

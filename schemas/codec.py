@@ -28,10 +28,12 @@ from importlib import resources
 from typing import Any, Generic, TypeVar
 
 import fastavro
+import msgspec
 from fastavro.schema import fingerprint, to_parsing_canonical_form
 from pydantic import BaseModel, ValidationError
 
-from schemas import models
+from schemas import fast, models
+from schemas.fast import RequestLike
 
 SINGLE_OBJECT_MAGIC = b"\xc3\x01"
 CONFLUENT_MAGIC = b"\x00"
@@ -157,17 +159,47 @@ def fallback_id(key: bytes | None, payload: bytes) -> str:
     return "sha256:" + hashlib.sha256(payload).hexdigest()[:24]
 
 
-def decode_request(data: bytes | None, max_bytes: int = 1 << 20) -> models.Request:
-    """A Request from Avro (single-object or Confluent) or plain JSON bytes; :class:`DecodeError` otherwise."""
-    if not data:
-        raise DecodeError("empty payload")
-    if len(data) > max_bytes:
-        raise DecodeError("oversize record", f"{len(data)} bytes > {max_bytes}")
+def decode_request(data: bytes | None, max_bytes: int = 1 << 20) -> RequestLike:
+    """A request from Avro (single-object or Confluent) or plain JSON bytes; :class:`DecodeError` otherwise.
+
+    JSON is decoded by msgspec first (:mod:`schemas.fast`: a frozen Struct, not a pydantic model); whatever msgspec
+    refuses goes through :func:`decode_request_model`'s pydantic path unchanged, so what is accepted, and the error
+    of what is not, are pydantic's. Avro gives a ``models.Request``. Callers that need the pydantic model
+    (``model_dump``) call :func:`decode_request_model`."""
+    data = _checked(data, max_bytes)
     codec = codec_for("request")
     if codec.is_avro(data):
         request: models.Request = codec.decode(data)
         return request
-    try:  # the fast path: pydantic's own JSON parser; any problem is re-diagnosed below for a precise reason
+    try:
+        return fast.decode(data)
+    except (msgspec.MsgspecError, RecursionError):
+        pass
+    return _json_request_model(data)
+
+
+def decode_request_model(data: bytes | None, max_bytes: int = 1 << 20) -> models.Request:
+    """:func:`decode_request` with pydantic only: the same records accepted and rejected, always a
+    ``models.Request``."""
+    data = _checked(data, max_bytes)
+    codec = codec_for("request")
+    if codec.is_avro(data):
+        request: models.Request = codec.decode(data)
+        return request
+    return _json_request_model(data)
+
+
+def _checked(data: bytes | None, max_bytes: int) -> bytes:
+    if not data:
+        raise DecodeError("empty payload")
+    if len(data) > max_bytes:
+        raise DecodeError("oversize record", f"{len(data)} bytes > {max_bytes}")
+    return data
+
+
+def _json_request_model(data: bytes) -> models.Request:
+    """pydantic's reading of a JSON request: the reference contract of :func:`decode_request`."""
+    try:  # pydantic's own JSON parser; any problem is re-diagnosed below for a precise reason
         return models.Request.model_validate_json(data)
     except ValidationError:
         pass
@@ -181,6 +213,8 @@ def decode_request(data: bytes | None, max_bytes: int = 1 << 20) -> models.Reque
         raise DecodeError("invalid json", str(exc)) from None
     except RecursionError:
         raise DecodeError("invalid json", "nesting too deep") from None
+    except ValueError as exc:  # an integer of more digits than sys.get_int_max_str_digits() (4300), anywhere
+        raise DecodeError("invalid json", str(exc)) from None
     if not isinstance(obj, dict):
         raise DecodeError("schema violation", f"expected a JSON object, got {type(obj).__name__}")
     try:

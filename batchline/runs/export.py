@@ -40,7 +40,7 @@ from batchline.runs.control import OPENAI_CODES, OPENAI_MESSAGES
 from batchline.runs.manifests import RunsView
 from batchline.runs.outcomes import RunOutcomes
 from schemas import DeadLetter, Lineage, Result, RunManifest
-from schemas.codec import DecodeError, decode_request
+from schemas.codec import DecodeError, decode_request_model
 
 log = logging.getLogger(__name__)
 Format = Literal["jsonl", "openai", "parquet"]
@@ -94,7 +94,7 @@ def result_json(result: Result, lineage: Lineage | None) -> dict[str, Any]:
 def letter_json(letter: DeadLetter) -> dict[str, Any]:
     row = letter.model_dump(mode="json", exclude={"payload"})
     try:
-        row["request"] = decode_request(letter.payload).model_dump(mode="json", exclude_none=True)
+        row["request"] = decode_request_model(letter.payload).model_dump(mode="json", exclude_none=True)
     except DecodeError:
         try:
             row["payload"] = letter.payload.decode("utf-8")

@@ -20,7 +20,7 @@ from batchline.runs.identity import Fingerprint
 from batchline.runs.manifests import RunsView
 from batchline.runs.submit import Format, SubmitReport, publish_run, submit_file
 from schemas import DeadLetter, codec_for
-from schemas.codec import DecodeError, decode_request
+from schemas.codec import DecodeError, decode_request, decode_request_model
 
 log = logging.getLogger(__name__)
 
@@ -88,7 +88,7 @@ def summarise(letters: dict[str, DeadLetter], per_class: int = 3) -> DlqSummary:
 def _as_record(payload: bytes) -> dict[str, Any] | bytes:
     """A decodable payload as a request dict (its run id is replaced on publish), else the raw bytes."""
     try:
-        return decode_request(payload).model_dump(exclude={"run_id"})
+        return decode_request_model(payload).model_dump(exclude={"run_id"})
     except DecodeError:
         return payload
 

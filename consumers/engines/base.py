@@ -18,7 +18,7 @@ from dataclasses import dataclass
 from typing import Protocol, runtime_checkable
 
 from consumers.work import Failure
-from schemas import ChatMessage
+from schemas import ChatMessageLike
 
 
 # The records below are built per record on the hot path: slotted, and not frozen (a frozen dataclass's
@@ -35,7 +35,7 @@ class Sampling:
 class EngineInput:
     request_id: str
     prompt: str  # the rendered prompt (or the text to embed/classify)
-    messages: tuple[ChatMessage, ...] | None
+    messages: tuple[ChatMessageLike, ...] | None
     sampling: Sampling
     attempt: int = 1
 
