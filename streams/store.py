@@ -26,12 +26,13 @@ import logging
 import sqlite3
 from collections.abc import Iterable, Iterator
 from itertools import chain
+from operator import itemgetter
 from pathlib import Path
 from typing import IO
 
 from schemas import QuarantinedRecord
 from streams.exceptions import LedgerStoreError
-from streams.tally import QUARANTINED, IdState, Outcome, RunCounts, fold, run_of
+from streams.tally import QUARANTINED, IdState, Outcome, RunCounts, fold_batch, run_of
 
 log = logging.getLogger(__name__)
 SCHEMA_VERSION = "1"
@@ -51,6 +52,7 @@ _INSERT_ROW = "INSERT OR REPLACE INTO ids VALUES (?, ?, ?, ?, ?, ?, ?)"
 _INSERT_ROWS = "INSERT OR REPLACE INTO ids VALUES " + ",".join(["(?1, ?2, ?, ?, ?, ?, ?)"] * ROWS_PER_INSERT)
 _SELECT = "SELECT id, status, class, attempts, value FROM ids WHERE slot = ? AND rid = ? AND id IN ({})"
 _SELECT_IDS = {1 << n: _SELECT.format(",".join("?" * (1 << n))) for n in range(CHUNK.bit_length())}
+_REQUEST_ID, _RUN_ID = itemgetter(1), itemgetter(2)  # of an Outcome
 TP = tuple[str, int]
 Checkpoint = dict[TP, tuple[int, int]]  # (topic, partition) -> (next offset, timestamp of the last record read)
 
@@ -183,9 +185,9 @@ class LedgerStore:
         An id's new state goes into the write buffer (:meth:`_flush`), where the next record of the same id finds
         it; only ids not in the buffer are looked up, with one SELECT per run and chunk. The fold itself is in
         memory."""
-        first = outcomes[0].run_id if outcomes else None
-        if all(o.run_id == first for o in outcomes):  # the common case: a batch of one run
-            by_run: dict[str | None, list[Outcome]] = {first: outcomes} if outcomes else {}
+        runs = set(map(_RUN_ID, outcomes))
+        if len(runs) == 1:  # the common case: a batch of one run
+            by_run: dict[str | None, list[Outcome]] = {runs.pop(): outcomes}
         else:
             by_run = {}
             for o in outcomes:
@@ -197,19 +199,13 @@ class LedgerStore:
         for run_id, events in by_run.items():
             run = run_of(run_id)
             rid = self._rid(run)
-            counts = self.counts(slot, run)
             buffered = self._buffer.get((slot, rid))
             if buffered is None:
                 buffered = self._buffer[(slot, rid)] = {}
             size = len(buffered)
-            stored = self._load(slot, rid, [i for i in {e.request_id for e in events} if i not in buffered])
-            for event in events:
-                request_id = event.request_id
-                old = buffered.get(request_id)
-                new = fold(counts, stored.get(request_id) if old is None else old, event)
-                if new is not None:
-                    buffered[request_id] = new
-                    changed.add(run)
+            stored = self._load(slot, rid, list(set(map(_REQUEST_ID, events)).difference(buffered)))
+            if fold_batch(self.counts(slot, run), events, buffered, stored):
+                changed.add(run)
             self._buffered += len(buffered) - size
         if changed:
             self._dirty.update((slot, self._rids[run]) for run in changed)

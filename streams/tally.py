@@ -187,6 +187,94 @@ def fold(counts: RunCounts, old: IdState | None, event: Outcome) -> IdState | No
     return (new_status, new_class, attempts, new_value)
 
 
+def fold_batch(
+    counts: RunCounts, events: list[Outcome], states: dict[str, IdState], stored: dict[str, IdState]
+) -> bool:
+    """:func:`fold` of ``events`` in order, one run's: an id's state is read from ``states`` (the newest), else from
+    ``stored``, else it is new, and its new state goes into ``states``. Returns whether any state changed.
+
+    The store's hot loop (``streams/store.py``). The same arithmetic as :func:`fold` event by event, in the same
+    order - the counts are local variables started from ``counts`` and written back once, so a float sum adds the
+    same terms in the same order - without a call, an attribute write per count or a named tuple's field access
+    per event: per record at 1M ids, about half the time :func:`fold` and its loop took."""
+    seen, succeeded, quarantined = counts.seen, counts.succeeded, counts.quarantined
+    retried, retries, in_flight = counts.retried, counts.retries, counts.in_flight
+    value_seen, value_completed = counts.value_seen, counts.value_completed
+    tokens_in, tokens_out, engine_ms = counts.tokens_in, counts.tokens_out, counts.engine_ms
+    by_class, changed = counts.by_class, False
+    get, get_stored = states.get, stored.get
+    try:
+        for event in events:
+            kind, request_id, _, event_value, event_class, attempt, event_in, event_out, latency = event
+            old = get(request_id)
+            if old is None:
+                old = get_stored(request_id)
+                if old is None:
+                    seen += 1
+                    value_seen += DEFAULT_VALUE
+                    old = NEW_ID
+            status, failure_class, attempts, value = old
+            if kind == RETRY:
+                bit = 1 << (0 if attempt < 0 else MAX_ATTEMPT_BIT if attempt > MAX_ATTEMPT_BIT else attempt)
+                if attempts & bit:
+                    continue
+                retries += 1
+                if not attempts:
+                    retried += 1
+                    if status == PENDING:
+                        in_flight += 1
+                states[request_id] = (status, failure_class, attempts | bit, value)
+                changed = True
+                continue
+            if status == SUCCEEDED:
+                continue
+            new_value = value if event_value is None else event_value
+            if kind == RESULT:
+                new_class = failure_class
+                new_status = SUCCEEDED
+            else:
+                new_class = event_class
+                new_status = STOPPED if new_class in STOP_CLASSES else QUARANTINED
+                if status == new_status and failure_class == new_class and new_value == value:
+                    continue
+            # _leave: out of the count of its current, non-succeeded status
+            if status == STOPPED:
+                if failure_class == CANCELLED:
+                    counts.cancelled -= 1
+                else:
+                    counts.expired -= 1
+            elif status == QUARANTINED and failure_class is not None:
+                quarantined -= 1
+                by_class[failure_class] -= 1
+                if not by_class[failure_class]:
+                    del by_class[failure_class]
+            elif status == PENDING and attempts:
+                in_flight -= 1
+            value_seen += new_value - value
+            if new_status == SUCCEEDED:
+                succeeded += 1
+                value_completed += new_value
+                tokens_in += event_in
+                tokens_out += event_out
+                engine_ms += latency
+            elif new_status == STOPPED:
+                if new_class == CANCELLED:
+                    counts.cancelled += 1
+                else:
+                    counts.expired += 1
+            else:
+                quarantined += 1
+                by_class[event_class] += 1  # new_class
+            states[request_id] = (new_status, new_class, attempts, new_value)
+            changed = True
+    finally:  # what was folded is counted, even if an event raised
+        counts.seen, counts.succeeded, counts.quarantined = seen, succeeded, quarantined
+        counts.retried, counts.retries, counts.in_flight = retried, retries, in_flight
+        counts.value_seen, counts.value_completed = value_seen, value_completed
+        counts.tokens_in, counts.tokens_out, counts.engine_ms = tokens_in, tokens_out, engine_ms
+    return changed
+
+
 def _add_stopped(counts: RunCounts, failure_class: str | None, n: int) -> None:
     if failure_class == CANCELLED:
         counts.cancelled += n

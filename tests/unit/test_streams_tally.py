@@ -7,12 +7,24 @@ from datetime import UTC, datetime
 
 import pytest
 
-from batchline.runs.manifests import STREAM_RUN
+from batchline.runs.manifests import CANCELLED, EXPIRED, STREAM_RUN
 from consumers.intake import fallback_id as worker_fallback_id
 from schemas import DeadLetter, Result, RunManifest
 from schemas.codec import fallback_id
 from streams.retry_scheduler import RETRIED_AT, Held, PartitionQueue, republished_headers
-from streams.tally import LedgerEvent, RetrySeen, compute_run_stats
+from streams.tally import (
+    DEAD,
+    RESULT,
+    RETRY,
+    IdState,
+    LedgerEvent,
+    Outcome,
+    RetrySeen,
+    RunCounts,
+    compute_run_stats,
+    fold,
+    fold_batch,
+)
 
 NOW = datetime(2026, 1, 2, 3, 4, 5, tzinfo=UTC)
 
@@ -190,3 +202,41 @@ def test_republished_headers_carry_everything_over() -> None:
     assert out == [("batchline-attempt", b"2"), ("traceparent", b"00-ab-cd-01"), (RETRIED_AT, b"12345")]
     assert _held(1, 10, [("batchline-request-id", b"rid")]).request_id == b"rid"
     assert _held(1, 10).request_id == b"k1"
+
+
+@pytest.mark.parametrize("seed", range(5))
+def test_fold_batch_is_fold_event_by_event(seed: int) -> None:
+    """The store's batch fold moves the counts and states exactly as :func:`fold` one event at a time (floats
+    bit for bit: the same terms added in the same order), whatever is stored or buffered already."""
+    rng = random.Random(seed)
+    ids = [f"id-{i}" for i in range(60)]
+    classes = ("invalid_input", "retries_exhausted", CANCELLED, EXPIRED)
+
+    def event() -> Outcome:
+        kind = rng.choice((RESULT, DEAD, DEAD, RETRY, RETRY))
+        value = rng.choice((None, 0.1, 0.3, 2.5, 1e-9)) if kind != RETRY else None
+        cls = rng.choice(classes) if kind == DEAD else ""
+        attempt = rng.choice((-3, 0, 1, 2, 3, 62, 63, 500))
+        return Outcome(kind, rng.choice(ids), "r1", value, cls, attempt, rng.randrange(9), rng.randrange(9), 0.1)
+
+    stored: dict[str, IdState] = {}
+    reference = RunCounts()
+    for _ in range(80):  # what an earlier fold left in the store
+        i = rng.choice(ids)
+        new = fold(reference, stored.get(i), event())
+        if new is not None:
+            stored[i] = new
+    batched = RunCounts.from_json(reference.as_json())
+    expected_states: dict[str, IdState] = {}
+    states: dict[str, IdState] = {}
+    for _ in range(40):
+        batch = [event() for _ in range(rng.randrange(1, 30))]
+        changed = False
+        for e in batch:
+            new = fold(reference, expected_states.get(e.request_id, stored.get(e.request_id)), e)
+            if new is not None:
+                expected_states[e.request_id] = new
+                changed = True
+        assert fold_batch(batched, batch, states, stored) is changed
+        assert batched == reference
+        assert states == expected_states
