@@ -1,6 +1,6 @@
 """What the pipeline itself costs, with the engine out of the way.
 
-(c) Engine-free throughput: the deterministic engine at zero latency, 50,000 JSON records of ~230 bytes, the
+(c) Engine-free throughput: the deterministic engine at zero latency, 200,000 JSON records of ~230 bytes, the
     default job config, one in-process worker - against a bare confluent-kafka transactional consume -> produce
     loop on the same broker and the same records (the least any exactly-once Kafka pipeline must do).
 (e) A short job's fixed latency: 384 records published to a worker that is already ready, deterministic engine
@@ -32,7 +32,7 @@ from batchline.telemetry.setup import setup_telemetry
 from tests.bench.conftest import record
 from tests.bench.support import PeakRss, json_records, outputs, publish, run_end_to_end, run_measured_worker
 
-RECORDS = int(os.environ.get("BENCH_ENGINE_FREE_RECORDS", "50000"))
+RECORDS = int(os.environ.get("BENCH_ENGINE_FREE_RECORDS", "200000"))
 PARTITIONS = 4
 RSS_SIZES = (20_000, 200_000)
 SHORT_JOB = 384
