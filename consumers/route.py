@@ -127,11 +127,7 @@ class Router:
             tail,
             item.weight,
         )
-        source = item.source
-        if h.ORIGINAL_TOPIC in item.headers:
-            lineage = self._lineage.encode(run_id, *self._source(item), ctx.batch_id)
-        else:
-            lineage = self._lineage.encode(run_id, source.topic, source.partition, source.offset, ctx.batch_id)
+        lineage = self._lineage.encode(run_id, *self._source(item), ctx.batch_id)
         run_headers = self._run_headers.get(run_id)
         if run_headers is None:
             if len(self._run_headers) > 1024:  # many runs over a worker's life: keep the cache small
