@@ -167,15 +167,12 @@ def decode_request(data: bytes | None, max_bytes: int = 1 << 20) -> RequestLike:
     of what is not, are pydantic's. Avro gives a ``models.Request``. Callers that need the pydantic model
     (``model_dump``) call :func:`decode_request_model`."""
     data = _checked(data, max_bytes)
-    codec = codec_for("request")
-    if codec.is_avro(data):
-        request: models.Request = codec.decode(data)
-        return request
-    try:
-        return fast.decode(data)
-    except (msgspec.MsgspecError, RecursionError):
-        pass
-    return _json_request_model(data)
+    if not codec_for("request").is_avro(data):
+        try:
+            return fast.decode(data)
+        except (msgspec.MsgspecError, RecursionError):
+            pass
+    return decode_request_model(data, max_bytes)
 
 
 def decode_request_model(data: bytes | None, max_bytes: int = 1 << 20) -> models.Request:
