@@ -206,8 +206,10 @@ def test_republished_headers_carry_everything_over() -> None:
 
 @pytest.mark.parametrize("seed", range(5))
 def test_fold_batch_is_fold_event_by_event(seed: int) -> None:
-    """The store's batch fold moves the counts and states exactly as :func:`fold` one event at a time (floats
-    bit for bit: the same terms added in the same order), whatever is stored or buffered already."""
+    """The store's batch fold moves the counts and states exactly as :func:`fold` one event at a time (a batch of
+    one; floats bit for bit: the same terms added in the same order), whatever is stored or buffered already: an
+    id met twice in a batch reads the state the batch gave it, not the stored one. The arithmetic itself is held by
+    the tests above, through compute_run_stats."""
     rng = random.Random(seed)
     ids = [f"id-{i}" for i in range(60)]
     classes = ("invalid_input", "retries_exhausted", CANCELLED, EXPIRED)
