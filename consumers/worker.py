@@ -63,7 +63,7 @@ from batchline.kafka.aborted import AbortedIndex
 from batchline.kafka.client import make_admin, make_consumer
 from batchline.kafka.groups import close_member, watch_member
 from batchline.kafka.liveness import BrokerLiveness
-from batchline.kafka.ownership import Ownership
+from batchline.kafka.ownership import STATS_EVERY_MS, Ownership
 from batchline.kafka.slots import SlotSweeper, claim_slot
 from batchline.kafka.topics import (
     MESSAGE_HEADROOM,
@@ -98,7 +98,6 @@ ABANDON_WAIT_S = 2.0  # how long a worker that lost its broker waits for its com
 LEAVE_S = 30.0  # longest wait for a stable group before leaving it (batchline.kafka.groups.close_member)
 OBSERVE_EVERY_S = 0.2  # how often the loop reads the group membership for the commit thread (Ownership.observe)
 REVOKE_GRACE_S = 20.0  # how long a revocation waits for in-flight micro-batches before rewinding them
-STATS_EVERY_MS = 1000  # librdkafka statistics: the join state the ownership's rejoin rule reads
 # At max_in_flight_records the loop stops taking records but leaves its partitions fetching this long (a commit
 # usually frees room within tens of ms); only then does it pause them. A pause makes librdkafka drop what it has
 # prefetched and fetch it again on resume: pausing at every full line cost the engine-free worker half its rate.

@@ -52,7 +52,7 @@ from batchline.kafka.aborted import AbortedIndex
 from batchline.kafka.client import make_admin, make_consumer
 from batchline.kafka.groups import close_member, watch_member
 from batchline.kafka.liveness import BrokerDown, never_down
-from batchline.kafka.ownership import Ownership
+from batchline.kafka.ownership import STATS_EVERY_MS, Ownership
 from batchline.kafka.slots import SlotSweeper, claim_slot
 from batchline.kafka.topics import JobTopics, effective_max_message_bytes
 from batchline.kafka.transaction_errors import TransactionalIdTaken, TransactionFailed
@@ -81,7 +81,6 @@ FAILURE_BACKOFF_S = 1.0
 POLL_BATCH = 500
 RECONCILE_S = 5.0  # how often the pauses are re-checked against the consumer's own assignment
 COMMITTED_TIMEOUT_S = 10.0
-STATS_EVERY_MS = 1000  # librdkafka statistics: the join state the ownership's rejoin rule reads
 
 TP = tuple[str, int]
 

@@ -52,6 +52,7 @@ from batchline.kafka.liveness import BrokerDown, never_down
 TP = tuple[str, int]
 REJOINING = frozenset({"init", "wait-join", "wait-sync", "wait-metadata"})  # librdkafka's cgrp join states
 METADATA_MAGIC = b"CGMDv2:"  # librdkafka's serialized rd_kafka_consumer_group_metadata_t
+STATS_EVERY_MS = 1000  # librdkafka's statistics.interval.ms for a consumer whose rejoins Ownership.rejoined_late reads
 
 
 class GroupMember(Protocol):
