@@ -113,6 +113,7 @@ class Router:
 
     def _result(self, item: WorkItem, out: EngineOutput, ctx: BatchContext, tail: bytes) -> Produced:
         run_id = item.run_id
+        key = item.request_id.encode()
         encoded = self._results.encode(
             item.request_id,
             run_id,
@@ -127,7 +128,11 @@ class Router:
             tail,
             item.weight,
         )
-        lineage = self._lineage.encode(run_id, *self._source(item), ctx.batch_id)
+        if item.headers and h.ORIGINAL_TOPIC in item.headers:  # a re-published retry
+            lineage = self._lineage.encode(run_id, *self._source(item), ctx.batch_id)
+        else:
+            source = item.source
+            lineage = self._lineage.encode(run_id, source.topic, source.partition, source.offset, ctx.batch_id)
         run_headers = self._run_headers.get(run_id)
         if run_headers is None:
             if len(self._run_headers) > 1024:  # many runs over a worker's life: keep the cache small
@@ -136,7 +141,7 @@ class Router:
         headers: h.Headers = [(h.LINEAGE, lineage), *run_headers]
         if ctx.traceparent:
             headers.append((h.TRACEPARENT, ctx.traceparent.encode()))
-        return Produced(self._results_topic, item.request_id.encode(), encoded, headers, "result", item)
+        return Produced(self._results_topic, key, encoded, headers, "result", item)
 
     # -- failures --------------------------------------------------------------------------------
     def _failure(self, item: WorkItem, failure: Failure, ctx: BatchContext) -> Produced:

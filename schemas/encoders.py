@@ -61,8 +61,15 @@ _DOUBLE = struct.Struct("<d")
 
 
 def zigzag(n: int) -> bytes:
-    """An Avro ``int``/``long``: zig-zag, then base-128 varint, least significant group first."""
+    """An Avro ``int``/``long``: zig-zag, then base-128 varint, least significant group first. Values below 2**27
+    (offsets, timestamps' neighbours, lengths) are written without a loop: this runs for every result."""
     z = (n << 1) ^ (n >> 63)
+    if z < 0x4000:
+        return _BYTES[z] if z < 0x80 else bytes(((z & 0x7F) | 0x80, z >> 7))
+    if z < 0x200000:
+        return bytes(((z & 0x7F) | 0x80, ((z >> 7) & 0x7F) | 0x80, z >> 14))
+    if z < 0x10000000:
+        return bytes(((z & 0x7F) | 0x80, ((z >> 7) & 0x7F) | 0x80, ((z >> 14) & 0x7F) | 0x80, z >> 21))
     out = bytearray()
     while z & ~0x7F:
         out.append((z & 0x7F) | 0x80)
@@ -71,6 +78,7 @@ def zigzag(n: int) -> bytes:
     return bytes(out)
 
 
+_BYTES = [bytes((b,)) for b in range(0x80)]
 _SMALL = [zigzag(n) for n in range(1 << 13)]  # non-negative ints below 8192: lengths, token counts, attempts
 
 
@@ -131,6 +139,8 @@ class ResultEncoder:
         codec = codec_for("result")
         self._header = codec.encode_dict(_empty_result())[:HEADER_LEN]
         self._task = avro_string(task)
+        self._run_task: dict[str | None, bytes] = {}  # the run_id union and the task, per run
+        self._finish: dict[str | None, bytes] = {None: b"\x00"}  # finish_reason unions seen ("stop", "length")
 
     @staticmethod
     def tail(latency_ms: float, produced_at_ms: int) -> bytes:
@@ -153,20 +163,31 @@ class ResultEncoder:
         value: float | None,
     ) -> bytes:
         """A Result; ``tail`` is :meth:`tail` (latency_ms and produced_at)."""
+        run_task = self._run_task.get(run_id)
+        if run_task is None:
+            if len(self._run_task) > 1024:  # many runs over a worker's life: keep the cache small
+                self._run_task.clear()
+            run_task = self._run_task[run_id] = avro_optional_string(run_id) + self._task
+        finish = self._finish.get(finish_reason)
+        if finish is None:
+            finish = avro_optional_string(finish_reason)
+            if len(self._finish) < 64:  # engines use a handful of reasons
+                self._finish[finish_reason] = finish
+        raw_id = request_id.encode()
         return b"".join(
             (
                 self._header,
-                avro_string(request_id),
-                b"\x00" if run_id is None else b"\x02" + avro_string(run_id),
-                self._task,
+                _SMALL[len(raw_id)] if len(raw_id) < 8192 else zigzag(len(raw_id)),
+                raw_id,
+                run_task,
                 b"\x00" if output is None else b"\x02" + avro_string(output),
                 b"\x00" if label is None else b"\x02" + avro_string(label),
                 b"\x00" if scores is None else avro_optional_double_map(scores),
                 b"\x00" if embedding is None else avro_optional_float_array(embedding),
-                b"\x00" if finish_reason is None else b"\x02" + avro_string(finish_reason),
-                varint(prompt_tokens),
-                varint(completion_tokens),
-                varint(attempt),
+                finish,
+                _SMALL[prompt_tokens] if 0 <= prompt_tokens < 8192 else zigzag(prompt_tokens),
+                _SMALL[completion_tokens] if 0 <= completion_tokens < 8192 else zigzag(completion_tokens),
+                _SMALL[attempt] if 0 <= attempt < 8192 else zigzag(attempt),
                 tail,
                 b"\x00" if value is None else b"\x02" + _DOUBLE.pack(value),
             )
@@ -213,16 +234,18 @@ class LineageEncoder:
             fastavro.schemaless_writer(middle, fastavro.parse_schema(types[name]), constants[name])
         self._middle = middle.getvalue()
         self._worker = avro_string(constants["worker_id"])
-        self._prefixes: dict[tuple[str | None, str], bytes] = {}
-        self._batch: tuple[str, bytes] = ("", avro_string(""))
+        # everything before the source offset, per (run, topic, partition); everything after it, per batch
+        self._prefixes: dict[tuple[str | None, str, int], bytes] = {}
+        self._batch: tuple[str, bytes] = ("", self._worker + avro_string(""))
 
     def encode(self, run_id: str | None, topic: str, partition: int, offset: int, batch_id: str) -> bytes:
-        prefix = self._prefixes.get((run_id, topic))
+        prefix = self._prefixes.get((run_id, topic, partition))
         if prefix is None:
-            if len(self._prefixes) > 1024:  # many runs over a worker's life: keep the cache small
+            if len(self._prefixes) > 4096:  # many runs over a worker's life: keep the cache small
                 self._prefixes.clear()
-            prefix = self._header + avro_optional_string(run_id) + self._middle + avro_string(topic)
-            self._prefixes[(run_id, topic)] = prefix
-        if self._batch[0] != batch_id:
-            self._batch = (batch_id, avro_string(batch_id))
-        return prefix + varint(partition) + zigzag(offset) + self._worker + self._batch[1]
+            prefix = self._header + avro_optional_string(run_id) + self._middle + avro_string(topic) + zigzag(partition)
+            self._prefixes[(run_id, topic, partition)] = prefix
+        batch = self._batch
+        if batch[0] != batch_id:
+            batch = self._batch = (batch_id, self._worker + avro_string(batch_id))
+        return prefix + zigzag(offset) + batch[1]
