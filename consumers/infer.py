@@ -100,7 +100,7 @@ class Flight:
         return (self.ended_ns - self.started_ns) / 1e6
 
 
-@dataclass
+@dataclass(slots=True)
 class _Slot:
     flight: Flight
     index: int
@@ -211,12 +211,15 @@ class Feeder:
 
     def _admit(self, flight: Flight) -> None:
         flight.started_ns = time.time_ns()
+        config, greedy, keys, slots, backlog = self.config, self._greedy, self._keys, self._slots, self._backlog
+        pending = 0
         for i, item in enumerate(flight.items):
-            if item.runnable:
-                key = next(self._keys)
-                self._slots[key] = _Slot(flight, i, engine_input(self.config, item, self._greedy))
-                self._backlog.append(key)
-                flight.pending += 1
+            if item.request is not None and item.failure is None and item.passed_over is None:  # item.runnable
+                key = next(keys)
+                slots[key] = _Slot(flight, i, engine_input(config, item, greedy))
+                backlog.append(key)
+                pending += 1
+        flight.pending += pending
         if flight.pending == 0:
             self._finish(flight)
 

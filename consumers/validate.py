@@ -20,6 +20,7 @@ class OutputValidator:
         self._schema: Any = jsonschema.Draft202012Validator(schema) if schema else None
         labels = self.rules.allowed_labels if self.rules.allowed_labels is not None else config.engine.labels
         self.labels = frozenset(labels)
+        self._min_chars = max(1, self.rules.min_output_chars)
 
     def problem(self, out: EngineOutput) -> str | None:
         """Why ``out`` is not acceptable, or None."""
@@ -36,8 +37,10 @@ class OutputValidator:
                 return f"label {out.label!r} not in the allowed set"
             return None
         text = out.text or ""
-        if len(text.strip()) < max(1, self.rules.min_output_chars):
-            return f"output shorter than {max(1, self.rules.min_output_chars)} chars"
+        shortest = self._min_chars
+        # strip() copies the text: only when whitespace at an end could make it too short
+        if len(text) < shortest or ((text[0].isspace() or text[-1].isspace()) and len(text.strip()) < shortest):
+            return f"output shorter than {shortest} chars"
         if self.rules.max_output_chars is not None and len(text) > self.rules.max_output_chars:
             return f"output longer than {self.rules.max_output_chars} chars"
         if self._schema is not None:

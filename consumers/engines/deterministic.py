@@ -173,10 +173,10 @@ class DeterministicEngine:
 
     # -- outputs ---------------------------------------------------------------------------------
     def _one(self, inp: EngineInput) -> Outcome:
-        if self.fails_transiently(inp.request_id, inp.attempt):
+        if self.transient_rate > 0 and self.fails_transiently(inp.request_id, inp.attempt):
             return Failure("transient", "InjectedTransientFault", f"injected fault on attempt {inp.attempt}")
         words = inp.prompt.split()
-        invalid = self.gives_invalid_output(inp.request_id)
+        invalid = self.invalid_output_rate > 0 and self.gives_invalid_output(inp.request_id)
         if self.task == "embed":
             return EngineOutput(embedding=self._embedding(inp.prompt), prompt_tokens=len(words))
         if self.task == "classify":
@@ -213,12 +213,10 @@ class DeterministicEngine:
             text, completion = "", 0
         else:
             kept.reverse()
-            text, completion = f"{tag} {' '.join(kept)}", len(kept) + 1
+            text, completion = f"{tag} " + " ".join(kept), len(kept) + 1
+        # positional: text, label, scores, embedding, finish_reason, prompt_tokens, completion_tokens
         return EngineOutput(
-            text=text,
-            prompt_tokens=len(words),
-            completion_tokens=completion,
-            finish_reason="length" if completion >= s.max_tokens else "stop",
+            text, None, None, None, "length" if completion >= s.max_tokens else "stop", len(words), completion
         )
 
 
