@@ -280,9 +280,9 @@ class CommitLine:
             ctx = trace.set_span_in_context(span)
             self.tracer.start_span("infer", ctx, start_time=flight.started_ns).end(flight.ended_ns)
             started = time.time_ns()
-            runnable = sum(1 for i in flight.items if i.runnable)
             batch = BatchContext(flight.batch_id, self.router.worker_id, traceparent_of(span))
-            produced = self.router.route(flight.items, flight.outcomes, batch, flight.engine_ms / max(1, runnable))
+            latency = flight.engine_ms / max(1, flight.runnable)
+            produced = self.router.route(flight.items, flight.outcomes, batch, latency)
             self.tracer.start_span("route", ctx, start_time=started).end(time.time_ns())
             messages += produced
             sizes.append(len(produced))

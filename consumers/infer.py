@@ -90,6 +90,7 @@ class Flight:
     items: list[WorkItem]
     outcomes: dict[int, Outcome] = field(default_factory=dict)
     pending: int = 0
+    runnable: int = 0  # records handed to the engine (the others ride along: invalid, passed over, aborted)
     started_ns: int = 0
     ended_ns: int = 0
     done: bool = False
@@ -220,6 +221,7 @@ class Feeder:
                 backlog.append(key)
                 pending += 1
         flight.pending += pending
+        flight.runnable = pending
         if flight.pending == 0:
             self._finish(flight)
 

@@ -19,9 +19,12 @@ from schemas.codec import DecodeError, decode_request, fallback_id
 TokenCounter = Callable[[str], int]
 
 
+NO_HEADERS: dict[str, bytes] = {}  # shared by every record without headers (most of them): read, never written
+
+
 def render_prompt(template: str, text: str) -> str:
-    # str.replace, not str.format: record text may hold braces.
-    return template.replace("{input}", text)
+    # str.replace, not str.format: record text may hold braces. The default template is the text itself.
+    return text if template == "{input}" else template.replace("{input}", text)
 
 
 class Intake:
@@ -31,7 +34,7 @@ class Intake:
 
     def admit(self, msg: Message) -> WorkItem:
         raw_headers = msg.headers()
-        headers = h.as_dict(raw_headers) if raw_headers else {}
+        headers = h.as_dict(raw_headers) if raw_headers else NO_HEADERS
         ts_type, ts = msg.timestamp()
         payload: bytes = msg.value() or b""
         item = WorkItem(
