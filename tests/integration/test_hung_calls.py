@@ -23,7 +23,7 @@ import pytest
 from confluent_kafka import Consumer, TopicPartition
 
 from batchline.config import KafkaSettings
-from batchline.kafka import transactions
+from batchline.kafka import producer_lifecycle
 from batchline.kafka.bounded_calls import HANG_GRACE_S
 from batchline.kafka.broker import EmbeddedBroker, free_port
 from batchline.kafka.client import make_consumer
@@ -146,7 +146,8 @@ def test_a_commit_whose_answer_is_lost_is_reported_ambiguous_and_settled_before_
     second failure replaced the first and said "nothing committed", and a worker re-read records already
     committed. ``settle()`` after the heal makes that producer; only then are the committed offsets final."""
     kafka, proxy = cut_after_end_txn
-    monkeypatch.setattr(transactions, "CALL_TIMEOUT_S", 4.0)  # the replacement's init_transactions, behind the cut
+    # the replacement's init_transactions, behind the cut
+    monkeypatch.setattr(producer_lifecycle, "CALL_TIMEOUT_S", 4.0)
     topics = JobTopics(job_name, ("1s",))
     create_job_topics(kafka, topics, 1)
     consumer = make_consumer(kafka, f"g-{uuid.uuid4().hex[:6]}")
