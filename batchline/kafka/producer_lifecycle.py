@@ -30,7 +30,7 @@ from batchline.kafka.transaction_errors import TransactionFailed, TransactionFen
 log = logging.getLogger(__name__)
 T = TypeVar("T")
 CALL_TIMEOUT_S = 30.0  # one transactional call (begin, flush, send offsets, commit, abort), its resumed slices together
-ABORT_BUDGET_S = 60.0  # an abort keeps resuming this long, also while the broker is suspected down (see _abort)
+ABORT_BUDGET_S = 60.0  # an abort keeps resuming this long, also while the broker is suspected down (see abort)
 CALL_SLICE_S = 2.0  # the longest one librdkafka call blocks before the guard is asked again (session timeout: 6 s+)
 CALL_RETRIES = 5  # errors other than a slice's time-out, per call
 
@@ -46,6 +46,10 @@ class Guard(Protocol):
 
 
 class ProducerLifecycle:
+    """The current producer of one transactional id (``producer``, read by the transactional producer for each
+    step of a transaction), the calls made on it (:meth:`call`), and its ends: :meth:`abort`, :meth:`recreate`,
+    :meth:`close`. Counts ``aborts`` and ``recreated``."""
+
     def __init__(
         self, kafka: KafkaSettings, transactional_id: str, overrides: dict[str, Any], broker_down: BrokerDown
     ) -> None:
@@ -90,14 +94,14 @@ class ProducerLifecycle:
             raise TransactionFailed(f"init_transactions of {self.transactional_id} failed: {why}", True) from None
         return producer, calls
 
-    def _ensure_producer(self) -> None:
-        """Replace a producer retired by :meth:`_recreate`, before it is used again; TransactionFailed (fatal) while
+    def ensure_producer(self) -> None:
+        """Replace a producer retired by :meth:`recreate`, before it is used again; TransactionFailed (fatal) while
         the broker cannot be reached (``_replace`` stays set: the next call tries again)."""
         if self._replace:
             self.producer, self._calls = self._new_producer()
             self._replace = False
 
-    def _call(
+    def call(
         self,
         fn: Callable[[float], T],
         guard: Guard | None = None,
@@ -117,10 +121,10 @@ class ProducerLifecycle:
         first = True
         while True:
             if check_first or not first:
-                self._check(guard)
+                check_guard(guard)
             first = False
             try:
-                result = self._calls.call(fn, _slice(deadline))
+                result = self._calls.call(fn, next_slice(deadline))
                 self._pending = None
                 return result
             except KafkaException as exc:
@@ -136,45 +140,40 @@ class ProducerLifecycle:
                 if not resumed:
                     time.sleep(0.1 * 2 ** (errors - 1))
 
-    @staticmethod
-    def _check(guard: Guard | None) -> None:
-        why = None if guard is None else guard.stale()
-        if why is not None:
-            raise TransactionFenced(f"fenced: {why}", fatal=False)
-
-    def _commit_transaction(self, timeout: float) -> None:
+    def commit_transaction(self, timeout: float) -> None:
+        """The commit, the one call an abort never resumes (:meth:`abort`): pass this, not the producer's own."""
         self.producer.commit_transaction(timeout)
 
-    def _end_fenced(self, committing: bool) -> bool:
+    def end_fenced(self, committing: bool) -> bool:
         """End a transaction whose partitions are no longer ours without committing it: abort it, or recreate the
         producer when its commit is under way (librdkafka refuses to abort that) or the abort fails - the new
         producer's epoch fences the old one, whose unsent requests are purged. True if recreated."""
-        if not committing and self._abort():
+        if not committing and self.abort():
             return False
-        self._recreate(purge=True)
+        self.recreate(purge=True)
         return True
 
-    def _abort_or_recreate(self, err: KafkaError | None, resync: bool = False) -> None:
+    def abort_or_recreate(self, err: KafkaError | None, resync: bool = False) -> None:
         """Abort; recreate the producer if that fails or ``err`` is fatal. ``resync`` (the broker rejected a
         record batch): recreate after the abort too. The rejected batch was never written but librdkafka counted
         its sequence numbers; Apache Kafka lets it recover by bumping the epoch (KIP-360), the embedded broker
         does not (the next transaction fails OUT_OF_ORDER_SEQUENCE_NUMBER and its abort times out). A fresh
         producer starts the next transaction with a new epoch and fresh sequences."""
-        if (err is not None and err.fatal()) or not self._abort() or resync:
-            self._recreate()
+        if (err is not None and err.fatal()) or not self.abort() or resync:
+            self.recreate()
 
-    def _abort(self) -> bool:
+    def abort(self) -> bool:
         """Abort the open transaction; False if it could not be. A call that timed out is first resumed to its end
         (librdkafka takes no other call meanwhile) - unless it is the commit, which must not complete: False then.
         Both are resumed for ABORT_BUDGET_S, also while the broker is suspected down (a network partition heals
         within it)."""
         self.aborts += 1
-        if self._pending == self._commit_transaction:
+        if self._pending == self.commit_transaction:
             return False
         try:
             if self._pending is not None:
-                self._call(self._pending, budget_s=ABORT_BUDGET_S, while_down=True)
-            self._call(self.producer.abort_transaction, budget_s=ABORT_BUDGET_S, while_down=True)
+                self.call(self._pending, budget_s=ABORT_BUDGET_S, while_down=True)
+            self.call(self.producer.abort_transaction, budget_s=ABORT_BUDGET_S, while_down=True)
         except KafkaException as exc:
             log.error("abort of transaction %s failed: %s", self.transactional_id, exc.args[0].str())
             return False
@@ -183,12 +182,13 @@ class ProducerLifecycle:
             return False
         return True
 
-    def _recreate(self, purge: bool = False) -> None:
+    def recreate(self, purge: bool = False) -> None:
         """Retire the producer and make a new one, whose epoch fences its transaction. ``purge``: what the old
         producer still holds is dropped unsent, not flushed. After a hung call the new one is made later
         (``_replace``, see ``__init__``); a new one that cannot be made now (the broker is unreachable) is made by
-        the next commit, :meth:`settle` or :meth:`close` - never an error here: this runs while a transaction's own
-        failure is being raised, and that failure (ambiguous or not) is what the caller must learn."""
+        the next commit, ``TransactionalProducer.settle`` or :meth:`close` - never an error here: this runs while
+        a transaction's own failure is being raised, and that failure (ambiguous or not) is what the caller must
+        learn."""
         log.warning("recreating transactional producer %s", self.transactional_id)
         self.recreated += 1
         old, calls = self.producer, self._calls
@@ -207,20 +207,27 @@ class ProducerLifecycle:
             self._replace = True
             if not calls.hung:
                 try:
-                    self._ensure_producer()
+                    self.ensure_producer()
                 except TransactionFailed as exc:
                     log.error("%s; the next commit makes it", exc)
 
     def close(self, timeout: float = CALL_TIMEOUT_S) -> None:
         """Flush; after a hung call, first make the producer that fences its transaction (bounded like a call)."""
         try:
-            self._ensure_producer()
+            self.ensure_producer()
         except TransactionFailed as exc:
             log.error("closing %s with a transaction left to the broker's timeout: %s", self.transactional_id, exc)
             return
         self.producer.flush(timeout)
 
 
-def _slice(deadline: float) -> float:
+def check_guard(guard: Guard | None) -> None:
+    """TransactionFenced once ``guard`` says the transaction's partitions are no longer ours."""
+    why = None if guard is None else guard.stale()
+    if why is not None:
+        raise TransactionFenced(f"fenced: {why}", fatal=False)
+
+
+def next_slice(deadline: float) -> float:
     """How long the next slice of a call may block: at most CALL_SLICE_S, at least a moment, never past ``deadline``."""
     return min(CALL_SLICE_S, max(0.01, deadline - time.monotonic()))

@@ -45,7 +45,7 @@ from batchline.config import KafkaSettings
 from batchline.kafka.bounded_calls import CallHung
 from batchline.kafka.client import producer_conf
 from batchline.kafka.liveness import BrokerDown, never_down
-from batchline.kafka.producer_lifecycle import CALL_TIMEOUT_S, ProducerLifecycle, _slice
+from batchline.kafka.producer_lifecycle import CALL_TIMEOUT_S, ProducerLifecycle, check_guard, next_slice
 from batchline.kafka.producer_lifecycle import Guard as Guard  # a commit's guard; callers import it from here
 from batchline.kafka.record_size import (
     LIBRDKAFKA_MESSAGE_MAX_BYTES,
@@ -110,7 +110,7 @@ class TransactionalProducer:
         the one whose init_transactions fences it (an ambiguous commit is final after this, committed or aborted,
         and the group's committed offsets say which). Nothing to do otherwise; TransactionFailed while the broker
         cannot be reached."""
-        self.lifecycle._ensure_producer()
+        self.lifecycle.ensure_producer()
 
     # -- the commit --------------------------------------------------------------------------------
     def commit(
@@ -190,9 +190,9 @@ class TransactionalProducer:
         (the transaction was aborted). Raises TransactionFailed for everything else."""
         delivery: dict[int, KafkaError | None] = {}
         began = committing = False
-        self.lifecycle._ensure_producer()  # the previous round may have retired it
+        self.lifecycle.ensure_producer()  # the previous round may have retired it
         try:
-            self.lifecycle._call(lambda _t: self.lifecycle.producer.begin_transaction(), guard)
+            self.lifecycle.call(lambda _t: self.lifecycle.producer.begin_transaction(), guard)
             began = True
             stopped: KafkaError | None = None
             for i in range(len(outgoing)):
@@ -205,30 +205,30 @@ class TransactionalProducer:
             failed = [e for e in delivery.values() if e is not None]
             if failed or stopped is not None:
                 rejected = _per_record(delivery, outgoing)
-                self.lifecycle._abort_or_recreate(failed[0] if failed else stopped, resync=bool(rejected))
+                self.lifecycle.abort_or_recreate(failed[0] if failed else stopped, resync=bool(rejected))
                 if rejected and fit is not None:
                     return rejected
                 first = failed[0] if failed else stopped
                 assert first is not None
                 raise TransactionFailed(f"{len(failed)} messages not delivered: {first.str()}", False)
             metadata = group_metadata if guard is None else guard.group_metadata()
-            self.lifecycle._call(
+            self.lifecycle.call(
                 lambda t: self.lifecycle.producer.send_offsets_to_transaction(offsets, metadata, t), guard
             )
-            self.lifecycle._check(guard)
+            check_guard(guard)
             committing = True
-            self.lifecycle._call(self.lifecycle._commit_transaction, guard, check_first=False)
+            self.lifecycle.call(self.lifecycle.commit_transaction, guard, check_first=False)
             return {}
         except CallHung as exc:
             # The call never returned: nothing more can be asked of this producer, so it is replaced, and the new
             # one's epoch aborts its transaction - unless the commit was under way (the outcome is unknown then).
             log.error("transaction of %s: %s; recreating its producer", self.transactional_id, exc)
-            self.lifecycle._recreate()
+            self.lifecycle.recreate()
             raise TransactionFailed(str(exc), True, ambiguous=committing) from None
         except TransactionFenced as exc:
             if not began:  # never begun (a queued transaction whose partitions moved on): nothing to undo
                 raise
-            recreated = self.lifecycle._end_fenced(committing)
+            recreated = self.lifecycle.end_fenced(committing)
             how = "its commit was under way" if committing else "its abort failed" if recreated else "aborted"
             how += ": producer recreated" if recreated else ""
             raise TransactionFenced(f"{exc}; {how}", recreated, ambiguous=committing) from None
@@ -238,9 +238,9 @@ class TransactionalProducer:
                 raise TransactionalIdTaken(self.transactional_id, err.str()) from exc
             # A message rejected by produce() alone leaves the transaction abortable (no fit was given).
             abortable = err.txn_requires_abort() or err.code() in PER_RECORD_ERRORS
-            aborted = abortable and not err.fatal() and self.lifecycle._abort()
+            aborted = abortable and not err.fatal() and self.lifecycle.abort()
             if not aborted:
-                self.lifecycle._recreate()
+                self.lifecycle.recreate()
             raise TransactionFailed(err.str(), not aborted, ambiguous=committing and not aborted) from exc
 
     def _produce_tracked(
@@ -283,8 +283,8 @@ class TransactionalProducer:
         ``guard`` between slices."""
         deadline = time.monotonic() + CALL_TIMEOUT_S
         while True:
-            self.lifecycle._check(guard)
-            left = self.lifecycle.producer.flush(_slice(deadline))
+            check_guard(guard)
+            left = self.lifecycle.producer.flush(next_slice(deadline))
             if not left:
                 return
             if time.monotonic() >= deadline:
@@ -321,9 +321,9 @@ class TransactionalProducer:
         """Produce ``group`` in a transaction that is always aborted; the messages the broker rejects."""
         delivery: dict[int, KafkaError | None] = {}
         rejected: dict[int, RecordError] = {}
-        self.lifecycle._ensure_producer()  # the previous round may have retired it
+        self.lifecycle.ensure_producer()  # the previous round may have retired it
         try:
-            self.lifecycle._call(lambda _t: self.lifecycle.producer.begin_transaction())
+            self.lifecycle.call(lambda _t: self.lifecycle.producer.begin_transaction())
             for i in group:
 
                 def on_delivery(err: KafkaError | None, _msg: Message, i: int = i) -> None:
@@ -337,13 +337,13 @@ class TransactionalProducer:
                     rejected[i] = RecordError.of(exc.args[0], wire_size(outgoing[i]))
             self._flush()
         except KafkaException as exc:
-            self.lifecycle._abort_or_recreate(exc.args[0])
+            self.lifecycle.abort_or_recreate(exc.args[0])
             raise TransactionFailed(f"probe transaction failed: {exc.args[0].str()}", False) from exc
         except CallHung as exc:
-            self.lifecycle._recreate()
+            self.lifecycle.recreate()
             raise TransactionFailed(f"probe transaction failed: {exc}", True) from None
         by_broker = _per_record(delivery, outgoing)
-        self.lifecycle._abort_or_recreate(None, resync=bool(by_broker))
+        self.lifecycle.abort_or_recreate(None, resync=bool(by_broker))
         return rejected | by_broker
 
     def close(self, timeout: float = CALL_TIMEOUT_S) -> None:

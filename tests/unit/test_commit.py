@@ -241,7 +241,7 @@ def test_a_commit_whose_answer_was_lost_is_made_final_before_the_worker_hears_of
         made.line.queue()
         error = made.settle()
         assert error is not None and error.ambiguous and error.fatal
-        assert tries == [1, 2, 3], "made in _recreate (failed), then by the line's settling: failed, made"
+        assert tries == [1, 2, 3], "made in recreate (failed), then by the line's settling: failed, made"
         assert not made.txn.lifecycle._replace and made.calls[-1] == "init", "reported only after the fencing producer"
         assert made.stats.transactions == 0 and made.stats.sink_failures == 1
     finally:
