@@ -1,17 +1,21 @@
 """A transactional producer that turns librdkafka's transaction errors into one decision.
 
-Messages and consumer offsets go in one transaction (KIP-447 ``send_offsets_to_transaction``). Retriable
-errors retry the call; ``txn_requires_abort`` aborts (nothing was committed, the caller rewinds); anything
-fatal, or an abort that fails, recreates the producer - its ``init_transactions`` fences the old epoch.
-Used by the worker's commit line (:mod:`consumers.commit`) and the retry scheduler alike.
+Messages and consumer offsets go in one transaction (KIP-447 ``send_offsets_to_transaction``). Retriable errors
+retry the call; ``txn_requires_abort`` aborts (nothing was committed, the caller rewinds); anything fatal, or an
+abort that fails, recreates the producer - its ``init_transactions`` fences the old epoch. Used by the worker's
+commit line (:mod:`consumers.commit`) and the retry scheduler alike. The librdkafka producer it commits with - made,
+called in bounded slices, aborted, retired and remade - is its
+:class:`~batchline.kafka.producer_lifecycle.ProducerLifecycle`'s (``lifecycle``); this module decides what a
+transaction does with it.
 
 A transaction may carry a :class:`Guard` (its claim on the partitions whose offsets it sends,
 :class:`~batchline.kafka.ownership.Claim`). Before it begins, before the offsets are sent, before the commit, and
-between the slices of every blocking call (each waits at most :data:`CALL_SLICE_S`, shorter than a session timeout,
-and is resumed while the whole call's :data:`CALL_TIMEOUT_S` lasts), the guard is asked whether the partitions are
-still ours; once they are not, the transaction is aborted - or, when its commit was already under way (librdkafka
-cannot abort that), the producer is recreated, which fences its epoch - and :class:`TransactionFenced` is raised.
-A transaction not yet begun costs nothing.
+between the slices of every blocking call (each waits at most
+:data:`~batchline.kafka.producer_lifecycle.CALL_SLICE_S`, shorter than a session timeout, and is resumed while the
+whole call's :data:`~batchline.kafka.producer_lifecycle.CALL_TIMEOUT_S` lasts), the guard is asked whether the
+partitions are still ours; once they are not, the transaction is aborted - or, when its commit was already under way
+(librdkafka cannot abort that), the producer is recreated, which fences its epoch - and :class:`TransactionFenced`
+is raised. A transaction not yet begun costs nothing.
 
 A produce error that belongs to one message (too large for librdkafka's ``message.max.bytes`` or a topic's
 ``max.message.bytes``, an invalid record) never fails the whole batch for good. The caller passes ``fit``, which

@@ -1,11 +1,13 @@
 """A transactional call that never returns (librdkafka #5456) is abandoned, and its transaction aborted.
 
 librdkafka 2.16's ``send_offsets_to_transaction`` sends its coordinator requests without a time-out of their own:
-behind a link that accepts connections and never answers (a blackhole, :class:`~tests.support.fault_proxy.FaultProxy`)
-a call given 2 s stays blocked until the link heals - minutes, in the lossy-link runs, with the worker's or the
-scheduler's transaction open all that time. :class:`~batchline.kafka.transactions.TransactionalProducer` runs each
-transactional call on a thread of its own and gives up on one still blocked ``HANG_GRACE_S`` past its time-out: the
-commit fails while the link is still down, and the next commit's new producer fences the abandoned transaction.
+behind a link that accepts connections and never answers (a blackhole,
+:class:`~tests.support.fault_proxy.FaultProxy`) a call given 2 s stays blocked until the link heals - minutes, in
+the lossy-link runs, with the worker's or the scheduler's transaction open all that time.
+:class:`~batchline.kafka.transactions.TransactionalProducer` runs each transactional call on a thread of its own
+(:class:`~batchline.kafka.producer_lifecycle.ProducerLifecycle`) and gives up on one still blocked ``HANG_GRACE_S``
+past its time-out: the commit fails while the link is still down, and the next commit's new producer fences the
+abandoned transaction.
 Before that change this test's commit stayed blocked until the watchdog lifted the blackhole.
 """
 
