@@ -76,13 +76,14 @@ from batchline.kafka.transaction_errors import TransactionalIdTaken
 from batchline.runs.control import CANCELLED, stop_message
 from batchline.runs.identity import Fingerprint, fingerprint_of
 from batchline.telemetry import Health, WorkerMetrics
+from consumers.admission import Admission
 from consumers.batcher import Batcher
 from consumers.commit import CommitLine, transactional_producer
 from consumers.engines import Engine, create_engine
 from consumers.infer import Feeder, Flight
 from consumers.intake import Intake
 from consumers.lanes import Lanes
-from consumers.pauses import PauseBook, Reason
+from consumers.pauses import PauseBook
 from consumers.pinning import Pinning
 from consumers.rewind import PendingSeeks, Rewinder, first_offsets
 from consumers.route import Router
@@ -98,10 +99,6 @@ ABANDON_WAIT_S = 2.0  # how long a worker that lost its broker waits for its com
 LEAVE_S = 30.0  # longest wait for a stable group before leaving it (batchline.kafka.groups.close_member)
 OBSERVE_EVERY_S = 0.2  # how often the loop reads the group membership for the commit thread (Ownership.observe)
 REVOKE_GRACE_S = 20.0  # how long a revocation waits for in-flight micro-batches before rewinding them
-# At max_in_flight_records the loop stops taking records but leaves its partitions fetching this long (a commit
-# usually frees room within tens of ms); only then does it pause them. A pause makes librdkafka drop what it has
-# prefetched and fetch it again on resume: pausing at every full line cost the engine-free worker half its rate.
-FLOW_PAUSE_AFTER_S = 0.5
 TP = tuple[str, int]
 # Young-generation collections every 700 allocations cost the loop about a third of its throughput: it allocates
 # a few short-lived objects per record, freed by reference counting (none sit in cycles). And every full
@@ -209,13 +206,13 @@ class Worker:
         )
         self.schedule = Schedule(config.schedule)
         self.lanes = Lanes(kafka, config.schedule)
+        self.admission = Admission(config, self.pauses, self.schedule, self.lanes)  # the pause reasons' only writer
         self.stop_event = threading.Event()
         self.idle_exit_s = idle_exit_s
         self._seq = 0
         self._last_record = time.monotonic()
         self._pending_seeks = PendingSeeks()  # rewinds asked for in rebalance callbacks, made after consume()
         self._abandoned = False
-        self._full_since: float | None = None  # when the worker last reached max_in_flight_records (flow control)
 
     # -- lifecycle -------------------------------------------------------------------------------
     def run(self) -> WorkerStats:
@@ -256,7 +253,7 @@ class Worker:
                 self._follow_schedule()  # time windows and lanes
                 self._dispatch()  # ready micro-batches -> the engine and the commit line
                 self._commit()  # committed micro-batches off the line, finished ones queued to commit
-                self._flow_control()  # pause above max_in_flight_records, resume below half
+                self.admission.flow_control(self._held())  # pause above max_in_flight_records, resume below half
             self._drain()
         except (BatchlineError, KafkaException):
             self._abandon()  # nothing more is committed: the partitions' next owner re-reads it
@@ -366,50 +363,17 @@ class Worker:
         """Records this worker holds uncommitted: buffered, inferring, or committing."""
         return len(self.batcher) + self.commits.held()
 
-    def _flow_control(self) -> None:
-        """At the limit, records are no longer taken (:meth:`_poll`); still full FLOW_PAUSE_AFTER_S later, the
-        partitions pause (polling goes on), and they resume below half the limit."""
-        held = self._held()
-        limit = self.config.batching.max_in_flight_records
-        if held < limit:
-            self._full_since = None
-            if held < limit // 2:
-                self.pauses.lift("flow")
-        elif self._full_since is None:
-            self._full_since = time.monotonic()
-        elif time.monotonic() - self._full_since >= FLOW_PAUSE_AFTER_S:
-            self.pauses.hold("flow")
-
     # -- scheduling ------------------------------------------------------------------------------
     def _follow_schedule(self) -> None:
-        """Outside a time window, or while a job this one yields to has a backlog: in-flight work still commits,
-        nothing new starts, buffered records are given back (re-read from their offsets later) and the
-        partitions pause."""
-        window = not self.schedule.in_window()
-        lanes = self.lanes.yielding_to is not None
-        checks: tuple[tuple[Reason, bool], ...] = (("window", window), ("lanes", lanes))
-        for reason, holds in checks:
-            if holds and reason not in self.pauses.reasons:
-                log.info(
-                    "%s: pausing %s",
-                    "outside its time windows" if reason == "window" else f"yielding to {self.lanes.yielding_to}",
-                    self.config.job,
-                )
-                self.pauses.hold(reason)
-            elif not holds and reason in self.pauses.reasons:
-                log.info(
-                    "%s: resuming %s", "time window open" if reason == "window" else "lanes clear", self.config.job
-                )
-                self.pauses.lift(reason)
-        if (window or lanes) and len(self.batcher):
+        """Outside a time window, or while a job this one yields to has a backlog
+        (:meth:`Admission.follow_schedule`), buffered records are given back."""
+        if self.admission.follow_schedule() and len(self.batcher):
             self._give_back_buffered()
 
     def _may_dispatch(self) -> bool:
-        if "window" in self.pauses.reasons or "lanes" in self.pauses.reasons:
-            return False
         if not self.feeder.streaming and len(self.commits) >= self.config.batching.pipeline_depth:
             return False
-        return self.schedule.may_dispatch()
+        return self.admission.may_dispatch()
 
     # -- inference -------------------------------------------------------------------------------
     def _dispatch(self) -> None:
