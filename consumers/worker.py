@@ -58,20 +58,14 @@ import uuid
 from confluent_kafka import Consumer, KafkaError, KafkaException, TopicPartition
 
 from batchline.config import JobConfig, KafkaSettings
-from batchline.exceptions import BatchlineError, ConfigError
+from batchline.exceptions import BatchlineError
 from batchline.kafka.aborted import AbortedIndex
 from batchline.kafka.client import make_admin, make_consumer
 from batchline.kafka.groups import close_member, watch_member
 from batchline.kafka.liveness import BrokerLiveness
 from batchline.kafka.ownership import STATS_EVERY_MS, Ownership
 from batchline.kafka.slots import SlotSweeper, claim_slot
-from batchline.kafka.topics import (
-    MESSAGE_HEADROOM,
-    JobTopics,
-    effective_max_message_bytes,
-    sized_topics,
-    topic_message_bytes,
-)
+from batchline.kafka.topics import JobTopics, message_limits
 from batchline.kafka.transaction_errors import TransactionalIdTaken
 from batchline.runs.control import CANCELLED, stop_message
 from batchline.runs.identity import Fingerprint, fingerprint_of
@@ -105,21 +99,6 @@ TP = tuple[str, int]
 # collection would re-scan the engine's long-lived objects (vLLM and torch hold millions). So the worker freezes
 # what exists once it has started and collects young objects every GC_YOUNG allocations.
 GC_YOUNG = 50_000
-
-
-def message_limits(kafka: KafkaSettings, topics: JobTopics, max_request_bytes: int) -> dict[str, int]:
-    """The ``max.message.bytes`` of the topics a record travels to; refuses, with one line, a ``max_request_bytes``
-    whose dead letter (or retry) could not fit one of them. Larger outputs are dead-lettered by the commit line."""
-    limits = effective_max_message_bytes(kafka, sized_topics(topics))
-    need = topic_message_bytes(max_request_bytes)
-    for topic, limit in sorted(limits.items(), key=lambda kv: kv[1]):
-        if need > limit:
-            raise ConfigError(
-                f"max_request_bytes={max_request_bytes} cannot fit a dead letter in {topic} (max.message.bytes="
-                f"{limit}, {MESSAGE_HEADROOM} bytes are needed beside the payload): set max_request_bytes <= "
-                f"{limit - MESSAGE_HEADROOM}, or raise the topic's max.message.bytes (`batchline topics create` does)"
-            )
-    return limits
 
 
 class Worker:
