@@ -60,7 +60,7 @@ from confluent_kafka import Consumer, KafkaError, KafkaException, TopicPartition
 from batchline.config import JobConfig, KafkaSettings
 from batchline.exceptions import BatchlineError
 from batchline.kafka.aborted import AbortedIndex
-from batchline.kafka.client import make_admin, make_consumer
+from batchline.kafka.client import bounded_prefetch, make_admin, make_consumer
 from batchline.kafka.groups import close_member, watch_member
 from batchline.kafka.liveness import BrokerLiveness
 from batchline.kafka.ownership import STATS_EVERY_MS, Ownership
@@ -138,30 +138,10 @@ class Worker:
         limits = message_limits(kafka, self.topics, config.max_request_bytes)
         watched = [self.topics.requests, self.topics.results, self.topics.dlq]
         self.liveness = BrokerLiveness(kafka, config.job, watched)  # exits after broker_loss_timeout_s without one
-        # librdkafka's prefetch counts against memory too: bounded in bytes and records. Its default back-off when
-        # that queue is full (fetch.queue.backoff.ms, 1 s) would leave the engine idle after every pause.
-        # Fetch responses are bounded as well, and tighter than the queue: their limits count *compressed* bytes,
-        # and a fetch's decompressed records stay in memory until all of them are consumed. With 1 MB fetches of
-        # lz4 batches (~10x on JSON prompts) a worker's peak grew with the depth of its topic, 89 MB at 20k
-        # records to 108 MB at 200k; with these limits 88 and 92 MB, at the same rate
-        # (tests/bench/test_pipeline_cost.py). The consumer's message.max.bytes only bounds the requests it sends
-        # and must not exceed fetch.max.bytes. receive.message.max.bytes stays librdkafka's (100 MB): a record
-        # larger than any topic should take must still be read, to be dead-lettered (a fetch always returns at
-        # least one record batch, whatever fetch.max.bytes says).
-        prefetch_kb = max(1024, config.batching.max_in_flight_records // 2)
-        fetch_bytes = prefetch_kb * 1024 // 4
-        prefetch = {
-            "queued.max.messages.kbytes": prefetch_kb,
-            "queued.min.messages": config.batching.max_in_flight_records,
-            "fetch.max.bytes": fetch_bytes,
-            "max.partition.fetch.bytes": fetch_bytes // 4,
-            "message.max.bytes": fetch_bytes,
-            "fetch.queue.backoff.ms": 20,
-            # librdkafka's join state, for the ownership's rejoin rule (batchline/kafka/ownership.py)
-            "statistics.interval.ms": STATS_EVERY_MS,
-            "stats_cb": self._on_stats,
-        }
-        self.consumer: Consumer = make_consumer(kafka, self.group, **prefetch)
+        prefetch = bounded_prefetch(config.batching.max_in_flight_records)
+        # librdkafka's join state, for the ownership's rejoin rule (batchline/kafka/ownership.py)
+        stats = {"statistics.interval.ms": STATS_EVERY_MS, "stats_cb": self._on_stats}
+        self.consumer: Consumer = make_consumer(kafka, self.group, **prefetch, **stats)
         self.pauses = PauseBook(self.consumer)
         # subscribed without partitions past the rebalance timeout while the group re-forms: not ready, one line
         self.group_watch, self.group_sampler = watch_member(kafka, self.group, self.liveness.is_down)
