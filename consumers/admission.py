@@ -15,6 +15,7 @@ from __future__ import annotations
 
 import logging
 import time
+from collections.abc import Callable
 
 from batchline.config import JobConfig
 from consumers.lanes import Lanes
@@ -29,30 +30,41 @@ FLOW_PAUSE_AFTER_S = 0.5
 
 
 class Admission:
-    def __init__(self, config: JobConfig, pauses: PauseBook, schedule: Schedule, lanes: Lanes) -> None:
+    """Holds and lifts the pause reasons, and says whether a micro-batch may start (:meth:`may_dispatch`)."""
+
+    def __init__(
+        self,
+        config: JobConfig,
+        pauses: PauseBook,
+        schedule: Schedule,
+        lanes: Lanes,
+        clock: Callable[[], float] = time.monotonic,
+    ) -> None:
         self.config = config
         self.pauses = pauses
         self.schedule = schedule
         self.lanes = lanes
+        self.clock = clock
         self._full_since: float | None = None  # when the worker last reached max_in_flight_records (flow control)
 
     def flow_control(self, held: int) -> None:
-        """At the limit, records are no longer taken (:meth:`_poll`); still full FLOW_PAUSE_AFTER_S later, the
-        partitions pause (polling goes on), and they resume below half the limit."""
+        """``held``: the records the worker holds uncommitted (buffered, inferring, committing). At the limit,
+        records are no longer taken (:meth:`consumers.worker.Worker._poll`); still full FLOW_PAUSE_AFTER_S later,
+        the partitions pause (polling goes on), and they resume below half the limit."""
         limit = self.config.batching.max_in_flight_records
         if held < limit:
             self._full_since = None
             if held < limit // 2:
                 self.pauses.lift("flow")
         elif self._full_since is None:
-            self._full_since = time.monotonic()
-        elif time.monotonic() - self._full_since >= FLOW_PAUSE_AFTER_S:
+            self._full_since = self.clock()
+        elif self.clock() - self._full_since >= FLOW_PAUSE_AFTER_S:
             self.pauses.hold("flow")
 
     def follow_schedule(self) -> bool:
-        """Outside a time window, or while a job this one yields to has a backlog: in-flight work still commits,
-        nothing new starts, buffered records are given back (re-read from their offsets later) and the
-        partitions pause."""
+        """Outside a time window, or while a job this one yields to has a backlog: the partitions pause and nothing
+        new starts (:meth:`may_dispatch`), while in-flight work still commits. True while either holds: the caller
+        then gives its buffered records back (re-read from their offsets later)."""
         window = not self.schedule.in_window()
         lanes = self.lanes.yielding_to is not None
         checks: tuple[tuple[Reason, bool], ...] = (("window", window), ("lanes", lanes))
@@ -72,6 +84,7 @@ class Admission:
         return window or lanes
 
     def may_dispatch(self) -> bool:
+        """Neither a window nor lanes hold, and the schedule's rate limits have room (the caller charges them)."""
         if "window" in self.pauses.reasons or "lanes" in self.pauses.reasons:
             return False
         return self.schedule.may_dispatch()
