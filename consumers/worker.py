@@ -9,20 +9,21 @@ transaction wakes it at once (``wake``); with nothing to do it waits in ``consum
 while its partitions are paused, so a waiting worker costs next to no CPU.
 
 Partitions are paused, never slept on, for the reasons kept in :class:`~consumers.pauses.PauseBook` (flow control
-above ``max_in_flight_records``, outside a time window, yielding to another job); polling goes on, so a long
-inference never costs group membership, and the book survives rebalances. A failed transaction, a lost partition
-or a revocation that outlasts its grace period rewinds: everything uncommitted is dropped and re-read from the
-committed offsets (or, if the broker cannot say, from the first record still held: a duplicate, never a loss).
-Partitions lost, or revoked past their grace, are fenced first (:class:`~batchline.kafka.ownership.Ownership`,
-written only here, in the rebalance callbacks): every transaction that holds their records is aborted by the
-commit thread, never committed, whatever the broker would accept.
+above ``max_in_flight_records``, outside a time window, yielding to another job: :mod:`~consumers.admission`);
+polling goes on, so a long inference never costs group membership, and the book survives rebalances. A failed
+transaction, a lost partition or a revocation that outlasts its grace period rewinds: everything uncommitted is
+dropped and re-read from the committed offsets (or, if the broker cannot say, from the first record still held: a
+duplicate, never a loss). Partitions lost, or revoked past their grace, are fenced first
+(:class:`~batchline.kafka.ownership.Ownership`, written only here, in the rebalance callbacks): every transaction
+that holds their records is aborted by the commit thread, never committed, whatever the broker would accept.
 
 Threads
 -------
 Who owns what, and how work crosses (docs/architecture.md#threads counts them in a running process):
 
 - **worker** (:meth:`Worker.run`; the main thread under ``batchline worker``): the consumer and its rebalance
-  callbacks, the batcher, the pause book, the rewinder, the schedule, :class:`~consumers.work.WorkerStats`, and
+  callbacks, the batcher, the pause book and the :class:`~consumers.admission.Admission` that holds and lifts its
+  reasons, the rewinder, the schedule, :class:`~consumers.work.WorkerStats`, and
   every public call of the :class:`~consumers.commit.CommitLine` (its flights, its transactions not yet harvested,
   spans, counts). It alone reads the consumer; it refreshes the group membership for the commit thread
   (``Ownership.observe``) every turn and fences partitions in the callbacks (``Ownership.fence``).
