@@ -1,10 +1,11 @@
 """Lanes between jobs: a job that yields to others (``schedule.yield_to``) pauses while any of them has a backlog.
 
-A background thread measures the backlog of every job yielded to (:class:`~batchline.runs.backlog.JobBacklog`)
-every ``schedule.yield_check_s`` and publishes which one, if any, is over ``schedule.yield_threshold``. The
-worker reads :attr:`Lanes.yielding_to` on every loop: while it is set, the worker finishes and commits what is in
-flight, gives back what it buffered, pauses its partitions (the ``lanes`` reason) and keeps polling, so it keeps
-its group membership. A backlog that cannot be measured (the other job's topics are missing) does not hold it.
+A background thread measures the backlog of every job yielded to (:class:`~batchline.runs.backlog.JobBacklog`) every
+``schedule.yield_check_s`` and publishes which one, if any, is over ``schedule.yield_threshold``. The worker reads
+:attr:`Lanes.yielding_to` on every loop (:meth:`consumers.admission.Admission.follow_schedule`): while it is set,
+the worker finishes and commits what is in flight, gives back what it buffered, pauses its partitions (the ``lanes``
+reason) and keeps polling, so it keeps its group membership. A backlog that cannot be measured (the other job's
+topics are missing) does not hold it.
 """
 
 from __future__ import annotations

@@ -9,20 +9,21 @@ transaction wakes it at once (``wake``); with nothing to do it waits in ``consum
 while its partitions are paused, so a waiting worker costs next to no CPU.
 
 Partitions are paused, never slept on, for the reasons kept in :class:`~consumers.pauses.PauseBook` (flow control
-above ``max_in_flight_records``, outside a time window, yielding to another job); polling goes on, so a long
-inference never costs group membership, and the book survives rebalances. A failed transaction, a lost partition
-or a revocation that outlasts its grace period rewinds: everything uncommitted is dropped and re-read from the
-committed offsets (or, if the broker cannot say, from the first record still held: a duplicate, never a loss).
-Partitions lost, or revoked past their grace, are fenced first (:class:`~batchline.kafka.ownership.Ownership`,
-written only here, in the rebalance callbacks): every transaction that holds their records is aborted by the
-commit thread, never committed, whatever the broker would accept.
+above ``max_in_flight_records``, outside a time window, yielding to another job: :mod:`~consumers.admission`);
+polling goes on, so a long inference never costs group membership, and the book survives rebalances. A failed
+transaction, a lost partition or a revocation that outlasts its grace period rewinds: everything uncommitted is
+dropped and re-read from the committed offsets (or, if the broker cannot say, from the first record still held: a
+duplicate, never a loss). Partitions lost, or revoked past their grace, are fenced first
+(:class:`~batchline.kafka.ownership.Ownership`, written only here, in the rebalance callbacks): every transaction
+that holds their records is aborted by the commit thread, never committed, whatever the broker would accept.
 
 Threads
 -------
 Who owns what, and how work crosses (docs/architecture.md#threads counts them in a running process):
 
 - **worker** (:meth:`Worker.run`; the main thread under ``batchline worker``): the consumer and its rebalance
-  callbacks, the batcher, the pause book, the rewinder, the schedule, :class:`~consumers.work.WorkerStats`, and
+  callbacks, the batcher, the pause book and the :class:`~consumers.admission.Admission` that holds and lifts its
+  reasons, the rewinder, the schedule, :class:`~consumers.work.WorkerStats`, and
   every public call of the :class:`~consumers.commit.CommitLine` (its flights, its transactions not yet harvested,
   spans, counts). It alone reads the consumer; it refreshes the group membership for the commit thread
   (``Ownership.observe``) every turn and fences partitions in the callbacks (``Ownership.fence``).
@@ -58,31 +59,26 @@ import uuid
 from confluent_kafka import Consumer, KafkaError, KafkaException, TopicPartition
 
 from batchline.config import JobConfig, KafkaSettings
-from batchline.exceptions import BatchlineError, ConfigError
+from batchline.exceptions import BatchlineError
 from batchline.kafka.aborted import AbortedIndex
-from batchline.kafka.client import make_admin, make_consumer
+from batchline.kafka.client import bounded_prefetch, make_admin, make_consumer
 from batchline.kafka.groups import close_member, watch_member
 from batchline.kafka.liveness import BrokerLiveness
 from batchline.kafka.ownership import STATS_EVERY_MS, Ownership
 from batchline.kafka.slots import SlotSweeper, claim_slot
-from batchline.kafka.topics import (
-    MESSAGE_HEADROOM,
-    JobTopics,
-    effective_max_message_bytes,
-    sized_topics,
-    topic_message_bytes,
-)
+from batchline.kafka.topics import JobTopics, message_limits
 from batchline.kafka.transaction_errors import TransactionalIdTaken
 from batchline.runs.control import CANCELLED, stop_message
 from batchline.runs.identity import Fingerprint, fingerprint_of
 from batchline.telemetry import Health, WorkerMetrics
+from consumers.admission import Admission
 from consumers.batcher import Batcher
 from consumers.commit import CommitLine, transactional_producer
 from consumers.engines import Engine, create_engine
 from consumers.infer import Feeder, Flight
 from consumers.intake import Intake
 from consumers.lanes import Lanes
-from consumers.pauses import PauseBook, Reason
+from consumers.pauses import PauseBook
 from consumers.pinning import Pinning
 from consumers.rewind import PendingSeeks, Rewinder, first_offsets
 from consumers.route import Router
@@ -98,31 +94,12 @@ ABANDON_WAIT_S = 2.0  # how long a worker that lost its broker waits for its com
 LEAVE_S = 30.0  # longest wait for a stable group before leaving it (batchline.kafka.groups.close_member)
 OBSERVE_EVERY_S = 0.2  # how often the loop reads the group membership for the commit thread (Ownership.observe)
 REVOKE_GRACE_S = 20.0  # how long a revocation waits for in-flight micro-batches before rewinding them
-# At max_in_flight_records the loop stops taking records but leaves its partitions fetching this long (a commit
-# usually frees room within tens of ms); only then does it pause them. A pause makes librdkafka drop what it has
-# prefetched and fetch it again on resume: pausing at every full line cost the engine-free worker half its rate.
-FLOW_PAUSE_AFTER_S = 0.5
 TP = tuple[str, int]
 # Young-generation collections every 700 allocations cost the loop about a third of its throughput: it allocates
 # a few short-lived objects per record, freed by reference counting (none sit in cycles). And every full
 # collection would re-scan the engine's long-lived objects (vLLM and torch hold millions). So the worker freezes
 # what exists once it has started and collects young objects every GC_YOUNG allocations.
 GC_YOUNG = 50_000
-
-
-def message_limits(kafka: KafkaSettings, topics: JobTopics, max_request_bytes: int) -> dict[str, int]:
-    """The ``max.message.bytes`` of the topics a record travels to; refuses, with one line, a ``max_request_bytes``
-    whose dead letter (or retry) could not fit one of them. Larger outputs are dead-lettered by the commit line."""
-    limits = effective_max_message_bytes(kafka, sized_topics(topics))
-    need = topic_message_bytes(max_request_bytes)
-    for topic, limit in sorted(limits.items(), key=lambda kv: kv[1]):
-        if need > limit:
-            raise ConfigError(
-                f"max_request_bytes={max_request_bytes} cannot fit a dead letter in {topic} (max.message.bytes="
-                f"{limit}, {MESSAGE_HEADROOM} bytes are needed beside the payload): set max_request_bytes <= "
-                f"{limit - MESSAGE_HEADROOM}, or raise the topic's max.message.bytes (`batchline topics create` does)"
-            )
-    return limits
 
 
 class Worker:
@@ -162,30 +139,10 @@ class Worker:
         limits = message_limits(kafka, self.topics, config.max_request_bytes)
         watched = [self.topics.requests, self.topics.results, self.topics.dlq]
         self.liveness = BrokerLiveness(kafka, config.job, watched)  # exits after broker_loss_timeout_s without one
-        # librdkafka's prefetch counts against memory too: bounded in bytes and records. Its default back-off when
-        # that queue is full (fetch.queue.backoff.ms, 1 s) would leave the engine idle after every pause.
-        # Fetch responses are bounded as well, and tighter than the queue: their limits count *compressed* bytes,
-        # and a fetch's decompressed records stay in memory until all of them are consumed. With 1 MB fetches of
-        # lz4 batches (~10x on JSON prompts) a worker's peak grew with the depth of its topic, 89 MB at 20k
-        # records to 108 MB at 200k; with these limits 88 and 92 MB, at the same rate
-        # (tests/bench/test_pipeline_cost.py). The consumer's message.max.bytes only bounds the requests it sends
-        # and must not exceed fetch.max.bytes. receive.message.max.bytes stays librdkafka's (100 MB): a record
-        # larger than any topic should take must still be read, to be dead-lettered (a fetch always returns at
-        # least one record batch, whatever fetch.max.bytes says).
-        prefetch_kb = max(1024, config.batching.max_in_flight_records // 2)
-        fetch_bytes = prefetch_kb * 1024 // 4
-        prefetch = {
-            "queued.max.messages.kbytes": prefetch_kb,
-            "queued.min.messages": config.batching.max_in_flight_records,
-            "fetch.max.bytes": fetch_bytes,
-            "max.partition.fetch.bytes": fetch_bytes // 4,
-            "message.max.bytes": fetch_bytes,
-            "fetch.queue.backoff.ms": 20,
-            # librdkafka's join state, for the ownership's rejoin rule (batchline/kafka/ownership.py)
-            "statistics.interval.ms": STATS_EVERY_MS,
-            "stats_cb": self._on_stats,
-        }
-        self.consumer: Consumer = make_consumer(kafka, self.group, **prefetch)
+        prefetch = bounded_prefetch(config.batching.max_in_flight_records)
+        # librdkafka's join state, for the ownership's rejoin rule (batchline/kafka/ownership.py)
+        stats = {"statistics.interval.ms": STATS_EVERY_MS, "stats_cb": self._on_stats}
+        self.consumer: Consumer = make_consumer(kafka, self.group, **prefetch, **stats)
         self.pauses = PauseBook(self.consumer)
         # subscribed without partitions past the rebalance timeout while the group re-forms: not ready, one line
         self.group_watch, self.group_sampler = watch_member(kafka, self.group, self.liveness.is_down)
@@ -209,13 +166,13 @@ class Worker:
         )
         self.schedule = Schedule(config.schedule)
         self.lanes = Lanes(kafka, config.schedule)
+        self.admission = Admission(config, self.pauses, self.schedule, self.lanes)  # the pause reasons' only writer
         self.stop_event = threading.Event()
         self.idle_exit_s = idle_exit_s
         self._seq = 0
         self._last_record = time.monotonic()
         self._pending_seeks = PendingSeeks()  # rewinds asked for in rebalance callbacks, made after consume()
         self._abandoned = False
-        self._full_since: float | None = None  # when the worker last reached max_in_flight_records (flow control)
 
     # -- lifecycle -------------------------------------------------------------------------------
     def run(self) -> WorkerStats:
@@ -256,7 +213,7 @@ class Worker:
                 self._follow_schedule()  # time windows and lanes
                 self._dispatch()  # ready micro-batches -> the engine and the commit line
                 self._commit()  # committed micro-batches off the line, finished ones queued to commit
-                self._flow_control()  # pause above max_in_flight_records, resume below half
+                self.admission.flow_control(self._held())  # pause above max_in_flight_records, resume below half
             self._drain()
         except (BatchlineError, KafkaException):
             self._abandon()  # nothing more is committed: the partitions' next owner re-reads it
@@ -366,50 +323,17 @@ class Worker:
         """Records this worker holds uncommitted: buffered, inferring, or committing."""
         return len(self.batcher) + self.commits.held()
 
-    def _flow_control(self) -> None:
-        """At the limit, records are no longer taken (:meth:`_poll`); still full FLOW_PAUSE_AFTER_S later, the
-        partitions pause (polling goes on), and they resume below half the limit."""
-        held = self._held()
-        limit = self.config.batching.max_in_flight_records
-        if held < limit:
-            self._full_since = None
-            if held < limit // 2:
-                self.pauses.lift("flow")
-        elif self._full_since is None:
-            self._full_since = time.monotonic()
-        elif time.monotonic() - self._full_since >= FLOW_PAUSE_AFTER_S:
-            self.pauses.hold("flow")
-
     # -- scheduling ------------------------------------------------------------------------------
     def _follow_schedule(self) -> None:
-        """Outside a time window, or while a job this one yields to has a backlog: in-flight work still commits,
-        nothing new starts, buffered records are given back (re-read from their offsets later) and the
-        partitions pause."""
-        window = not self.schedule.in_window()
-        lanes = self.lanes.yielding_to is not None
-        checks: tuple[tuple[Reason, bool], ...] = (("window", window), ("lanes", lanes))
-        for reason, holds in checks:
-            if holds and reason not in self.pauses.reasons:
-                log.info(
-                    "%s: pausing %s",
-                    "outside its time windows" if reason == "window" else f"yielding to {self.lanes.yielding_to}",
-                    self.config.job,
-                )
-                self.pauses.hold(reason)
-            elif not holds and reason in self.pauses.reasons:
-                log.info(
-                    "%s: resuming %s", "time window open" if reason == "window" else "lanes clear", self.config.job
-                )
-                self.pauses.lift(reason)
-        if (window or lanes) and len(self.batcher):
+        """Outside a time window, or while a job this one yields to has a backlog
+        (:meth:`Admission.follow_schedule`), buffered records are given back."""
+        if self.admission.follow_schedule() and len(self.batcher):
             self._give_back_buffered()
 
     def _may_dispatch(self) -> bool:
-        if "window" in self.pauses.reasons or "lanes" in self.pauses.reasons:
-            return False
         if not self.feeder.streaming and len(self.commits) >= self.config.batching.pipeline_depth:
             return False
-        return self.schedule.may_dispatch()
+        return self.admission.may_dispatch()
 
     # -- inference -------------------------------------------------------------------------------
     def _dispatch(self) -> None:

@@ -17,12 +17,13 @@ class CallHung(BatchlineError):
 
 
 class BoundedCalls:
-    """Runs one producer's blocking transactional calls on a daemon thread of their own, so the caller waits at
-    most the call's timeout plus :data:`HANG_GRACE_S`. librdkafka 2.16 may block such a call for good whatever
-    timeout it is given: ``send_offsets_to_transaction`` after a connection reset or behind a blackhole waits in
+    """Runs one producer's blocking transactional calls on a daemon thread of their own, so the caller waits at most
+    the call's timeout plus :data:`HANG_GRACE_S`. librdkafka 2.16 may block such a call for good whatever timeout it
+    is given: ``send_offsets_to_transaction`` after a connection reset or behind a blackhole waits in
     ``rd_kafka_txn_op_req0`` for a coordinator request that never times out (librdkafka issue #5456). A call that
     hangs keeps its thread: the runner is abandoned with its producer (see
-    :meth:`TransactionalProducer._recreate`), and a daemon thread never holds the process's exit.
+    :meth:`~batchline.kafka.producer_lifecycle.ProducerLifecycle.recreate`), and a daemon thread never holds the
+    process's exit.
 
     Hand-off: the caller's thread puts one call in ``_call`` and waits on ``_done``; the runner's thread runs it
     and stores its outcome. One call at a time (the producer's owner is one thread)."""

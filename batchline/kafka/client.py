@@ -48,6 +48,30 @@ def consumer_conf(kafka: KafkaSettings, group: str, **overrides: Any) -> dict[st
     return defaults | kafka.librdkafka() | fixed | overrides
 
 
+def bounded_prefetch(max_in_flight_records: int) -> dict[str, Any]:
+    """A consumer's prefetch, bounded by the records its owner may hold (``batching.max_in_flight_records``)."""
+    # librdkafka's prefetch counts against memory too: bounded in bytes and records. Its default back-off when
+    # that queue is full (fetch.queue.backoff.ms, 1 s) would leave the engine idle after every pause.
+    # Fetch responses are bounded as well, and tighter than the queue: their limits count *compressed* bytes,
+    # and a fetch's decompressed records stay in memory until all of them are consumed. With 1 MB fetches of
+    # lz4 batches (~10x on JSON prompts) a worker's peak grew with the depth of its topic, 89 MB at 20k
+    # records to 108 MB at 200k; with these limits 88 and 92 MB, at the same rate
+    # (tests/bench/test_pipeline_cost.py). The consumer's message.max.bytes only bounds the requests it sends
+    # and must not exceed fetch.max.bytes. receive.message.max.bytes stays librdkafka's (100 MB): a record
+    # larger than any topic should take must still be read, to be dead-lettered (a fetch always returns at
+    # least one record batch, whatever fetch.max.bytes says).
+    prefetch_kb = max(1024, max_in_flight_records // 2)
+    fetch_bytes = prefetch_kb * 1024 // 4
+    return {
+        "queued.max.messages.kbytes": prefetch_kb,
+        "queued.min.messages": max_in_flight_records,
+        "fetch.max.bytes": fetch_bytes,
+        "max.partition.fetch.bytes": fetch_bytes // 4,
+        "message.max.bytes": fetch_bytes,
+        "fetch.queue.backoff.ms": 20,
+    }
+
+
 def reader_conf(kafka: KafkaSettings, **overrides: Any) -> dict[str, Any]:
     """A group-less consumer for ``assign()``-based reads of whole topics (status, scans, views)."""
     fixed = {

@@ -20,7 +20,7 @@ from confluent_kafka import KafkaError, KafkaException
 from confluent_kafka.admin import AlterConfigOpType, ConfigEntry, ConfigResource, NewPartitions, NewTopic, ResourceType
 
 from batchline.config import KafkaSettings
-from batchline.exceptions import TopicError
+from batchline.exceptions import ConfigError, TopicError
 from batchline.kafka.client import make_admin
 
 log = logging.getLogger(__name__)
@@ -131,6 +131,21 @@ def effective_max_message_bytes(kafka: KafkaSettings, topics: list[str]) -> dict
             int(entry.value) if entry is not None and entry.value else KAFKA_DEFAULT_MAX_MESSAGE_BYTES
         )
     return sizes
+
+
+def message_limits(kafka: KafkaSettings, topics: JobTopics, max_request_bytes: int) -> dict[str, int]:
+    """The ``max.message.bytes`` of the topics a record travels to; refuses, with one line, a ``max_request_bytes``
+    whose dead letter (or retry) could not fit one of them. Larger outputs are dead-lettered by the commit line."""
+    limits = effective_max_message_bytes(kafka, sized_topics(topics))
+    need = topic_message_bytes(max_request_bytes)
+    for topic, limit in sorted(limits.items(), key=lambda kv: kv[1]):
+        if need > limit:
+            raise ConfigError(
+                f"max_request_bytes={max_request_bytes} cannot fit a dead letter in {topic} (max.message.bytes="
+                f"{limit}, {MESSAGE_HEADROOM} bytes are needed beside the payload): set max_request_bytes <= "
+                f"{limit - MESSAGE_HEADROOM}, or raise the topic's max.message.bytes (`batchline topics create` does)"
+            )
+    return limits
 
 
 def create_job_topics(

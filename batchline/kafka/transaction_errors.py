@@ -21,8 +21,8 @@ class TransactionFailed(BatchlineError):
 
 
 class TransactionFenced(TransactionFailed):
-    """The transaction's partitions are no longer ours (:class:`Guard`): it was aborted, or, when ``ambiguous``
-    (its commit was under way), its producer recreated."""
+    """The transaction's partitions are no longer ours (:class:`~batchline.kafka.producer_lifecycle.Guard`): it was
+    aborted, or, when ``ambiguous`` (its commit was under way), its producer recreated."""
 
 
 class TransactionalIdTaken(TransactionFailed):

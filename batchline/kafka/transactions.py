@@ -1,17 +1,21 @@
 """A transactional producer that turns librdkafka's transaction errors into one decision.
 
-Messages and consumer offsets go in one transaction (KIP-447 ``send_offsets_to_transaction``). Retriable
-errors retry the call; ``txn_requires_abort`` aborts (nothing was committed, the caller rewinds); anything
-fatal, or an abort that fails, recreates the producer - its ``init_transactions`` fences the old epoch.
-Used by the worker's commit line (:mod:`consumers.commit`) and the retry scheduler alike.
+Messages and consumer offsets go in one transaction (KIP-447 ``send_offsets_to_transaction``). Retriable errors
+retry the call; ``txn_requires_abort`` aborts (nothing was committed, the caller rewinds); anything fatal, or an
+abort that fails, recreates the producer - its ``init_transactions`` fences the old epoch. Used by the worker's
+commit line (:mod:`consumers.commit`) and the retry scheduler alike. The librdkafka producer it commits with - made,
+called in bounded slices, aborted, retired and remade - is its
+:class:`~batchline.kafka.producer_lifecycle.ProducerLifecycle`'s (``lifecycle``); this module decides what a
+transaction does with it.
 
 A transaction may carry a :class:`Guard` (its claim on the partitions whose offsets it sends,
 :class:`~batchline.kafka.ownership.Claim`). Before it begins, before the offsets are sent, before the commit, and
-between the slices of every blocking call (each waits at most :data:`CALL_SLICE_S`, shorter than a session timeout,
-and is resumed while the whole call's :data:`CALL_TIMEOUT_S` lasts), the guard is asked whether the partitions are
-still ours; once they are not, the transaction is aborted - or, when its commit was already under way (librdkafka
-cannot abort that), the producer is recreated, which fences its epoch - and :class:`TransactionFenced` is raised.
-A transaction not yet begun costs nothing.
+between the slices of every blocking call (each waits at most
+:data:`~batchline.kafka.producer_lifecycle.CALL_SLICE_S`, shorter than a session timeout, and is resumed while the
+whole call's :data:`~batchline.kafka.producer_lifecycle.CALL_TIMEOUT_S` lasts), the guard is asked whether the
+partitions are still ours; once they are not, the transaction is aborted - or, when its commit was already under way
+(librdkafka cannot abort that), the producer is recreated, which fences its epoch - and :class:`TransactionFenced`
+is raised. A transaction not yet begun costs nothing.
 
 A produce error that belongs to one message (too large for librdkafka's ``message.max.bytes`` or a topic's
 ``max.message.bytes``, an invalid record) never fails the whole batch for good. The caller passes ``fit``, which
@@ -37,14 +41,16 @@ from __future__ import annotations
 import logging
 import time
 from collections.abc import Callable, Iterable, Mapping
-from typing import Any, Protocol, TypeVar
+from typing import Any
 
-from confluent_kafka import KafkaError, KafkaException, Message, Producer, TopicPartition
+from confluent_kafka import KafkaError, KafkaException, Message, TopicPartition
 
 from batchline.config import KafkaSettings
-from batchline.kafka.bounded_calls import BoundedCalls, CallHung
-from batchline.kafka.client import make_producer, producer_conf
+from batchline.kafka.bounded_calls import CallHung
+from batchline.kafka.client import producer_conf
 from batchline.kafka.liveness import BrokerDown, never_down
+from batchline.kafka.producer_lifecycle import CALL_TIMEOUT_S, ProducerLifecycle, check_guard, next_slice
+from batchline.kafka.producer_lifecycle import Guard as Guard  # a commit's guard; callers import it from here
 from batchline.kafka.record_size import (
     LIBRDKAFKA_MESSAGE_MAX_BYTES,
     PER_RECORD_ERRORS,
@@ -63,22 +69,7 @@ from batchline.kafka.transaction_errors import (
 )
 
 log = logging.getLogger(__name__)
-T = TypeVar("T")
-CALL_TIMEOUT_S = 30.0  # one transactional call (begin, flush, send offsets, commit, abort), its resumed slices together
-ABORT_BUDGET_S = 60.0  # an abort keeps resuming this long, also while the broker is suspected down (see _abort)
-CALL_SLICE_S = 2.0  # the longest one librdkafka call blocks before the guard is asked again (session timeout: 6 s+)
-CALL_RETRIES = 5  # errors other than a slice's time-out, per call
 MAX_ROUNDS = 4  # real transactions of one commit: the first, and re-tries each with more replacements
-
-
-class Guard(Protocol):
-    """A transaction's claim on its partitions (:class:`batchline.kafka.ownership.Claim`)."""
-
-    def stale(self) -> str | None:
-        """Why the transaction must not commit any more, or None."""
-
-    def group_metadata(self) -> Any:
-        """The consumer group metadata to send the offsets with, read when they are sent."""
 
 
 class TransactionalProducer:
@@ -96,7 +87,6 @@ class TransactionalProducer:
         liveness detector suspects the broker down (retrying a call is futile then); ``overrides``: librdkafka
         settings."""
         self.kafka = kafka
-        self.broker_down = broker_down
         self.transactional_id = transactional_id
         # Only failed deliveries are reported: a message's outcome is known from its own callback when it failed and
         # from flush() returning with nothing left when it did not, so no Python callback runs per delivered message.
@@ -104,54 +94,27 @@ class TransactionalProducer:
         self.topic_limits = dict(topic_limits or {})
         conf = producer_conf(kafka, transactional_id, **self.overrides)  # what the producer it builds will enforce
         self.max_message_bytes = int(conf.get("message.max.bytes", LIBRDKAFKA_MESSAGE_MAX_BYTES))
-        self.aborts = 0
-        self.recreated = 0
-        # A transactional call that timed out leaves its operation pending inside librdkafka, and only that same
-        # call may come next: another one (an abort after the guard said stale), or destroying the producer, makes
-        # librdkafka 2.16 assert in rd_kafka_enq_once_del_source_return and the process abort (seen when a worker
-        # cut off from the broker aborted its transaction). So the timed-out call is kept (``_pending``) and
-        # resumed before an abort, and a producer whose commit is pending is retired, kept referenced, not
-        # destroyed. Owned by the thread that calls commit().
-        # A call that hangs (librdkafka #5456, :class:`BoundedCalls`) leaves its producer blocked inside it: the
-        # producer and its runner are retired the same way, and the next commit (or close) makes a new producer,
-        # whose init_transactions fences the transaction the hung one held. Not at once: the broker that did not
-        # answer would keep the caller waiting as long again (``_replace``).
-        self._pending: Callable[[float], Any] | None = None
-        self._retired: list[tuple[Producer, BoundedCalls]] = []
-        self._replace = False
-        self.producer, self._calls = self._new_producer()
+        self.lifecycle = ProducerLifecycle(kafka, transactional_id, self.overrides, broker_down)
+
+    @property
+    def aborts(self) -> int:
+        return self.lifecycle.aborts
+
+    @property
+    def recreated(self) -> int:
+        return self.lifecycle.recreated
 
     @property
     def hung(self) -> int:
         """Calls given up as hung: each retired its producer (a hung runner is always retired)."""
-        return sum(calls.hung for _, calls in self._retired)
-
-    def _new_producer(self) -> tuple[Producer, BoundedCalls]:
-        """A producer whose init_transactions fenced every earlier epoch of our id (its open transaction aborted),
-        or TransactionFailed (fatal: the next commit tries again)."""
-        producer = make_producer(self.kafka, self.transactional_id, **self.overrides)
-        calls = BoundedCalls(self.transactional_id)
-        try:
-            calls.call(producer.init_transactions, CALL_TIMEOUT_S)
-        except (CallHung, KafkaException) as exc:
-            self._retired.append((producer, calls))
-            why = exc if isinstance(exc, CallHung) else exc.args[0].str()
-            raise TransactionFailed(f"init_transactions of {self.transactional_id} failed: {why}", True) from None
-        return producer, calls
-
-    def _ensure_producer(self) -> None:
-        """Replace a producer retired by :meth:`_recreate`, before it is used again; TransactionFailed (fatal) while
-        the broker cannot be reached (``_replace`` stays set: the next call tries again)."""
-        if self._replace:
-            self.producer, self._calls = self._new_producer()
-            self._replace = False
+        return self.lifecycle.hung
 
     def settle(self) -> None:
         """Make sure no transaction of ours is left open or in doubt: after a failure that retired the producer, make
         the one whose init_transactions fences it (an ambiguous commit is final after this, committed or aborted,
         and the group's committed offsets say which). Nothing to do otherwise; TransactionFailed while the broker
         cannot be reached."""
-        self._ensure_producer()
+        self.lifecycle.ensure_producer()
 
     # -- the commit --------------------------------------------------------------------------------
     def commit(
@@ -231,9 +194,9 @@ class TransactionalProducer:
         (the transaction was aborted). Raises TransactionFailed for everything else."""
         delivery: dict[int, KafkaError | None] = {}
         began = committing = False
-        self._ensure_producer()  # the previous round may have retired it
+        self.lifecycle.ensure_producer()  # the previous round may have retired it
         try:
-            self._call(lambda _t: self.producer.begin_transaction(), guard)
+            self.lifecycle.call(lambda _t: self.lifecycle.producer.begin_transaction(), guard)
             began = True
             stopped: KafkaError | None = None
             for i in range(len(outgoing)):
@@ -246,28 +209,30 @@ class TransactionalProducer:
             failed = [e for e in delivery.values() if e is not None]
             if failed or stopped is not None:
                 rejected = _per_record(delivery, outgoing)
-                self._abort_or_recreate(failed[0] if failed else stopped, resync=bool(rejected))
+                self.lifecycle.abort_or_recreate(failed[0] if failed else stopped, resync=bool(rejected))
                 if rejected and fit is not None:
                     return rejected
                 first = failed[0] if failed else stopped
                 assert first is not None
                 raise TransactionFailed(f"{len(failed)} messages not delivered: {first.str()}", False)
             metadata = group_metadata if guard is None else guard.group_metadata()
-            self._call(lambda t: self.producer.send_offsets_to_transaction(offsets, metadata, t), guard)
-            self._check(guard)
+            self.lifecycle.call(
+                lambda t: self.lifecycle.producer.send_offsets_to_transaction(offsets, metadata, t), guard
+            )
+            check_guard(guard)
             committing = True
-            self._call(self._commit_transaction, guard, check_first=False)
+            self.lifecycle.call(self.lifecycle.commit_transaction, guard, check_first=False)
             return {}
         except CallHung as exc:
             # The call never returned: nothing more can be asked of this producer, so it is replaced, and the new
             # one's epoch aborts its transaction - unless the commit was under way (the outcome is unknown then).
             log.error("transaction of %s: %s; recreating its producer", self.transactional_id, exc)
-            self._recreate()
+            self.lifecycle.recreate()
             raise TransactionFailed(str(exc), True, ambiguous=committing) from None
         except TransactionFenced as exc:
             if not began:  # never begun (a queued transaction whose partitions moved on): nothing to undo
                 raise
-            recreated = self._end_fenced(committing)
+            recreated = self.lifecycle.end_fenced(committing)
             how = "its commit was under way" if committing else "its abort failed" if recreated else "aborted"
             how += ": producer recreated" if recreated else ""
             raise TransactionFenced(f"{exc}; {how}", recreated, ambiguous=committing) from None
@@ -277,13 +242,10 @@ class TransactionalProducer:
                 raise TransactionalIdTaken(self.transactional_id, err.str()) from exc
             # A message rejected by produce() alone leaves the transaction abortable (no fit was given).
             abortable = err.txn_requires_abort() or err.code() in PER_RECORD_ERRORS
-            aborted = abortable and not err.fatal() and self._abort()
+            aborted = abortable and not err.fatal() and self.lifecycle.abort()
             if not aborted:
-                self._recreate()
+                self.lifecycle.recreate()
             raise TransactionFailed(err.str(), not aborted, ambiguous=committing and not aborted) from exc
-
-    def _commit_transaction(self, timeout: float) -> None:
-        self.producer.commit_transaction(timeout)
 
     def _produce_tracked(
         self,
@@ -315,18 +277,18 @@ class TransactionalProducer:
         topic, value, key, headers = message
         while True:
             try:
-                self.producer.produce(topic, value, key, headers=headers, on_delivery=on_delivery)
+                self.lifecycle.producer.produce(topic, value, key, headers=headers, on_delivery=on_delivery)
                 return
             except BufferError:
-                self.producer.poll(0.05)  # the local queue is full: let deliveries drain
+                self.lifecycle.producer.poll(0.05)  # the local queue is full: let deliveries drain
 
     def _flush(self, guard: Guard | None = None) -> None:
         """Wait for every delivery report (they are served here, so each message's outcome is known), asking
         ``guard`` between slices."""
         deadline = time.monotonic() + CALL_TIMEOUT_S
         while True:
-            self._check(guard)
-            left = self.producer.flush(_slice(deadline))
+            check_guard(guard)
+            left = self.lifecycle.producer.flush(next_slice(deadline))
             if not left:
                 return
             if time.monotonic() >= deadline:
@@ -363,9 +325,9 @@ class TransactionalProducer:
         """Produce ``group`` in a transaction that is always aborted; the messages the broker rejects."""
         delivery: dict[int, KafkaError | None] = {}
         rejected: dict[int, RecordError] = {}
-        self._ensure_producer()  # the previous round may have retired it
+        self.lifecycle.ensure_producer()  # the previous round may have retired it
         try:
-            self._call(lambda _t: self.producer.begin_transaction())
+            self.lifecycle.call(lambda _t: self.lifecycle.producer.begin_transaction())
             for i in group:
 
                 def on_delivery(err: KafkaError | None, _msg: Message, i: int = i) -> None:
@@ -379,140 +341,17 @@ class TransactionalProducer:
                     rejected[i] = RecordError.of(exc.args[0], wire_size(outgoing[i]))
             self._flush()
         except KafkaException as exc:
-            self._abort_or_recreate(exc.args[0])
+            self.lifecycle.abort_or_recreate(exc.args[0])
             raise TransactionFailed(f"probe transaction failed: {exc.args[0].str()}", False) from exc
         except CallHung as exc:
-            self._recreate()
+            self.lifecycle.recreate()
             raise TransactionFailed(f"probe transaction failed: {exc}", True) from None
         by_broker = _per_record(delivery, outgoing)
-        self._abort_or_recreate(None, resync=bool(by_broker))
+        self.lifecycle.abort_or_recreate(None, resync=bool(by_broker))
         return rejected | by_broker
 
-    # -- error handling ----------------------------------------------------------------------------
-    def _call(
-        self,
-        fn: Callable[[float], T],
-        guard: Guard | None = None,
-        check_first: bool = True,
-        budget_s: float = CALL_TIMEOUT_S,
-        while_down: bool = False,
-    ) -> T:
-        """``fn(timeout)``, one librdkafka transactional call, in slices of at most CALL_SLICE_S: a slice that times
-        out is resumed (librdkafka goes on with the request in the background and lets the same call be made
-        again), other retriable errors are retried (CALL_RETRIES), all within one CALL_TIMEOUT_S budget. ``guard``
-        is asked before every slice (but the first when not ``check_first``). Retries stop while the broker is
-        suspected down (its liveness detector decides when to give up): a lost broker costs one slice - unless
-        ``while_down``. A slice that times out leaves its operation pending (``_pending``) until the call ends; one
-        that never returns raises :class:`CallHung` (:class:`BoundedCalls`)."""
-        deadline = time.monotonic() + budget_s
-        errors = 0
-        first = True
-        while True:
-            if check_first or not first:
-                self._check(guard)
-            first = False
-            try:
-                result = self._calls.call(fn, _slice(deadline))
-                self._pending = None
-                return result
-            except KafkaException as exc:
-                err: KafkaError = exc.args[0]
-                resumed = err.code() == KafkaError._TIMED_OUT
-                errors += 0 if resumed else 1
-                down = not while_down and self.broker_down()
-                give_up = time.monotonic() >= deadline or down
-                if resumed:
-                    self._pending = fn
-                if not err.retriable() or errors >= CALL_RETRIES or give_up:
-                    raise
-                if not resumed:
-                    time.sleep(0.1 * 2 ** (errors - 1))
-
-    @staticmethod
-    def _check(guard: Guard | None) -> None:
-        why = None if guard is None else guard.stale()
-        if why is not None:
-            raise TransactionFenced(f"fenced: {why}", fatal=False)
-
-    def _end_fenced(self, committing: bool) -> bool:
-        """End a transaction whose partitions are no longer ours without committing it: abort it, or recreate the
-        producer when its commit is under way (librdkafka refuses to abort that) or the abort fails - the new
-        producer's epoch fences the old one, whose unsent requests are purged. True if recreated."""
-        if not committing and self._abort():
-            return False
-        self._recreate(purge=True)
-        return True
-
-    def _abort_or_recreate(self, err: KafkaError | None, resync: bool = False) -> None:
-        """Abort; recreate the producer if that fails or ``err`` is fatal. ``resync`` (the broker rejected a
-        record batch): recreate after the abort too. The rejected batch was never written but librdkafka counted
-        its sequence numbers; Apache Kafka lets it recover by bumping the epoch (KIP-360), the embedded broker
-        does not (the next transaction fails OUT_OF_ORDER_SEQUENCE_NUMBER and its abort times out). A fresh
-        producer starts the next transaction with a new epoch and fresh sequences."""
-        if (err is not None and err.fatal()) or not self._abort() or resync:
-            self._recreate()
-
-    def _abort(self) -> bool:
-        """Abort the open transaction; False if it could not be. A call that timed out is first resumed to its end
-        (librdkafka takes no other call meanwhile) - unless it is the commit, which must not complete: False then.
-        Both are resumed for ABORT_BUDGET_S, also while the broker is suspected down (a network partition heals
-        within it)."""
-        self.aborts += 1
-        if self._pending == self._commit_transaction:
-            return False
-        try:
-            if self._pending is not None:
-                self._call(self._pending, budget_s=ABORT_BUDGET_S, while_down=True)
-            self._call(self.producer.abort_transaction, budget_s=ABORT_BUDGET_S, while_down=True)
-        except KafkaException as exc:
-            log.error("abort of transaction %s failed: %s", self.transactional_id, exc.args[0].str())
-            return False
-        except CallHung as exc:
-            log.error("abort of transaction %s: %s", self.transactional_id, exc)
-            return False
-        return True
-
-    def _recreate(self, purge: bool = False) -> None:
-        """Retire the producer and make a new one, whose epoch fences its transaction. ``purge``: what the old
-        producer still holds is dropped unsent, not flushed. After a hung call the new one is made later
-        (``_replace``, see ``__init__``); a new one that cannot be made now (the broker is unreachable) is made by
-        the next commit, :meth:`settle` or :meth:`close` - never an error here: this runs while a transaction's own
-        failure is being raised, and that failure (ambiguous or not) is what the caller must learn."""
-        log.warning("recreating transactional producer %s", self.transactional_id)
-        self.recreated += 1
-        old, calls = self.producer, self._calls
-        try:
-            if calls.hung:
-                pass  # blocked inside a call: touched by nothing more
-            elif purge:
-                old.purge()
-            else:
-                old.flush(5)
-        finally:
-            if self._pending is not None or calls.hung:  # destroying it would abort the process (see __init__)
-                log.warning("keeping the old producer of %s: a call of it is still pending", self.transactional_id)
-                self._retired.append((old, calls))
-                self._pending = None
-            self._replace = True
-            if not calls.hung:
-                try:
-                    self._ensure_producer()
-                except TransactionFailed as exc:
-                    log.error("%s; the next commit makes it", exc)
-
     def close(self, timeout: float = CALL_TIMEOUT_S) -> None:
-        """Flush; after a hung call, first make the producer that fences its transaction (bounded like a call)."""
-        try:
-            self._ensure_producer()
-        except TransactionFailed as exc:
-            log.error("closing %s with a transaction left to the broker's timeout: %s", self.transactional_id, exc)
-            return
-        self.producer.flush(timeout)
-
-
-def _slice(deadline: float) -> float:
-    """How long the next slice of a call may block: at most CALL_SLICE_S, at least a moment, never past ``deadline``."""
-    return min(CALL_SLICE_S, max(0.01, deadline - time.monotonic()))
+        self.lifecycle.close(timeout)
 
 
 def _per_record(delivery: Mapping[int, KafkaError | None], outgoing: list[Outgoing]) -> dict[int, RecordError]:

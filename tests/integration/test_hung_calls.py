@@ -1,11 +1,13 @@
 """A transactional call that never returns (librdkafka #5456) is abandoned, and its transaction aborted.
 
 librdkafka 2.16's ``send_offsets_to_transaction`` sends its coordinator requests without a time-out of their own:
-behind a link that accepts connections and never answers (a blackhole, :class:`~tests.support.fault_proxy.FaultProxy`)
-a call given 2 s stays blocked until the link heals - minutes, in the lossy-link runs, with the worker's or the
-scheduler's transaction open all that time. :class:`~batchline.kafka.transactions.TransactionalProducer` runs each
-transactional call on a thread of its own and gives up on one still blocked ``HANG_GRACE_S`` past its time-out: the
-commit fails while the link is still down, and the next commit's new producer fences the abandoned transaction.
+behind a link that accepts connections and never answers (a blackhole,
+:class:`~tests.support.fault_proxy.FaultProxy`) a call given 2 s stays blocked until the link heals - minutes, in
+the lossy-link runs, with the worker's or the scheduler's transaction open all that time.
+:class:`~batchline.kafka.transactions.TransactionalProducer` runs each transactional call on a thread of its own
+(:class:`~batchline.kafka.producer_lifecycle.ProducerLifecycle`) and gives up on one still blocked ``HANG_GRACE_S``
+past its time-out: the commit fails while the link is still down, and the next commit's new producer fences the
+abandoned transaction.
 Before that change this test's commit stayed blocked until the watchdog lifted the blackhole.
 """
 
@@ -23,7 +25,7 @@ import pytest
 from confluent_kafka import Consumer, TopicPartition
 
 from batchline.config import KafkaSettings
-from batchline.kafka import transactions
+from batchline.kafka import producer_lifecycle
 from batchline.kafka.bounded_calls import HANG_GRACE_S
 from batchline.kafka.broker import EmbeddedBroker, free_port
 from batchline.kafka.client import make_consumer
@@ -146,7 +148,8 @@ def test_a_commit_whose_answer_is_lost_is_reported_ambiguous_and_settled_before_
     second failure replaced the first and said "nothing committed", and a worker re-read records already
     committed. ``settle()`` after the heal makes that producer; only then are the committed offsets final."""
     kafka, proxy = cut_after_end_txn
-    monkeypatch.setattr(transactions, "CALL_TIMEOUT_S", 4.0)  # the replacement's init_transactions, behind the cut
+    # the replacement's init_transactions, behind the cut
+    monkeypatch.setattr(producer_lifecycle, "CALL_TIMEOUT_S", 4.0)
     topics = JobTopics(job_name, ("1s",))
     create_job_topics(kafka, topics, 1)
     consumer = make_consumer(kafka, f"g-{uuid.uuid4().hex[:6]}")

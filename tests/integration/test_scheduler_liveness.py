@@ -168,7 +168,7 @@ def test_an_ambiguous_commit_republishes_nothing_twice(
     config = load_job_config(job_name, cfg)
     scheduler = RetryScheduler(config, kafka)
     txn = scheduler.republisher.txn
-    real_commit = txn._commit_transaction
+    real_commit = txn.lifecycle.commit_transaction
     injected = threading.Event()
 
     def commit_then_give_up(timeout: float) -> None:
@@ -177,7 +177,7 @@ def test_an_ambiguous_commit_republishes_nothing_twice(
             injected.set()
             raise KafkaException(KafkaError(KafkaError._TIMED_OUT, "injected: committed, the client gave up"))
 
-    txn._commit_transaction = commit_then_give_up  # type: ignore[method-assign]
+    txn.lifecycle.commit_transaction = commit_then_give_up  # type: ignore[method-assign]
     ids = {f"a-{i:03d}" for i in range(60)}
     _produce(kafka, _retry_records(config, topics, sorted(ids), attempt=1))
     scheduler.start()

@@ -276,7 +276,8 @@ def test_a_message_the_broker_rejects_is_replaced_and_the_transaction_retried_on
     assert proxy.rejected > rejected_before, "the broker must have rejected the batch"
     assert [(i, e.name) for i, e in calls] == [(0, "MSG_SIZE_TOO_LARGE")]
     assert {i: r.found_by for i, r in report.replaced.items()} == {0: "delivery"}
-    # Aborted, then a fresh producer (new epoch, fresh sequences) for the retry: see _abort_or_recreate.
+    # Aborted, then a fresh producer (new epoch, fresh sequences) for the retry: see
+    # ProducerLifecycle.abort_or_recreate.
     assert report.transactions == 2 and report.probes == 0 and txn.aborts == 1 and txn.recreated == 1
     assert _keys(kafka, "limited.dlq", start_dlq) == [b"big"]
     assert _committed(kafka, group, "limited.in") == OFFSET

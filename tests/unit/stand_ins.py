@@ -12,6 +12,7 @@ from confluent_kafka import KafkaError, KafkaException
 from batchline.config import KafkaSettings
 from batchline.kafka.bounded_calls import BoundedCalls
 from batchline.kafka.liveness import never_down
+from batchline.kafka.producer_lifecycle import ProducerLifecycle
 from batchline.kafka.transactions import TransactionalProducer
 
 
@@ -102,16 +103,19 @@ def stand_in_txn(
     txn = TransactionalProducer.__new__(TransactionalProducer)  # no broker: the producer is the stand-in
     txn.kafka = KafkaSettings(bootstrap="unit.invalid:9092")
     txn.transactional_id, txn.overrides, txn.topic_limits = "unit-txn", {}, {}
-    txn.max_message_bytes, txn.aborts, txn.recreated = 1_000_000, 0, 0
-    txn._pending, txn._retired, txn._replace = None, [], False
-    txn.broker_down = never_down
+    txn.max_message_bytes = 1_000_000
+    life = txn.lifecycle = ProducerLifecycle.__new__(ProducerLifecycle)
+    life.kafka, life.transactional_id, life.overrides = txn.kafka, "unit-txn", {}
+    life.aborts, life.recreated = 0, 0
+    life._pending, life._retired, life._replace = None, [], False
+    life.broker_down = never_down
     producer = Producer(calls, script)
-    txn.producer, txn._calls = producer, BoundedCalls("unit-txn")
+    life.producer, life._calls = producer, BoundedCalls("unit-txn")
 
     def new_producer() -> tuple[Producer, BoundedCalls]:  # as _new_producer: init_transactions fences the epoch
         fresh = Producer(calls)
         fresh.init_transactions(30)
         return fresh, BoundedCalls("unit-txn")
 
-    txn._new_producer = new_producer  # type: ignore[method-assign]
+    life._new_producer = new_producer  # type: ignore[method-assign]
     return txn, producer

@@ -213,7 +213,7 @@ def _flaky_new_producer(made: Line, failures: int) -> list[int]:
     """The replacement producer cannot be made ``failures`` times (its init_transactions fails: the broker is
     unreachable), then can; returns the list of attempts, one entry per try."""
     tries: list[int] = []
-    real = made.txn._new_producer
+    real = made.txn.lifecycle._new_producer
 
     def new_producer() -> Any:
         tries.append(len(tries) + 1)
@@ -221,7 +221,7 @@ def _flaky_new_producer(made: Line, failures: int) -> list[int]:
             raise TransactionFailed("init_transactions of unit-txn failed: broker unreachable", True)
         return real()
 
-    made.txn._new_producer = new_producer  # type: ignore[method-assign]
+    made.txn.lifecycle._new_producer = new_producer  # type: ignore[method-assign]
     return tries
 
 
@@ -234,15 +234,15 @@ def test_a_commit_whose_answer_was_lost_is_made_final_before_the_worker_hears_of
     committed offsets its rewind reads cannot change after it read them."""
     monkeypatch.setattr(commit, "SETTLE_RETRY_S", 0.01)
     made = Line({"commit": [timed_out() for _ in range(5)]})
-    made.txn.broker_down = lambda: True  # as during a cut: one slice per call, no retries
+    made.txn.lifecycle.broker_down = lambda: True  # as during a cut: one slice per call, no retries
     tries = _flaky_new_producer(made, failures=2)
     try:
         made.launch([0, 1])
         made.line.queue()
         error = made.settle()
         assert error is not None and error.ambiguous and error.fatal
-        assert tries == [1, 2, 3], "made in _recreate (failed), then by the line's settling: failed, made"
-        assert not made.txn._replace and made.calls[-1] == "init", "reported only after the fencing producer"
+        assert tries == [1, 2, 3], "made in recreate (failed), then by the line's settling: failed, made"
+        assert not made.txn.lifecycle._replace and made.calls[-1] == "init", "reported only after the fencing producer"
         assert made.stats.transactions == 0 and made.stats.sink_failures == 1
     finally:
         made.close()
@@ -251,7 +251,7 @@ def test_a_commit_whose_answer_was_lost_is_made_final_before_the_worker_hears_of
 def test_settling_stops_when_the_worker_abandons_the_line(monkeypatch: pytest.MonkeyPatch) -> None:
     monkeypatch.setattr(commit, "SETTLE_RETRY_S", 0.01)
     made = Line({"commit": [timed_out() for _ in range(5)]})
-    made.txn.broker_down = lambda: True
+    made.txn.lifecycle.broker_down = lambda: True
     tries = _flaky_new_producer(made, failures=1_000_000)  # the broker never comes back
     try:
         flights = [made.launch([0])]
@@ -262,6 +262,7 @@ def test_settling_stops_when_the_worker_abandons_the_line(monkeypatch: pytest.Mo
             time.sleep(0.01)
         assert len(tries) >= 3, "the line keeps trying to settle while the worker waits"
         assert made.line.abandon() == flights  # BrokerLost: the worker gives up
-        assert made.settle() is None and made.txn._replace, "the thread stopped; the next owner's producer fences"
+        assert made.settle() is None, "the thread stopped"
+        assert made.txn.lifecycle._replace, "the next owner's producer fences"
     finally:
         made.close()

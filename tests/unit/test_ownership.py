@@ -164,7 +164,7 @@ def test_a_commit_under_way_when_the_claim_goes_stale_recreates_the_producer() -
     assert calls == ["begin", "produce", "flush", "offsets", "commit", "purge", "init"]  # the commit not resumed
     assert exc.value.ambiguous and exc.value.fatal and txn.recreated == 1
     # its commit is still pending inside librdkafka: destroying it would abort the process, so it is kept
-    assert [p for p, _ in txn._retired] == [producer] and txn._pending is None
+    assert [p for p, _ in txn.lifecycle._retired] == [producer] and txn.lifecycle._pending is None
 
 
 def test_a_call_that_timed_out_is_resumed_to_its_end_before_the_fenced_abort() -> None:
@@ -177,7 +177,7 @@ def test_a_call_that_timed_out_is_resumed_to_its_end_before_the_fenced_abort() -
     with pytest.raises(TransactionFenced) as exc:
         txn.commit(MESSAGES, OFFSETS, None, guard=guard)
     assert calls == ["begin", "produce", "flush", "offsets", "offsets", "abort"]
-    assert not exc.value.fatal and txn.recreated == 0 and txn._retired == []
+    assert not exc.value.fatal and txn.recreated == 0 and txn.lifecycle._retired == []
 
 
 def test_a_fenced_transaction_whose_abort_fails_recreates_the_producer() -> None:
