@@ -54,13 +54,17 @@ def wire_size(message: Outgoing) -> int:
     key, value and serialized headers plus the v2 record's maximum overhead.
 
     Every message of a micro-batch passes here on the commit thread, so the common case is kept short: an ASCII
-    header name is as long in UTF-8 as in characters, and a length below 64 is a one-byte varint."""
+    header name is as long in UTF-8 as in characters, a length below 64 is a one-byte varint, and below 8192 a
+    two-byte one."""
     _, value, key, headers = message
     size = RECORD_V2_MAX_OVERHEAD + len(key or b"") + len(value or b"")
     for name, raw in headers:
         name_len = len(name) if name.isascii() else len(name.encode())
         value_len = len(raw) if raw else 0
-        size += name_len + value_len
-        size += 1 if name_len < 64 else _varint_size(name_len)
-        size += 1 if value_len < 64 else _varint_size(value_len)
+        size += (
+            name_len
+            + value_len
+            + (1 if name_len < 64 else _varint_size(name_len))
+            + (1 if value_len < 64 else 2 if value_len < 8192 else _varint_size(value_len))
+        )
     return size

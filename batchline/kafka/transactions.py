@@ -41,6 +41,7 @@ from __future__ import annotations
 import logging
 import time
 from collections.abc import Callable, Iterable, Mapping
+from functools import partial
 from typing import Any
 
 from confluent_kafka import KafkaError, KafkaException, Message, TopicPartition
@@ -137,9 +138,13 @@ class TransactionalProducer:
         outgoing = list(messages)
         report = CommitReport()
         if fit is not None:
+            limits, most = self.topic_limits, self.max_message_bytes
             for i, message in enumerate(outgoing):
-                error = self.oversize(message)
-                if error is not None:
+                size = wire_size(message)  # oversize()'s test, inline for every message
+                limit = limits.get(message[0])
+                if size > most or (limit is not None and size + RECORD_BATCH_OVERHEAD > limit):
+                    error = self.oversize(message)
+                    assert error is not None
                     outgoing[i] = self._fit(fit, i, message, error, "precheck", report)
         for _ in range(MAX_ROUNDS):
             report.transactions += 1
@@ -199,7 +204,13 @@ class TransactionalProducer:
             self.lifecycle.call(lambda _t: self.lifecycle.producer.begin_transaction(), guard)
             began = True
             stopped: KafkaError | None = None
-            for i in range(len(outgoing)):
+            produce = self.lifecycle.producer.produce
+            for i, (topic, value, key, headers) in enumerate(outgoing):
+                try:  # the common case inline (this runs for every message); any refusal takes the tracked path
+                    produce(topic, value, key, headers=headers, on_delivery=partial(_delivered, delivery, i))
+                    continue
+                except (BufferError, KafkaException):
+                    pass  # nothing was queued: _produce_tracked produces it again, handling what refused it
                 stopped = self._produce_tracked(outgoing, i, delivery, fit, report)
                 if stopped is not None:
                     break  # the transaction already failed (a delivery was rejected): no point producing more
@@ -258,9 +269,7 @@ class TransactionalProducer:
         """Produce message ``i`` with its own delivery callback; replace it if ``produce()`` rejects it alone.
         Returns the error when the transaction is already failing (a delivery failed, librdkafka refuses more)."""
 
-        def on_delivery(err: KafkaError | None, _msg: Message) -> None:
-            delivery[i] = err
-
+        on_delivery = partial(_delivered, delivery, i)
         try:
             self._produce(outgoing[i], on_delivery)
         except KafkaException as exc:
@@ -352,6 +361,11 @@ class TransactionalProducer:
 
     def close(self, timeout: float = CALL_TIMEOUT_S) -> None:
         self.lifecycle.close(timeout)
+
+
+def _delivered(delivery: dict[int, KafkaError | None], index: int, err: KafkaError | None, _msg: Message) -> None:
+    """A message's delivery report (bound to its index with ``partial``): served on the thread that flushes."""
+    delivery[index] = err
 
 
 def _per_record(delivery: Mapping[int, KafkaError | None], outgoing: list[Outgoing]) -> dict[int, RecordError]:
