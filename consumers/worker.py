@@ -277,17 +277,25 @@ class Worker:
                 if first is not None:
                     msgs = [first, *(self.consumer.consume(take - 1, 0) if take > 1 else [])]
         held_back: set[TP] = set()  # partitions sought back to a record whose transaction cannot be told yet
+        # consume() returns runs of one partition: the aborted index is asked about a run's first record, then only
+        # past the offset below which it knows of no aborted transaction (AbortedIndex.clear_to)
+        run: TP = ("", -1)
+        clear = -1
         for msg in msgs:
             if msg.error():
                 if msg.error().code() != KafkaError._PARTITION_EOF:
                     log.warning("consume error: %s", msg.error())
                     self.liveness.on_error(msg.error())
                 continue
-            aborted = self.aborted.aborted_or_seek_back(
-                msg.topic(), msg.partition(), msg.offset(), held_back, self.rewinder.seek
-            )
-            if aborted is None:
-                continue  # read again, later
+            topic, partition, offset = msg.topic(), msg.partition(), msg.offset()
+            if offset < clear and partition == run[1] and topic == run[0]:
+                aborted: bool | None = False
+            else:
+                aborted = self.aborted.aborted_or_seek_back(topic, partition, offset, held_back, self.rewinder.seek)
+                if aborted is None:
+                    continue  # read again, later
+                run = (topic, partition)
+                clear = -1 if aborted else self.aborted.clear_to(topic, partition, offset)
             item = self.intake.admit(msg)
             item.passed_over = self.pinning.pass_over(item)
             if item.passed_over:
