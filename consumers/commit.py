@@ -114,7 +114,7 @@ class _Txn:
 
     def produced(self) -> list[list[Produced]]:
         """What each flight really produced (replacements included); read once ``done``."""
-        out = [self.replaced.get(i, m) for i, m in enumerate(self.messages)]
+        out = [self.replaced.get(i, m) for i, m in enumerate(self.messages)] if self.replaced else self.messages
         bounds = list(itertools.accumulate(self.sizes, initial=0))
         return [out[a:b] for a, b in itertools.pairwise(bounds)]
 
