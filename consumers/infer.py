@@ -56,6 +56,16 @@ def record_seed(base: int, request_id: str, salt: int = 0) -> int:
     return int.from_bytes(h[:4], "big")
 
 
+def stopped_failure(stops: Mapping[str, tuple[float, str]], run_id: str | None, now: float) -> Failure | None:
+    """A ``cancelled`` / ``expired`` failure for a record whose run stopped before ``now`` (``stops``: the runs view's,
+    run id -> (since, why)), else None."""
+    stop = stops.get(run_id or "")
+    if stop is None or now < stop[0]:
+        return None
+    kind = "RunCancelled" if stop[1] == CANCELLED else "RunExpired"
+    return Failure(stop[1], kind, stop_message(stop[1], run_id))  # type: ignore[arg-type]
+
+
 def engine_input(config: JobConfig, item: WorkItem, greedy: Sampling | None = None) -> EngineInput:
     """The engine's view of a record. Greedy records carry no seed (it would change nothing and costs vLLM a
     per-request generator); sampled ones get a per-record seed so a replay reproduces them. ``greedy`` is the
@@ -255,13 +265,7 @@ class Feeder:
                 self._running.add(key)
 
     def _stopped(self, slot: _Slot, now: float) -> Failure | None:
-        """A ``cancelled`` / ``expired`` failure for a record whose run stopped before ``now``, else None."""
-        run_id = slot.flight.items[slot.index].run_id
-        stop = self._stops.get(run_id or "")
-        if stop is None or now < stop[0]:
-            return None
-        kind = "RunCancelled" if stop[1] == CANCELLED else "RunExpired"
-        return Failure(stop[1], kind, stop_message(stop[1], run_id))  # type: ignore[arg-type]
+        return stopped_failure(self._stops, slot.flight.items[slot.index].run_id, now)
 
     def _step(self) -> None:
         engine = self.stream

@@ -68,14 +68,13 @@ from batchline.kafka.ownership import STATS_EVERY_MS, Ownership
 from batchline.kafka.slots import SlotSweeper, claim_slot
 from batchline.kafka.topics import JobTopics, message_limits
 from batchline.kafka.transaction_errors import TransactionalIdTaken
-from batchline.runs.control import CANCELLED, stop_message
 from batchline.runs.identity import Fingerprint, fingerprint_of
 from batchline.telemetry import Health, WorkerMetrics
 from consumers.admission import Admission
 from consumers.batcher import Batcher
 from consumers.commit import CommitLine, transactional_producer
 from consumers.engines import Engine, create_engine
-from consumers.infer import Feeder, Flight
+from consumers.infer import Feeder, Flight, stopped_failure
 from consumers.intake import Intake
 from consumers.lanes import Lanes
 from consumers.pauses import PauseBook
@@ -83,7 +82,7 @@ from consumers.pinning import Pinning
 from consumers.rewind import PendingSeeks, Rewinder, first_offsets
 from consumers.route import Router
 from consumers.schedule import Schedule
-from consumers.work import Failure, WorkerStats, WorkItem
+from consumers.work import WorkerStats, WorkItem
 
 log = logging.getLogger(__name__)
 POLL_BATCH = 1000
@@ -371,10 +370,7 @@ class Worker:
         now = time.time()
         for item in batch:
             if item.runnable:
-                stop = stops.get(item.run_id or "")
-                if stop is not None and now >= stop[0]:
-                    kind = "RunCancelled" if stop[1] == CANCELLED else "RunExpired"
-                    item.failure = Failure(stop[1], kind, stop_message(stop[1], item.run_id))  # type: ignore[arg-type]
+                item.failure = stopped_failure(stops, item.run_id, now)
 
     # -- commit ----------------------------------------------------------------------------------
     def _commit(self, in_callback: bool = False) -> bool:
