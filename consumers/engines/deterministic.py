@@ -205,7 +205,7 @@ class DeterministicEngine:
         # Greedy (temperature 0) outputs ignore the seed, as a real engine's would.
         salt = s.seed if s.temperature > 0 else 0
         kept = words[: max(1, s.max_tokens - 1)]
-        tag = f"{zlib.crc32(f'{inp.prompt}|{salt}'.encode()):08x}"
+        tag = f"{zlib.crc32(f'|{salt}'.encode(), zlib.crc32(inp.prompt.encode())):08x}"  # CRC of f"{prompt}|{salt}"
         if self.json_schema is not None:
             text = "not json" if invalid else json.dumps(_instance(self.json_schema, tag))
             completion = len(text.split())
