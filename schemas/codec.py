@@ -167,7 +167,8 @@ def decode_request(data: bytes | None, max_bytes: int = 1 << 20) -> RequestLike:
     of what is not, are pydantic's. Avro gives a ``models.Request``. Callers that need the pydantic model
     (``model_dump``) call :func:`decode_request_model`."""
     data = _checked(data, max_bytes)
-    if not codec_for("request").is_avro(data):
+    # "{" starts no Avro framing (single-object C3 01, Confluent 00): the common JSON record skips the codec
+    if data[:1] == b"{" or not codec_for("request").is_avro(data):
         try:
             return fast.decode(data)
         except (msgspec.MsgspecError, RecursionError):
