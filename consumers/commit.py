@@ -325,9 +325,21 @@ class CommitLine:
         stats.batches += len(txn.flights)
         by_kind = stats.by_kind
         for flight, produced in zip(txn.flights, txn.produced(), strict=True):
-            for p in produced:
+            others = [p for p in produced if p.kind != "result"]  # retries and dead letters: few
+            results = len(produced) - len(others)
+            by_kind["result"] = by_kind.get("result", 0) + results
+            for p in others:
                 by_kind[p.kind] = by_kind.get(p.kind, 0) + 1
-            self.metrics.batch_done(flight.items, flight.outcomes, produced, flight.engine_ms, flight.started_ns)
+            self.metrics.batch_done(
+                flight.items,
+                flight.outcomes,
+                results,
+                others,
+                flight.engine_ms,
+                flight.started_ns,
+                passed_over=flight.passed_over,
+                tokens=(flight.prompt_tokens, flight.completion_tokens),
+            )
         stats.results = by_kind.get("result", 0)
         stats.retries = by_kind.get("retry", 0)
         stats.dead_letters = by_kind.get("dlq", 0)

@@ -101,6 +101,9 @@ class Flight:
     outcomes: dict[int, Outcome] = field(default_factory=dict)
     pending: int = 0
     runnable: int = 0  # records handed to the engine (the others ride along: invalid, passed over, aborted)
+    passed_over: int = 0  # records this worker does not run (another run's pin, an aborted transaction's)
+    prompt_tokens: int = 0  # of its outcomes, as they settle (counted by the engine thread, read once done)
+    completion_tokens: int = 0
     started_ns: int = 0
     ended_ns: int = 0
     done: bool = False
@@ -223,13 +226,16 @@ class Feeder:
     def _admit(self, flight: Flight) -> None:
         flight.started_ns = time.time_ns()
         config, greedy, keys, slots, backlog = self.config, self._greedy, self._keys, self._slots, self._backlog
-        pending = 0
+        pending = passed = 0
         for i, item in enumerate(flight.items):
-            if item.request is not None and item.failure is None and item.passed_over is None:  # item.runnable
+            if item.passed_over is not None:
+                passed += 1
+            elif item.request is not None and item.failure is None:  # item.runnable
                 key = next(keys)
                 slots[key] = _Slot(flight, i, engine_input(config, item, greedy))
                 backlog.append(key)
                 pending += 1
+        flight.passed_over = passed
         flight.pending += pending
         flight.runnable = pending
         if flight.pending == 0:
@@ -334,6 +340,9 @@ class Feeder:
                 final = Failure("invalid_output", "InvalidOutput", problem, shown[:2000])
         flight = slot.flight
         flight.outcomes[slot.index] = final
+        if not isinstance(final, Failure):
+            flight.prompt_tokens += final.prompt_tokens
+            flight.completion_tokens += final.completion_tokens
         flight.pending -= 1
         if flight.pending == 0:
             self._finish(flight)

@@ -77,24 +77,35 @@ class WorkerMetrics:
         )
         self.tokens = meter.create_counter("batchline.tokens", "{token}", "Prompt (input) and completion (output)")
         self._watches = Watches()
+        self._result_attrs = self.attrs | {OUTCOME: "result"}
+        self._input_attrs = self.attrs | {TOKEN_TYPE: "input"}
+        self._output_attrs = self.attrs | {TOKEN_TYPE: "output"}
 
     def batch_done(
         self,
         items: Sequence[Any],
         outcomes: dict[int, Any],
-        produced: Sequence[Any],
+        results: int,
+        others: Sequence[Any],
         engine_ms: float,
         started_ns: int | None = None,
+        *,
+        passed_over: int = 0,
+        tokens: tuple[int, int] = (0, 0),
     ) -> None:
-        """A batch committed: ``produced`` is one message per record (kind result|retry|dlq), ``started_ns`` when
-        its inference began (epoch ns)."""
+        """A batch committed: ``results`` results and ``others``, its other messages (kind retry|dlq), one per
+        record; ``started_ns`` when its inference began (epoch ns); ``passed_over`` records it did not run;
+        ``tokens`` (prompt, completion) of its outcomes. The counts come from the caller, which has them at hand:
+        nothing here goes through the batch record by record (only its failures, to tell their classes)."""
         self.batch_size.record(len(items), self.attrs)
         self.engine_time.record(engine_ms / 1000, self.attrs)
         if started_ns is not None:
             self.process_time.record(max(0, time.time_ns() - started_ns) / 1e9, self.messaging)
+        if results:
+            self.records.add(results, self._result_attrs)
         classes: dict[bytes, str] | None = None  # built on the first retry: most batches have none
         counts: dict[tuple[str, str | None], int] = {}  # one add per outcome and class, not one per record
-        for p in produced:
+        for p in others:
             failure = None
             if p.kind == "dlq":
                 failure = _dead_letter_class(p.value)
@@ -107,13 +118,10 @@ class WorkerMetrics:
             if failure is not None:
                 attrs[FAILURE_CLASS] = failure
             self.records.add(n, attrs)
-        passed = sum(1 for i in items if getattr(i, "passed_over", None))
-        if passed:
-            self.records.add(passed, self.attrs | {OUTCOME: "passed_over"})
-        prompt = sum(getattr(o, "prompt_tokens", 0) for o in outcomes.values())
-        completion = sum(getattr(o, "completion_tokens", 0) for o in outcomes.values())
-        self.tokens.add(prompt, self.attrs | {TOKEN_TYPE: "input"})
-        self.tokens.add(completion, self.attrs | {TOKEN_TYPE: "output"})
+        if passed_over:
+            self.records.add(passed_over, self.attrs | {OUTCOME: "passed_over"})
+        self.tokens.add(tokens[0], self._input_attrs)
+        self.tokens.add(tokens[1], self._output_attrs)
 
     def watch(
         self,
