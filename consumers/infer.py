@@ -31,6 +31,7 @@ import time
 from collections import deque
 from collections.abc import Callable, Iterable, Mapping
 from dataclasses import dataclass, field, replace
+from typing import NamedTuple
 
 from batchline.config import JobConfig
 from batchline.runs.control import CANCELLED, stop_message
@@ -114,12 +115,17 @@ class Flight:
         return (self.ended_ns - self.started_ns) / 1e6
 
 
-@dataclass(slots=True)
-class _Slot:
+class _Slot(NamedTuple):
+    """A record on its way through the engine: its flight, its index there, its input, its re-sample round. One per
+    record: built with ``_new_slot`` (``tuple.__new__``; a NamedTuple's own ``__new__`` is Python, twice the cost)."""
+
     flight: Flight
-    index: int
+    at: int  # the record's index in flight.items
     inp: EngineInput
-    round: int = 0
+    round: int
+
+
+_new_slot = tuple.__new__
 
 
 @dataclass
@@ -232,7 +238,7 @@ class Feeder:
                 passed += 1
             elif item.request is not None and item.failure is None:  # item.runnable
                 key = next(keys)
-                slots[key] = _Slot(flight, i, engine_input(config, item, greedy))
+                slots[key] = _new_slot(_Slot, (flight, i, engine_input(config, item, greedy), 0))
                 backlog.append(key)
                 pending += 1
         flight.passed_over = passed
@@ -271,7 +277,7 @@ class Feeder:
                 self._running.add(key)
 
     def _stopped(self, slot: _Slot, now: float) -> Failure | None:
-        return stopped_failure(self._stops, slot.flight.items[slot.index].run_id, now)
+        return stopped_failure(self._stops, slot.flight.items[slot.at].run_id, now)
 
     def _step(self) -> None:
         engine = self.stream
@@ -339,7 +345,7 @@ class Feeder:
                     return
                 final = Failure("invalid_output", "InvalidOutput", problem, shown[:2000])
         flight = slot.flight
-        flight.outcomes[slot.index] = final
+        flight.outcomes[slot.at] = final
         if not isinstance(final, Failure):
             flight.prompt_tokens += final.prompt_tokens
             flight.completion_tokens += final.completion_tokens
@@ -358,7 +364,7 @@ class Feeder:
             temperature=max(s.temperature, RETRY_TEMPERATURE),
         )
         key = next(self._keys)
-        self._slots[key] = _Slot(slot.flight, slot.index, replace(slot.inp, sampling=sampling), slot.round + 1)
+        self._slots[key] = _Slot(slot.flight, slot.at, replace(slot.inp, sampling=sampling), slot.round + 1)
         self._backlog.appendleft(key)  # its flight is already waiting on it
         self.stats.resampled += 1
 

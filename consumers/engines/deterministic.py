@@ -45,14 +45,9 @@ from consumers.work import Failure
 LOAD_GATE_POLL_S = 0.05
 
 
-class _Running:
-    """A record in a running batch and the steps it still needs."""
-
-    __slots__ = ("inp", "left")
-
-    def __init__(self, inp: EngineInput, steps: int) -> None:
-        self.inp = inp
-        self.left = steps
+# A record in a running batch and the steps it still needs: a plain tuple (one per record), replaced when it steps
+# without finishing (only with ``decode_steps``).
+_Running = tuple[EngineInput, int]
 
 
 class PoisonRecordCrash(RuntimeError):
@@ -117,7 +112,7 @@ class DeterministicEngine:
 
     def infer(self, inputs: Sequence[EngineInput]) -> list[Outcome]:
         self.calls += 1
-        running = {i: _Running(inp, self._steps_of(inp)) for i, inp in enumerate(inputs)}
+        running = {i: (inp, self._steps_of(inp)) for i, inp in enumerate(inputs)}
         outcomes: dict[int, Outcome] = {}
         while running:
             outcomes.update(self._advance(running))
@@ -128,7 +123,7 @@ class DeterministicEngine:
 
     # -- continuous batching (StreamingEngine) ---------------------------------------------------
     def add(self, key: int, inp: EngineInput) -> Failure | None:
-        self._running[key] = _Running(inp, self._steps_of(inp))
+        self._running[key] = (inp, self._steps_of(inp) if self.decode_steps else 1)
         return None
 
     def step(self) -> list[tuple[int, Outcome]]:
@@ -157,17 +152,18 @@ class DeterministicEngine:
         pause = self.batch_latency_s + self.latency_s * len(batch)
         if pause > 0:
             time.sleep(pause)
-        if self.poison_marker and any(self.is_poison(running[k].inp.prompt) for k in batch):
+        if self.poison_marker and any(self.is_poison(running[k][0].prompt) for k in batch):
             raise PoisonRecordCrash("engine crashed on a poison record")
-        if self.hang_marker and any(self.hang_marker in running[k].inp.prompt for k in batch):
+        if self.hang_marker and any(self.hang_marker in running[k][0].prompt for k in batch):
             self._closed.wait()
             raise EngineError("engine closed during a hung call")
         done: dict[int, Outcome] = {}
         for key in batch:
-            rec = running[key]
-            rec.left -= 1
-            if rec.left <= 0:
-                done[key] = self._one(rec.inp)
+            inp, left = running[key]
+            if left > 1:
+                running[key] = (inp, left - 1)
+            else:
+                done[key] = self._one(inp)
                 del running[key]
         return done
 
