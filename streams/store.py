@@ -50,7 +50,7 @@ BUFFER_IDS = 20_000
 ROWS_PER_INSERT = 64
 _INSERT_ROW = "INSERT OR REPLACE INTO ids VALUES (?, ?, ?, ?, ?, ?, ?)"
 _INSERT_ROWS = "INSERT OR REPLACE INTO ids VALUES " + ",".join(["(?1, ?2, ?, ?, ?, ?, ?)"] * ROWS_PER_INSERT)
-_SELECT = "SELECT id, status, class, attempts, value FROM ids WHERE slot = ? AND rid = ? AND id IN ({})"
+_SELECT = "SELECT id, status, IFNULL(class, ''), attempts, value FROM ids WHERE slot = ? AND rid = ? AND id IN ({})"
 _SELECT_IDS = {1 << n: _SELECT.format(",".join("?" * (1 << n))) for n in range(CHUNK.bit_length())}
 _REQUEST_ID, _RUN_ID = itemgetter(1), itemgetter(2)  # of an Outcome
 TP = tuple[str, int]
