@@ -24,7 +24,7 @@ import fcntl
 import json
 import logging
 import sqlite3
-from collections.abc import Iterable, Iterator
+from collections.abc import Iterator
 from itertools import chain
 from operator import itemgetter
 from pathlib import Path
@@ -252,19 +252,19 @@ class LedgerStore:
             size = 1 << (len(chunk) - 1).bit_length()
             rows = self.db.execute(_SELECT_IDS[size], (slot, rid, *chunk, *[chunk[-1]] * (size - len(chunk))))
             for row in rows:
-                out[row[0]] = row[1:]
+                out[row[0]] = row
         return out
 
     def _flush(self) -> None:
         """Write the buffered id states into the open transaction, in key order, :data:`ROWS_PER_INSERT` rows a
         statement (the rest of a slot and run's ids with one executemany)."""
         for (slot, rid), states in self._buffer.items():
-            rows = sorted(states.items())
+            rows = sorted(states.values())  # by id: a state starts with its id
             whole = len(rows) - len(rows) % ROWS_PER_INSERT
             for start in range(0, whole, ROWS_PER_INSERT):
-                self.db.execute(_INSERT_ROWS, (slot, rid, *chain.from_iterable(_row(rows, start))))
+                self.db.execute(_INSERT_ROWS, (slot, rid, *chain.from_iterable(rows[start : start + ROWS_PER_INSERT])))
             if whole < len(rows):
-                self.db.executemany(_INSERT_ROW, [(slot, rid, i, *s) for i, s in rows[whole:]])
+                self.db.executemany(_INSERT_ROW, [(slot, rid, *s) for s in rows[whole:]])
         self._buffer.clear()
         self._buffered = 0
 
@@ -291,11 +291,6 @@ class LedgerStore:
             self.db.close()
         finally:
             self._lock.close()
-
-
-def _row(rows: list[tuple[str, IdState]], start: int) -> Iterable[tuple[object, ...]]:
-    """The parameters of the ids in ``rows[start:start + ROWS_PER_INSERT]`` after ``?1, ?2``: id, then state."""
-    return ((i, *s) for i, s in rows[start : start + ROWS_PER_INSERT])
 
 
 def _chunks(items: list[str], size: int) -> Iterator[list[str]]:
