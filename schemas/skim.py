@@ -192,10 +192,16 @@ if d[p] > 1:
     raise _Unsure
 {v} = d[p] == 1
 p += 1""",
+    # A varint of six bytes holds at most 42 bits, a timestamp within 2^41 ms of 1970 (Sep 1900 - Sep 2039), inside
+    # the codec's range: it is only stepped over (0.36 us here, against 1.8 for _long and the range check). Its
+    # bytes are looked at in order, so a shorter varint near the end of a record takes the general path.
     "timestamp": """
-{v}, p = _long(d, p)
-if not _MIN_MS < {v} < _MAX_MS:
-    raise _Unsure""",
+if d[p] > 0x7F and d[p + 1] > 0x7F and d[p + 2] > 0x7F and d[p + 3] > 0x7F and d[p + 4] > 0x7F and d[p + 5] < 0x80:
+    {six}p += 6
+else:
+    {v}, p = _long(d, p)
+    if not _MIN_MS < {v} < _MAX_MS:
+        raise _Unsure""",
 }
 _INLINE["int"] = _INLINE["long"]
 
@@ -221,7 +227,8 @@ else:
     raise _Unsure"""
     if isinstance(avro_type, dict):
         if avro_type.get("type") == "long" and avro_type.get("logicalType") == "timestamp-millis":
-            return _INLINE["timestamp"].replace("{v}", target)
+            six = "" if target == "_" else f"{target} = _long(d, p)[0]\n    "  # wanted: read, in range
+            return _INLINE["timestamp"].replace("{v}", target).replace("{six}", six)
         step = _step(avro_type)
         if step is None:
             return None
