@@ -31,6 +31,7 @@ from __future__ import annotations
 import gc
 import logging
 import time
+from collections.abc import Callable
 from datetime import UTC, datetime
 
 from confluent_kafka import Consumer, KafkaError, Message, TopicPartition
@@ -43,7 +44,8 @@ from batchline.kafka.liveness import BrokerDown, never_down
 from batchline.kafka.topics import JobTopics
 from batchline.runs.status import TOP_QUARANTINED
 from schemas import codec_for
-from schemas.codec import DecodeError
+from schemas.codec import HEADER_LEN, DecodeError
+from schemas.skim import UNSURE, Walk
 from streams.assignment import METADATA_TIMEOUT_S, SlotAssignment, SlotProgress
 from streams.memory import GC_THRESHOLDS, READER_LIMITS, TRIM_EVERY, malloc_trim
 from streams.outcomes import OutcomeReader
@@ -61,6 +63,10 @@ CATCH_UP_EMPTY_POLLS = 10
 CHECKPOINT_S = 5.0  # longest time between commits while a slot is still catching up
 SNAPSHOT_SHARE = 10  # the next snapshot round waits at least this many times as long as the last one took
 UNCONFIRMED_S = 60.0  # resumed slots the group has not confirmed by then are let go
+
+
+def _never(data: bytes, pos: int = 0) -> None:
+    """A stand-in walk and read before the first results or DLQ run of a poll (never called)."""
 
 
 class Ledger(SlotAssignment):
@@ -181,7 +187,10 @@ class Ledger(SlotAssignment):
         stale: set[int] = set()
         slot_of, retry = self.slot_of, self.outcomes.retry
         aborted, clear_to = self.aborted.aborted_waiting, self.aborted.clear_to  # waits out a failed raw read
-        topic, partition, slot, batch, skim, clear, prev = "", -1, None, [], None, 0, None
+        topic, partition, slot, batch, fast, clear, prev = "", -1, None, [], None, 0, None
+        header = b""
+        walk: Walk = _never
+        skim: Callable[[bytes], Outcome | None] = _never
         for msg in msgs:
             if msg.error():
                 log.warning("ledger reader: %s", msg.error().str())
@@ -200,7 +209,9 @@ class Ledger(SlotAssignment):
                     slot = None
                     continue
                 batch = batches.setdefault(slot, [])
-                skim = self.outcomes.skimmer(topic)
+                fast = self.outcomes.fast(topic)
+                if fast is not None:
+                    header, walk, skim = fast
             elif slot is None:
                 continue
             prev = msg  # an aborted record moves the checkpoint too
@@ -209,10 +220,17 @@ class Ledger(SlotAssignment):
                 if aborted(topic, partition, offset, UNSETTLED_WAIT_S):
                     continue
                 clear = clear_to(topic, partition, offset)
-            if skim is None:  # a retry tier
+            if fast is None:  # a retry tier
                 batch.append(retry(msg.headers(), msg.key(), msg.value()))
                 continue
-            outcome = skim(msg.value() or b"")
+            value = msg.value() or b""
+            if value.startswith(header):  # the skimmer's read inlined: nearly every record
+                try:
+                    outcome = walk(value, HEADER_LEN)
+                except UNSURE:
+                    outcome = None
+            else:
+                outcome = skim(value)
             if outcome is None:  # the skimmer is unsure: the codec decides
                 try:
                     outcome = self.outcomes.read(msg)
