@@ -39,6 +39,13 @@ class _Unsure(Exception):
     """Not certain what the codec would say: let it decide."""
 
 
+UNSURE = (_Unsure, IndexError, UnicodeDecodeError, struct.error)  # what a walk raises when it is not certain
+
+
+def _unsure(data: bytes, pos: int) -> Any:
+    raise _Unsure
+
+
 def _long(data: bytes, pos: int) -> tuple[int, int]:
     """A zig-zag varint of at most 64 bits (10 bytes, the last one 0 or 1). The shifts are a constant tuple, not a
     range: a timestamp (6 bytes) took 0.97 us instead of 1.34."""
@@ -192,10 +199,16 @@ if d[p] > 1:
     raise _Unsure
 {v} = d[p] == 1
 p += 1""",
+    # A varint of six bytes holds at most 42 bits, a timestamp within 2^41 ms of 1970 (Sep 1900 - Sep 2039), inside
+    # the codec's range: it is only stepped over (0.36 us here, against 1.8 for _long and the range check). Its
+    # bytes are looked at in order, so a shorter varint near the end of a record takes the general path.
     "timestamp": """
-{v}, p = _long(d, p)
-if not _MIN_MS < {v} < _MAX_MS:
-    raise _Unsure""",
+if d[p] > 0x7F and d[p + 1] > 0x7F and d[p + 2] > 0x7F and d[p + 3] > 0x7F and d[p + 4] > 0x7F and d[p + 5] < 0x80:
+    {six}p += 6
+else:
+    {v}, p = _long(d, p)
+    if not _MIN_MS < {v} < _MAX_MS:
+        raise _Unsure""",
 }
 _INLINE["int"] = _INLINE["long"]
 
@@ -221,7 +234,8 @@ else:
     raise _Unsure"""
     if isinstance(avro_type, dict):
         if avro_type.get("type") == "long" and avro_type.get("logicalType") == "timestamp-millis":
-            return _INLINE["timestamp"].replace("{v}", target)
+            six = "" if target == "_" else f"{target} = _long(d, p)[0]\n    "  # wanted: read, in range
+            return _INLINE["timestamp"].replace("{v}", target).replace("{six}", six)
         step = _step(avro_type)
         if step is None:
             return None
@@ -301,6 +315,12 @@ class Skimmer:
         self._header = SINGLE_OBJECT_MAGIC + codec.fingerprint
         self._current = self._confluent
 
+    def current(self) -> tuple[bytes, Walk]:
+        """The current schema's single-object header and its walk, for a caller that reads many records and saves
+        the call of :meth:`read` on each: a record that starts with the header is ``walk(data, HEADER_LEN)``, or
+        the codec's to read if that raises one of :data:`UNSURE`; any other record goes through :meth:`read`."""
+        return self._header, self._current or _unsure
+
     def read(self, data: bytes) -> Any:
         """The shape's values in order (timestamps as epoch ms), or None: ask the codec."""
         if data.startswith(self._header):
@@ -315,5 +335,5 @@ class Skimmer:
             return None
         try:
             return walk(data, pos)
-        except (_Unsure, IndexError, UnicodeDecodeError, struct.error):
+        except UNSURE:
             return None

@@ -31,9 +31,10 @@ from __future__ import annotations
 import gc
 import logging
 import time
+from collections.abc import Callable, Iterable
 from datetime import UTC, datetime
 
-from confluent_kafka import Consumer, KafkaError, Message, TopicPartition
+from confluent_kafka import Consumer, KafkaError, KafkaException, Message, TopicPartition
 
 from batchline.config import JobConfig, KafkaSettings, LedgerSettings
 from batchline.kafka.aborted import AbortedIndex
@@ -43,7 +44,8 @@ from batchline.kafka.liveness import BrokerDown, never_down
 from batchline.kafka.topics import JobTopics
 from batchline.runs.status import TOP_QUARANTINED
 from schemas import codec_for
-from schemas.codec import DecodeError
+from schemas.codec import HEADER_LEN, DecodeError
+from schemas.skim import UNSURE, Walk
 from streams.assignment import METADATA_TIMEOUT_S, SlotAssignment, SlotProgress
 from streams.memory import GC_THRESHOLDS, READER_LIMITS, TRIM_EVERY, malloc_trim
 from streams.outcomes import OutcomeReader
@@ -57,10 +59,14 @@ POLL_BATCH = 1000
 POLL_TIMEOUT_S = 0.2
 REFRESH_S = 10.0  # how often partition counts are checked (a grown topic changes the layout)
 FLUSH_TIMEOUT_S = 30.0
-CATCH_UP_EMPTY_POLLS = 10
+RECHECK_EMPTY_POLLS = 25  # empty polls in a row (5 s) after which a slot's targets still ahead are checked again
 CHECKPOINT_S = 5.0  # longest time between commits while a slot is still catching up
 SNAPSHOT_SHARE = 10  # the next snapshot round waits at least this many times as long as the last one took
 UNCONFIRMED_S = 60.0  # resumed slots the group has not confirmed by then are let go
+
+
+def _never(data: bytes, pos: int = 0) -> None:
+    """A stand-in walk and read before the first results or DLQ run of a poll (never called)."""
 
 
 class Ledger(SlotAssignment):
@@ -181,7 +187,10 @@ class Ledger(SlotAssignment):
         stale: set[int] = set()
         slot_of, retry = self.slot_of, self.outcomes.retry
         aborted, clear_to = self.aborted.aborted_waiting, self.aborted.clear_to  # waits out a failed raw read
-        topic, partition, slot, batch, skim, clear, prev = "", -1, None, [], None, 0, None
+        topic, partition, slot, batch, fast, clear, prev = "", -1, None, [], None, 0, None
+        header = b""
+        walk: Walk = _never
+        skim: Callable[[bytes], Outcome | None] = _never
         for msg in msgs:
             if msg.error():
                 log.warning("ledger reader: %s", msg.error().str())
@@ -200,7 +209,9 @@ class Ledger(SlotAssignment):
                     slot = None
                     continue
                 batch = batches.setdefault(slot, [])
-                skim = self.outcomes.skimmer(topic)
+                fast = self.outcomes.fast(topic)
+                if fast is not None:
+                    header, walk, skim = fast
             elif slot is None:
                 continue
             prev = msg  # an aborted record moves the checkpoint too
@@ -209,10 +220,17 @@ class Ledger(SlotAssignment):
                 if aborted(topic, partition, offset, UNSETTLED_WAIT_S):
                     continue
                 clear = clear_to(topic, partition, offset)
-            if skim is None:  # a retry tier
+            if fast is None:  # a retry tier
                 batch.append(retry(msg.headers(), msg.key(), msg.value()))
                 continue
-            outcome = skim(msg.value() or b"")
+            value = msg.value() or b""
+            if value.startswith(header):  # the skimmer's read inlined: nearly every record
+                try:
+                    outcome = walk(value, HEADER_LEN)
+                except UNSURE:
+                    outcome = None
+            else:
+                outcome = skim(value)
             if outcome is None:  # the skimmer is unsure: the codec decides
                 try:
                     outcome = self.outcomes.read(msg)
@@ -258,22 +276,41 @@ class Ledger(SlotAssignment):
         return False
 
     def _check_caught_up(self) -> None:
-        """A slot is caught up once a poll that emptied the queue finds its partitions at or past their high
-        watermarks at start (waiting for an empty poll cost a poll timeout per restart).
+        """A slot is caught up once a poll that emptied the queue finds every one of its partitions at or past the
+        high watermark it had when the slot started (waiting for an empty poll cost a poll timeout per restart).
 
-        Ten empty polls in a row also count: under read_committed a trailing transaction marker can keep the
-        position one short of the watermark. (The embedded broker under-reports high watermarks - the last
-        batch's base offset + 1 - which this tolerates: that batch arrives in the same fetch.)
+        Nothing else counts: a partition whose reads fail holds its slot back however many polls come back empty
+        (ten empty polls in a row used to count, and let a restarted slot publish counts without the tail of a
+        partition still being re-read). librdkafka's position steps over a transaction's trailing COMMIT/ABORT
+        marker, so a read_committed reader does reach the watermark; an open transaction holds it back until it
+        ends (workers fence a dead one's). (The embedded broker under-reports high watermarks - the last batch's
+        base offset + 1 - which this tolerates: that batch arrives in the same fetch.) A log that shrank below its
+        target (a topic recreated) is caught up at its new end: after :data:`RECHECK_EMPTY_POLLS` empty polls the
+        targets still ahead are lowered to the partitions' high watermarks now, never raised.
         """
         waiting = {slot: p for slot, p in self.reading.items() if not p.caught_up}
+        if self._empty_rounds and self._empty_rounds % RECHECK_EMPTY_POLLS == 0:
+            self._lower_targets(waiting.values())
         targets = {tp: high for p in waiting.values() for tp, high in p.targets.items() if high > 0}
         positions = self.reader.position([TopicPartition(t, p) for t, p in targets]) if targets else []
         behind = {self.slot_of[key] for tp in positions if tp.offset < targets[key := (tp.topic, tp.partition)]}
         for slot, progress in waiting.items():
-            if slot not in behind or self._empty_rounds >= CATCH_UP_EMPTY_POLLS:
+            if slot not in behind:
                 progress.caught_up = True
                 progress.dirty.update(self._store.runs_of(slot))  # the first round re-publishes all of its runs
                 log.info("ledger slot %d of %s caught up (%d records folded)", slot, self.topics.job, self.events)
+
+    def _lower_targets(self, waiting: Iterable[SlotProgress]) -> None:
+        """Targets above their partition's high watermark now (a log that shrank) come down to it."""
+        for progress in waiting:
+            for tp, target in progress.targets.items():
+                try:
+                    high = self.reader.get_watermark_offsets(TopicPartition(*tp), METADATA_TIMEOUT_S, cached=False)[1]
+                except KafkaException:
+                    continue  # unreadable now: the target stays
+                if 0 <= high < target:
+                    log.warning("ledger: %s[%d] ends at %d now, below %d when its slot started", *tp, high, target)
+                    progress.targets[tp] = high
 
     # -- snapshots ---------------------------------------------------------------------------------
     def publish(self) -> int:

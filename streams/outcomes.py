@@ -8,6 +8,7 @@ exactly what :meth:`AvroCodec.decode` accepts and rejects.
 from __future__ import annotations
 
 from collections.abc import Callable
+from typing import TypeVar
 
 from confluent_kafka import Message
 
@@ -15,8 +16,10 @@ from batchline.kafka import headers as h
 from batchline.kafka.topics import JobTopics
 from schemas import codec_for
 from schemas.codec import fallback_id
-from schemas.skim import Fixed, Shape, Skimmer
+from schemas.skim import Fixed, Shape, Skimmer, Walk
 from streams.tally import DEAD, RESULT, RETRY, Outcome, outcome_of
+
+T = TypeVar("T")
 
 # What a skimmed record becomes: an Outcome in its field order, built by the generated walk itself.
 RESULT_SHAPE: Shape = (
@@ -28,6 +31,16 @@ DEAD_LETTER_SHAPE: Shape = (
 )  # fmt: skip
 # Outcomes built as tuples: a named tuple's own constructor is a Python-level call (0.5 us a record).
 _new = tuple.__new__
+_RUNS: dict[bytes, str] = {}  # a retry's run id header -> the run id
+_ATTEMPTS: dict[bytes, int] = {}  # a retry's attempt header -> the attempts
+_REMEMBERED = 4096  # distinct values each keeps (garbage headers must not grow it without bound)
+
+
+def _remember(cache: dict[bytes, T], raw: bytes, decoded: T) -> T:
+    if len(cache) >= _REMEMBERED:
+        cache.clear()
+    cache[raw] = decoded
+    return decoded
 
 
 class OutcomeReader:
@@ -60,19 +73,37 @@ class OutcomeReader:
             return self._letters.read
         return None
 
+    def fast(self, topic: str) -> tuple[bytes, Walk, Callable[[bytes], Outcome | None]] | None:
+        """For records of ``topic``: the current schema's header and walk (``Skimmer.current``) and the skimmer's
+        read for any other record; None for a retry tier."""
+        skimmer = self._results if topic == self.results else self._letters if topic == self.dlq else None
+        return None if skimmer is None else (*skimmer.current(), skimmer.read)
+
     @staticmethod
     def retry(headers: list[tuple[str, bytes | None]] | None, key: bytes | None, value: bytes | None) -> Outcome:
-        """A retry's id, run and attempt from its headers (the last of a name wins, as ``headers.as_dict``)."""
+        """A retry's id, run and attempt from its headers (the last of a name wins, as ``headers.as_dict``).
+
+        Run ids and attempts repeat from record to record: each distinct header value is decoded once
+        (:data:`_RUNS`, :data:`_ATTEMPTS`)."""
         named = dict(headers) if headers else {}
         rid = named.get(h.REQUEST_ID)
         request_id = (rid.decode("utf-8", "replace") if rid else "") or fallback_id(key, value or b"")
-        run_id = (named[h.RUN_ID] or b"").decode("utf-8", "replace") if h.RUN_ID in named else None
+        if h.RUN_ID in named:
+            raw = named[h.RUN_ID] or b""
+            run_id = _RUNS.get(raw)
+            if run_id is None:
+                run_id = _remember(_RUNS, raw, raw.decode("utf-8", "replace"))
+        else:
+            run_id = None
         attempt = named.get(h.ATTEMPT)
-        try:
-            tries = int(attempt) if attempt else 0
-        except ValueError:
-            tries = 0
-        return _new(Outcome, (RETRY, request_id, run_id, None, "", tries, 0, 0, 0.0))
+        tries = _ATTEMPTS.get(attempt) if attempt else 0
+        if tries is None and attempt:
+            try:
+                tries = int(attempt)
+            except ValueError:
+                tries = 0
+            _remember(_ATTEMPTS, attempt, tries)
+        return _new(Outcome, (RETRY, request_id, run_id, None, "", tries or 0, 0, 0, 0.0))
 
     def result(self, data: bytes) -> Outcome:
         outcome: Outcome | None = self._results.read(data)

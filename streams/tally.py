@@ -77,11 +77,14 @@ class RetrySeen:
 LedgerEvent = RunManifest | Result | DeadLetter | RetrySeen | Outcome
 
 
-IdState = tuple[int, str | None, int, float]
-"""One request id of one run: (status, the class of its latest dead letter, the bitmask of the retry attempts seen,
-its value). A plain tuple in the store's column order: a row read from SQLite is one as it is, and the fold makes
-one per changed id without a Python-level constructor (a named tuple's cost 0.5 us per record)."""
-NEW_ID: IdState = (PENDING, None, 0, DEFAULT_VALUE)
+IdState = tuple[str, int, str, int, float]
+"""One request id of one run: (the id, its status, the class of its latest dead letter or "" if none, the bitmask
+of the retry attempts seen, its value). A plain tuple in the store's column order: a row read from SQLite is one as
+it is, the fold makes one per changed id without a Python-level constructor (a named tuple's cost 0.5 us per
+record), and the store writes it as it is (with the id inside, a row's parameters need no tuple of their own).
+No class is "", not None: the store binds it as a parameter, and sqlite3 adapts a None through its adapter
+protocol (a failed attribute lookup, ~1 us a row written)."""
+NEW_ID: IdState = ("", PENDING, "", 0, DEFAULT_VALUE)  # its id is the event's
 
 
 @dataclass
@@ -177,7 +180,7 @@ def fold_batch(
                     seen += 1
                     value_seen += DEFAULT_VALUE
                     old = NEW_ID
-            status, failure_class, attempts, value = old
+            _, status, failure_class, attempts, value = old
             if kind == RETRY:
                 bit = 1 << (0 if attempt < 0 else MAX_ATTEMPT_BIT if attempt > MAX_ATTEMPT_BIT else attempt)
                 if attempts & bit:
@@ -187,7 +190,7 @@ def fold_batch(
                     retried += 1
                     if status == PENDING:
                         in_flight += 1
-                states[request_id] = (status, failure_class, attempts | bit, value)
+                states[request_id] = (request_id, status, failure_class, attempts | bit, value)
                 changed = True
                 continue
             if status == SUCCEEDED:
@@ -207,7 +210,7 @@ def fold_batch(
                     counts.cancelled -= 1
                 else:
                     counts.expired -= 1
-            elif status == QUARANTINED and failure_class is not None:
+            elif status == QUARANTINED:
                 quarantined -= 1
                 by_class[failure_class] -= 1
                 if not by_class[failure_class]:
@@ -229,7 +232,7 @@ def fold_batch(
             else:
                 quarantined += 1
                 by_class[event_class] += 1  # new_class
-            states[request_id] = (new_status, new_class, attempts, new_value)
+            states[request_id] = (request_id, new_status, new_class, attempts, new_value)
             changed = True
     finally:  # what was folded is counted, even if an event raised
         counts.seen, counts.succeeded, counts.quarantined = seen, succeeded, quarantined
@@ -260,11 +263,11 @@ def outcome_of(event: Result | DeadLetter | RetrySeen | Outcome) -> Outcome:
 
 def top_quarantined(ids: dict[str, IdState], limit: int = TOP_QUARANTINED) -> list[QuarantinedRecord]:
     """The most valuable quarantined ids, ties by id (the store answers the same from an index)."""
-    quarantined = [(rid, s) for rid, s in ids.items() if s[0] == QUARANTINED]
-    quarantined.sort(key=lambda item: (-item[1][3], item[0]))
+    quarantined = [s for s in ids.values() if s[1] == QUARANTINED]
+    quarantined.sort(key=lambda s: (-s[4], s[0]))
     return [
-        QuarantinedRecord(request_id=rid, value=value, failure_class=failure_class or "")
-        for rid, (_, failure_class, _, value) in quarantined[:limit]
+        QuarantinedRecord(request_id=rid, value=value, failure_class=failure_class)
+        for rid, _, failure_class, _, value in quarantined[:limit]
     ]
 
 

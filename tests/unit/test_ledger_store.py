@@ -154,6 +154,27 @@ def test_a_process_killed_between_checkpoints_resumes_from_the_last_one(tmp_path
     store.close()
 
 
+def test_a_store_written_with_null_classes_reads_them_as_no_class(tmp_path: Path) -> None:
+    """Stores written before "no class" became "" hold NULL there: they are read as "", and fold on as before."""
+    store = LedgerStore(tmp_path, "job")
+    store.fold(0, [Outcome(RETRY, "a", "r1", attempt=1), Outcome(DEAD, "b", "r1", 2.0, "invalid_input")])
+    store.checkpoint({}, {})
+    store.db.execute("UPDATE ids SET class = NULL WHERE id = 'a'")
+    store.checkpoint({}, {})
+    store.close()
+    store = LedgerStore(tmp_path, "job")
+    assert store.fold(0, [Outcome(RETRY, "a", "r1", attempt=1)]) == set()  # seen already
+    assert store.fold(0, [Outcome(RESULT, "a", "r1", 1.0), Outcome(RESULT, "b", "r1", 2.0)]) == {"r1"}
+    counts = store.counts(0, "r1")
+    assert (counts.seen, counts.succeeded, counts.quarantined, counts.in_flight, dict(counts.by_class)) == (
+        2, 2, 0, 0, {}
+    )  # fmt: skip
+    store.checkpoint({}, {})
+    classes = dict(store.db.execute("SELECT id, class FROM ids"))
+    store.close()
+    assert classes == {"a": "", "b": "invalid_input"}  # a result keeps the class of the dead letter before it
+
+
 def test_an_unreadable_store_is_rebuilt_and_each_process_locks_its_own_folder(tmp_path: Path) -> None:
     folder = tmp_path / "job" / "0"
     folder.mkdir(parents=True)
