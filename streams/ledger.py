@@ -51,7 +51,7 @@ from streams.memory import GC_THRESHOLDS, READER_LIMITS, TRIM_EVERY, malloc_trim
 from streams.outcomes import OutcomeReader
 from streams.slots import TP, Layout
 from streams.store import LedgerStore
-from streams.tally import Outcome
+from streams.tally import Sighting
 
 log = logging.getLogger(__name__)
 UNSETTLED_WAIT_S = 60.0  # how long the fold waits for a record's transaction to be told committed or aborted
@@ -182,7 +182,7 @@ class Ledger(SlotAssignment):
         A poll holds runs of records of one partition: what depends on the partition (its slot, how its records
         are read, the check of its first record after a restart, how far no record is aborted) is looked up once a
         run, and the aborted-transaction index is asked about a record only past what it already cleared."""
-        batches: dict[int, list[Outcome]] = {}
+        batches: dict[int, list[Sighting]] = {}
         last: dict[TP, Message] = {}
         stale: set[int] = set()
         slot_of, retry = self.slot_of, self.outcomes.retry
@@ -190,7 +190,7 @@ class Ledger(SlotAssignment):
         topic, partition, slot, batch, fast, clear, prev = "", -1, None, [], None, 0, None
         header = b""
         walk: Walk = _never
-        skim: Callable[[bytes], Outcome | None] = _never
+        skim: Callable[[bytes], Sighting | None] = _never
         for msg in msgs:
             if msg.error():
                 log.warning("ledger reader: %s", msg.error().str())

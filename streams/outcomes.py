@@ -1,4 +1,5 @@
-"""Outcome records as the ledger reads them: a result, a dead letter or a retry, reduced to an :class:`Outcome`.
+"""Outcome records as the ledger reads them: a result, a dead letter or a retry, reduced to a
+:class:`~streams.tally.Sighting`.
 
 Results and dead letters are read with :class:`schemas.skim.Skimmer` (only the fields the ledger counts, no
 pydantic model), falling back to the codec whenever the skimmer is unsure, so what is accepted and rejected is
@@ -17,11 +18,11 @@ from batchline.kafka.topics import JobTopics
 from schemas import codec_for
 from schemas.codec import fallback_id
 from schemas.skim import Fixed, Shape, Skimmer, Walk
-from streams.tally import DEAD, RESULT, RETRY, Outcome, outcome_of
+from streams.tally import DEAD, RESULT, RETRY, Sighting, sighting_of
 
 T = TypeVar("T")
 
-# What a skimmed record becomes: an Outcome in its field order, built by the generated walk itself.
+# What a skimmed record becomes: an Sighting in its field order, built by the generated walk itself.
 RESULT_SHAPE: Shape = (
     Fixed(RESULT), "request_id", "run_id", "value", Fixed(""), Fixed(0), "prompt_tokens", "completion_tokens",
     "latency_ms",
@@ -44,14 +45,14 @@ def _remember(cache: dict[bytes, T], raw: bytes, decoded: T) -> T:
 
 
 class OutcomeReader:
-    """Turns the records of one job's outcome topics into :class:`Outcome` events (one per ledger)."""
+    """Turns the records of one job's outcome topics into :class:`Sighting` events (one per ledger)."""
 
     def __init__(self, topics: JobTopics) -> None:
         self.results, self.dlq = topics.results, topics.dlq
-        self._results = Skimmer(codec_for("result"), RESULT_SHAPE, Outcome)
-        self._letters = Skimmer(codec_for("dead_letter"), DEAD_LETTER_SHAPE, Outcome)
+        self._results = Skimmer(codec_for("result"), RESULT_SHAPE, Sighting)
+        self._letters = Skimmer(codec_for("dead_letter"), DEAD_LETTER_SHAPE, Sighting)
 
-    def read(self, msg: Message) -> Outcome:
+    def read(self, msg: Message) -> Sighting:
         """What one record of ``J.results``, ``J.dlq`` or a retry tier says; :class:`DecodeError` if unreadable.
 
         A retry record carries the original request bytes, so its id and run come from its headers (the id from
@@ -64,7 +65,7 @@ class OutcomeReader:
             return self.dead_letter(msg.value() or b"")
         return self.retry(msg.headers(), msg.key(), msg.value())
 
-    def skimmer(self, topic: str) -> Callable[[bytes], Outcome | None] | None:
+    def skimmer(self, topic: str) -> Callable[[bytes], Sighting | None] | None:
         """The fast read of a record's value of ``topic`` (None where the skimmer is unsure: then :meth:`read`);
         None for a retry tier (its records are read from their headers)."""
         if topic == self.results:
@@ -73,14 +74,14 @@ class OutcomeReader:
             return self._letters.read
         return None
 
-    def fast(self, topic: str) -> tuple[bytes, Walk, Callable[[bytes], Outcome | None]] | None:
+    def fast(self, topic: str) -> tuple[bytes, Walk, Callable[[bytes], Sighting | None]] | None:
         """For records of ``topic``: the current schema's header and walk (``Skimmer.current``) and the skimmer's
         read for any other record; None for a retry tier."""
         skimmer = self._results if topic == self.results else self._letters if topic == self.dlq else None
         return None if skimmer is None else (*skimmer.current(), skimmer.read)
 
     @staticmethod
-    def retry(headers: list[tuple[str, bytes | None]] | None, key: bytes | None, value: bytes | None) -> Outcome:
+    def retry(headers: list[tuple[str, bytes | None]] | None, key: bytes | None, value: bytes | None) -> Sighting:
         """A retry's id, run and attempt from its headers (the last of a name wins, as ``headers.as_dict``).
 
         Run ids and attempts repeat from record to record: each distinct header value is decoded once
@@ -103,16 +104,16 @@ class OutcomeReader:
             except ValueError:
                 tries = 0
             _remember(_ATTEMPTS, attempt, tries)
-        return _new(Outcome, (RETRY, request_id, run_id, None, "", tries or 0, 0, 0, 0.0))
+        return _new(Sighting, (RETRY, request_id, run_id, None, "", tries or 0, 0, 0, 0.0))
 
-    def result(self, data: bytes) -> Outcome:
-        outcome: Outcome | None = self._results.read(data)
+    def result(self, data: bytes) -> Sighting:
+        outcome: Sighting | None = self._results.read(data)
         if outcome is not None:
             return outcome
-        return outcome_of(codec_for("result").decode(data))
+        return sighting_of(codec_for("result").decode(data))
 
-    def dead_letter(self, data: bytes) -> Outcome:
-        outcome: Outcome | None = self._letters.read(data)
+    def dead_letter(self, data: bytes) -> Sighting:
+        outcome: Sighting | None = self._letters.read(data)
         if outcome is not None:
             return outcome
-        return outcome_of(codec_for("dead_letter").decode(data))
+        return sighting_of(codec_for("dead_letter").decode(data))

@@ -32,7 +32,7 @@ from typing import IO
 
 from schemas import QuarantinedRecord
 from streams.exceptions import LedgerStoreError
-from streams.tally import QUARANTINED, IdState, Outcome, RunCounts, fold_batch, run_of
+from streams.tally import QUARANTINED, IdState, RunCounts, Sighting, fold_batch, run_of
 
 log = logging.getLogger(__name__)
 SCHEMA_VERSION = "2"  # 2: ids keyed (id, slot, rid), was (slot, rid, id); a store of another version is rebuilt
@@ -53,7 +53,7 @@ _INSERT_ROWS = "INSERT OR REPLACE INTO ids VALUES " + ",".join(["(?1, ?2, ?, ?, 
 # "No class" is "" in an id's state (streams/tally.py IdState); stores written before hold NULL there.
 _SELECT = "SELECT id, status, IFNULL(class, ''), attempts, value FROM ids WHERE slot = ? AND rid = ? AND id IN ({})"
 _SELECT_IDS = {1 << n: _SELECT.format(",".join("?" * (1 << n))) for n in range(CHUNK.bit_length())}
-_REQUEST_ID, _RUN_ID = itemgetter(1), itemgetter(2)  # of an Outcome
+_REQUEST_ID, _RUN_ID = itemgetter(1), itemgetter(2)  # of an Sighting
 TP = tuple[str, int]
 Checkpoint = dict[TP, tuple[int, int]]  # (topic, partition) -> (next offset, timestamp of the last record read)
 
@@ -184,7 +184,7 @@ class LedgerStore:
         return sorted(self._runs[rid] for rid in held)
 
     # -- folding ---------------------------------------------------------------------------------------
-    def fold(self, slot: int, outcomes: list[Outcome]) -> set[str]:
+    def fold(self, slot: int, outcomes: list[Sighting]) -> set[str]:
         """Fold a batch of one slot's outcomes; returns the runs whose counts changed.
 
         An id's new state goes into the write buffer (:meth:`_flush`), where the next record of the same id finds
@@ -192,7 +192,7 @@ class LedgerStore:
         memory."""
         runs = set(map(_RUN_ID, outcomes))
         if len(runs) == 1:  # the common case: a batch of one run
-            by_run: dict[str | None, list[Outcome]] = {runs.pop(): outcomes}
+            by_run: dict[str | None, list[Sighting]] = {runs.pop(): outcomes}
         else:
             by_run = {}
             for o in outcomes:

@@ -1,7 +1,7 @@
 """The completion ledger's arithmetic, with no Kafka and no store in it: one request id's state and a run's counts.
 
 The ledger (``streams/ledger.py``) decodes outcome records (``J.results``, ``J.dlq``, ``J.retry.*``) into
-:class:`Outcome` events; :func:`fold` moves one id's state (:data:`IdState`, a tuple) and the run's
+:class:`Sighting` events; :func:`fold` moves one id's state (:data:`IdState`, a tuple) and the run's
 :class:`RunCounts` by exactly the difference the event makes, so counts are maintained incrementally and a
 snapshot never costs O(ids).
 The store (``streams/store.py``) keeps the id states on disk; :func:`compute_run_stats` is the same fold over
@@ -49,8 +49,9 @@ PENDING, SUCCEEDED, QUARANTINED, STOPPED = 0, 1, 2, 3  # STOPPED: a cancelled or
 STOP_CLASSES = (CANCELLED, EXPIRED)
 
 
-class Outcome(NamedTuple):
-    """What one record of ``J.results``, ``J.dlq`` or a retry tier says about one request id.
+class Sighting(NamedTuple):
+    """What one record of ``J.results``, ``J.dlq`` or a retry tier says about one request id: a sighting of the id on
+    an outcome topic (not the worker's :data:`~consumers.engines.base.Outcome`, what became of a record in the engine).
 
     A named tuple, not a dataclass: the ledger makes one per record (a frozen dataclass cost 2 us each)."""
 
@@ -74,7 +75,7 @@ class RetrySeen:
     attempt: int
 
 
-LedgerEvent = RunManifest | Result | DeadLetter | RetrySeen | Outcome
+LedgerEvent = RunManifest | Result | DeadLetter | RetrySeen | Sighting
 
 
 IdState = tuple[str, int, str, int, float]
@@ -144,7 +145,7 @@ def run_of(run_id: str | None) -> str:
     return run_id or STREAM_RUN
 
 
-def fold(counts: RunCounts, old: IdState | None, event: Outcome) -> IdState | None:
+def fold(counts: RunCounts, old: IdState | None, event: Sighting) -> IdState | None:
     """Apply ``event`` to an id whose state is ``old`` (None: never seen); returns its new state, None if unchanged.
 
     ``counts`` moves by exactly the difference, so a redelivered event changes nothing. (:func:`fold_batch` of one
@@ -156,7 +157,7 @@ def fold(counts: RunCounts, old: IdState | None, event: Outcome) -> IdState | No
 
 
 def fold_batch(
-    counts: RunCounts, events: list[Outcome], states: dict[str, IdState], stored: dict[str, IdState]
+    counts: RunCounts, events: list[Sighting], states: dict[str, IdState], stored: dict[str, IdState]
 ) -> bool:
     """:func:`fold` of ``events`` in order, one run's: an id's state is read from ``states`` (the newest), else from
     ``stored``, else it is new, and its new state goes into ``states``. Returns whether any state changed.
@@ -242,12 +243,12 @@ def fold_batch(
     return changed
 
 
-def outcome_of(event: Result | DeadLetter | RetrySeen | Outcome) -> Outcome:
-    """The :class:`Outcome` a decoded record stands for."""
-    if isinstance(event, Outcome):
+def sighting_of(event: Result | DeadLetter | RetrySeen | Sighting) -> Sighting:
+    """The :class:`Sighting` a decoded record stands for."""
+    if isinstance(event, Sighting):
         return event
     if isinstance(event, Result):
-        return Outcome(
+        return Sighting(
             RESULT,
             event.request_id,
             event.run_id,
@@ -257,8 +258,8 @@ def outcome_of(event: Result | DeadLetter | RetrySeen | Outcome) -> Outcome:
             latency_ms=event.latency_ms,
         )
     if isinstance(event, DeadLetter):
-        return Outcome(DEAD, event.request_id, event.run_id, event.value, failure_class=event.failure_class)
-    return Outcome(RETRY, event.request_id, event.run_id, attempt=event.attempt)
+        return Sighting(DEAD, event.request_id, event.run_id, event.value, failure_class=event.failure_class)
+    return Sighting(RETRY, event.request_id, event.run_id, attempt=event.attempt)
 
 
 def top_quarantined(ids: dict[str, IdState], limit: int = TOP_QUARANTINED) -> list[QuarantinedRecord]:
@@ -285,7 +286,7 @@ def compute_run_stats(events: Iterable[LedgerEvent], now: datetime | None = None
         if isinstance(event, RunManifest):
             manifests[event.run_id] = event
             continue
-        outcome = outcome_of(event)
+        outcome = sighting_of(event)
         run_id = run_of(outcome.run_id)
         run_ids = ids.setdefault(run_id, {})
         new = fold(counts.setdefault(run_id, RunCounts()), run_ids.get(outcome.request_id), outcome)

@@ -28,14 +28,14 @@ from batchline.runs.status import merge_run_stats
 from schemas import QuarantinedRecord, RunStats, codec_for
 from streams.slots import Layout
 from streams.store import LedgerStore
-from streams.tally import DEAD, RESULT, RETRY, Outcome
+from streams.tally import DEAD, RESULT, RETRY, Sighting
 from tests.unit.test_streams_tally import manifest
 
 NOW = datetime(2026, 1, 2, 3, 4, 5, tzinfo=UTC)
 HISTORY = Path(__file__).parent / "schema_history"
 
 
-def random_outcomes(seed: int, n: int, runs: tuple[str | None, ...] = ("r1", "r2", None)) -> list[Outcome]:
+def random_outcomes(seed: int, n: int, runs: tuple[str | None, ...] = ("r1", "r2", None)) -> list[Sighting]:
     rng = random.Random(seed)
     out = []
     for _ in range(n):
@@ -43,13 +43,13 @@ def random_outcomes(seed: int, n: int, runs: tuple[str | None, ...] = ("r1", "r2
         kind = rng.choice((RESULT, DEAD, DEAD, RETRY, RETRY))
         value = rng.choice((None, 0.5, 2.0, 7.0)) if kind != RETRY else None
         cls = rng.choice(("invalid_input", "retries_exhausted", "invalid_output"))
-        out.append(Outcome(kind, rid, run, value, cls if kind == DEAD else "", rng.randrange(1, 4), 3, 5, 10.0))
+        out.append(Sighting(kind, rid, run, value, cls if kind == DEAD else "", rng.randrange(1, 4), 3, 5, 10.0))
     return out
 
 
-def truth(outcomes: list[Outcome]) -> dict[str, dict[str, object]]:
+def truth(outcomes: list[Sighting]) -> dict[str, dict[str, object]]:
     """Counts per run straight from the rules: results win, the latest dead letter's class, retries by attempt."""
-    by_run: dict[str, list[Outcome]] = {}
+    by_run: dict[str, list[Sighting]] = {}
     for o in outcomes:
         by_run.setdefault(o.run_id or STREAM_RUN, []).append(o)
     out: dict[str, dict[str, object]] = {}
@@ -106,8 +106,8 @@ def test_store_counts_equal_a_count_from_the_rules_across_checkpoints_and_reopen
 
 def test_top_quarantined_is_an_indexed_query_and_follows_results(tmp_path: Path) -> None:
     store = LedgerStore(tmp_path, "job")
-    store.fold(0, [Outcome(DEAD, f"q{i:02d}", "r1", float(i % 13), "invalid_input") for i in range(40)])
-    store.fold(0, [Outcome(RESULT, "q12", "r1", 12.0)])  # succeeded after all: no longer quarantined
+    store.fold(0, [Sighting(DEAD, f"q{i:02d}", "r1", float(i % 13), "invalid_input") for i in range(40)])
+    store.fold(0, [Sighting(RESULT, "q12", "r1", 12.0)])  # succeeded after all: no longer quarantined
     top = store.top_quarantined(0, "r1", 10)
     assert [q.request_id for q in top[:3]] == ["q25", "q38", "q11"] and len(top) == 10
     plan = " ".join(
@@ -125,12 +125,12 @@ CRASHER = """
 import os, signal, sys
 from pathlib import Path
 from streams.store import LedgerStore
-from streams.tally import Outcome, RESULT
+from streams.tally import Sighting, RESULT
 store = LedgerStore(Path(sys.argv[1]), "job")
 tp = ("j.results", 0)
-store.fold(0, [Outcome(RESULT, f"a{i}", "r1", 1.0) for i in range(100)])
+store.fold(0, [Sighting(RESULT, f"a{i}", "r1", 1.0) for i in range(100)])
 store.checkpoint({tp: (100, 7)}, {tp: 0})
-store.fold(0, [Outcome(RESULT, f"b{i}", "r1", 1.0) for i in range(50)])  # folded, not checkpointed
+store.fold(0, [Sighting(RESULT, f"b{i}", "r1", 1.0) for i in range(50)])  # folded, not checkpointed
 store.counts(0, "r1")
 os.kill(os.getpid(), signal.SIGKILL)
 """
@@ -149,22 +149,22 @@ def test_a_process_killed_between_checkpoints_resumes_from_the_last_one(tmp_path
     assert store.folder == tmp_path / "job" / "0"  # the killed process's lock died with it
     assert store.offsets(0) == {("j.results", 0): (100, 7)}
     assert store.counts(0, "r1").succeeded == 100  # ids and counts at the checkpoint, the b* batch is not there
-    assert store.fold(0, [Outcome(RESULT, "a1", "r1", 1.0)]) == set()
-    assert store.fold(0, [Outcome(RESULT, "b1", "r1", 1.0)]) == {"r1"}
+    assert store.fold(0, [Sighting(RESULT, "a1", "r1", 1.0)]) == set()
+    assert store.fold(0, [Sighting(RESULT, "b1", "r1", 1.0)]) == {"r1"}
     store.close()
 
 
 def test_a_store_written_with_null_classes_reads_them_as_no_class(tmp_path: Path) -> None:
     """Stores written before "no class" became "" hold NULL there: they are read as "", and fold on as before."""
     store = LedgerStore(tmp_path, "job")
-    store.fold(0, [Outcome(RETRY, "a", "r1", attempt=1), Outcome(DEAD, "b", "r1", 2.0, "invalid_input")])
+    store.fold(0, [Sighting(RETRY, "a", "r1", attempt=1), Sighting(DEAD, "b", "r1", 2.0, "invalid_input")])
     store.checkpoint({}, {})
     store.db.execute("UPDATE ids SET class = NULL WHERE id = 'a'")
     store.checkpoint({}, {})
     store.close()
     store = LedgerStore(tmp_path, "job")
-    assert store.fold(0, [Outcome(RETRY, "a", "r1", attempt=1)]) == set()  # seen already
-    assert store.fold(0, [Outcome(RESULT, "a", "r1", 1.0), Outcome(RESULT, "b", "r1", 2.0)]) == {"r1"}
+    assert store.fold(0, [Sighting(RETRY, "a", "r1", attempt=1)]) == set()  # seen already
+    assert store.fold(0, [Sighting(RESULT, "a", "r1", 1.0), Sighting(RESULT, "b", "r1", 2.0)]) == {"r1"}
     counts = store.counts(0, "r1")
     assert (counts.seen, counts.succeeded, counts.quarantined, counts.in_flight, dict(counts.by_class)) == (
         2, 2, 0, 0, {}

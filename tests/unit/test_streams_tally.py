@@ -18,9 +18,9 @@ from streams.tally import (
     RETRY,
     IdState,
     LedgerEvent,
-    Outcome,
     RetrySeen,
     RunCounts,
+    Sighting,
     compute_run_stats,
     fold,
     fold_batch,
@@ -214,12 +214,12 @@ def test_fold_batch_is_fold_event_by_event(seed: int) -> None:
     ids = [f"id-{i}" for i in range(60)]
     classes = ("invalid_input", "retries_exhausted", CANCELLED, EXPIRED)
 
-    def event() -> Outcome:
+    def event() -> Sighting:
         kind = rng.choice((RESULT, DEAD, DEAD, RETRY, RETRY))
         value = rng.choice((None, 0.1, 0.3, 2.5, 1e-9)) if kind != RETRY else None
         cls = rng.choice(classes) if kind == DEAD else ""
         attempt = rng.choice((-3, 0, 1, 2, 3, 62, 63, 500))
-        return Outcome(kind, rng.choice(ids), "r1", value, cls, attempt, rng.randrange(9), rng.randrange(9), 0.1)
+        return Sighting(kind, rng.choice(ids), "r1", value, cls, attempt, rng.randrange(9), rng.randrange(9), 0.1)
 
     stored: dict[str, IdState] = {}
     reference = RunCounts()
