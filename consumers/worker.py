@@ -29,7 +29,8 @@ Who owns what, and how work crosses (docs/architecture.md#threads counts them in
   (``Ownership.observe``) every turn and fences partitions in the callbacks (``Ownership.fence``).
 - **engine** (:class:`~consumers.infer.Feeder`): the engine (the only thread that calls it) and the feeder's
   slots and backlog. Hand-off: the worker submits a flight (``Feeder.submit``, a condition-guarded queue); the
-  engine thread fills in ``Flight.outcomes``, sets ``Flight.done`` last, then ``wake``. Cancellation:
+  engine thread fills in ``Flight.outcomes`` and the flight's counts (runnable, passed over, tokens), sets
+  ``Flight.done`` last, then ``wake``. Cancellation:
   ``Feeder.cancel``.
 - **commit** (:class:`~consumers.commit.CommitLine`): the transactional producer (the only thread that calls
   it). Hand-off: the worker queues a routed transaction (condition-guarded); the commit thread writes its outcome
