@@ -22,7 +22,7 @@ from schemas import codec_for
 from schemas.codec import DecodeError, fallback_id
 from schemas.skim import Skimmer, _long, _Unsure
 from streams.outcomes import OutcomeReader
-from streams.tally import DEAD, RESULT, RETRY, Outcome
+from streams.tally import DEAD, RESULT, RETRY, Sighting
 from tests.unit.test_codec import HISTORY
 
 READER = OutcomeReader(JobTopics("skim", ("5s",)))
@@ -103,7 +103,7 @@ def framed(kind: str, record: dict[str, Any], framing: str) -> bytes:
     return buf.getvalue()
 
 
-def by_codec(kind: str, data: bytes) -> Outcome | None:
+def by_codec(kind: str, data: bytes) -> Sighting | None:
     """What the ledger read before the skimmer: the codec's model, or None for a rejected record."""
     try:
         r = codec_for(kind).decode(data)
@@ -111,25 +111,25 @@ def by_codec(kind: str, data: bytes) -> Outcome | None:
         return None
     if kind == "result":
         tokens = (r.prompt_tokens, r.completion_tokens, r.latency_ms)
-        return Outcome(RESULT, r.request_id, r.run_id, r.value, "", 0, *tokens)
-    return Outcome(DEAD, r.request_id, r.run_id, r.value, r.failure_class)
+        return Sighting(RESULT, r.request_id, r.run_id, r.value, "", 0, *tokens)
+    return Sighting(DEAD, r.request_id, r.run_id, r.value, r.failure_class)
 
 
-def by_reader(kind: str, data: bytes) -> Outcome | None:
+def by_reader(kind: str, data: bytes) -> Sighting | None:
     try:
         return READER.result(data) if kind == "result" else READER.dead_letter(data)
     except DecodeError:
         return None
 
 
-def same(a: Outcome | None, b: Outcome | None) -> bool:
+def same(a: Sighting | None, b: Sighting | None) -> bool:
     """Equal outcomes, NaN equal to NaN (a record may carry one)."""
     if a is None or b is None:
         return a is b
     return _comparable(a) == _comparable(b)
 
 
-def _comparable(o: Outcome) -> tuple[Any, ...]:
+def _comparable(o: Sighting) -> tuple[Any, ...]:
     return tuple("nan" if isinstance(x, float) and math.isnan(x) else x for x in o)
 
 
@@ -195,7 +195,7 @@ HEADER_VALUES = st.none() | st.binary(max_size=6) | st.sampled_from([b"1", b"7",
 def test_a_retry_reads_its_headers_as_the_helpers_do(headers: list[Any], key: bytes | None, value: bytes) -> None:
     seen = h.as_dict(headers)
     rid = h.text(seen, h.REQUEST_ID) or fallback_id(key, value)
-    expected = Outcome(RETRY, rid, h.text(seen, h.RUN_ID), attempt=h.integer(seen, h.ATTEMPT, 0))
+    expected = Sighting(RETRY, rid, h.text(seen, h.RUN_ID), attempt=h.integer(seen, h.ATTEMPT, 0))
     assert READER.retry(headers, key, value) == expected
 
 
