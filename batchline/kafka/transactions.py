@@ -41,7 +41,6 @@ from __future__ import annotations
 import logging
 import time
 from collections.abc import Callable, Iterable, Mapping
-from functools import partial
 from typing import Any
 
 from confluent_kafka import KafkaError, KafkaException, Message, TopicPartition
@@ -206,12 +205,15 @@ class TransactionalProducer:
             stopped: KafkaError | None = None
             produce = self.lifecycle.producer.produce
             for i, (topic, value, key, headers) in enumerate(outgoing):
+                refused: KafkaException | None = None
                 try:  # the common case inline (this runs for every message); any refusal takes the tracked path
-                    produce(topic, value, key, headers=headers, on_delivery=partial(_delivered, delivery, i))
+                    produce(topic, value, key, headers=headers, on_delivery=_reporter(delivery, i))
                     continue
-                except (BufferError, KafkaException):
-                    pass  # nothing was queued: _produce_tracked produces it again, handling what refused it
-                stopped = self._produce_tracked(outgoing, i, delivery, fit, report)
+                except BufferError:
+                    pass  # the local queue is full: _produce_tracked waits for room and produces it
+                except KafkaException as exc:
+                    refused = exc  # handled there as if its own produce() had raised it (never produced twice)
+                stopped = self._produce_tracked(outgoing, i, delivery, fit, report, refused)
                 if stopped is not None:
                     break  # the transaction already failed (a delivery was rejected): no point producing more
             if stopped is None and before_commit is not None:
@@ -265,12 +267,16 @@ class TransactionalProducer:
         delivery: dict[int, KafkaError | None],
         fit: Fit | None,
         report: CommitReport,
+        refused: KafkaException | None = None,
     ) -> KafkaError | None:
         """Produce message ``i`` with its own delivery callback; replace it if ``produce()`` rejects it alone.
-        Returns the error when the transaction is already failing (a delivery failed, librdkafka refuses more)."""
+        Returns the error when the transaction is already failing (a delivery failed, librdkafka refuses more).
+        ``refused``: what an earlier produce() of it raised, handled here as if raised now."""
 
-        on_delivery = partial(_delivered, delivery, i)
+        on_delivery = _reporter(delivery, i)
         try:
+            if refused is not None:  # produce() already refused it (the inline call in _transact)
+                raise refused
             self._produce(outgoing[i], on_delivery)
         except KafkaException as exc:
             err: KafkaError = exc.args[0]
@@ -363,9 +369,15 @@ class TransactionalProducer:
         self.lifecycle.close(timeout)
 
 
-def _delivered(delivery: dict[int, KafkaError | None], index: int, err: KafkaError | None, _msg: Message) -> None:
-    """A message's delivery report (bound to its index with ``partial``): served on the thread that flushes."""
-    delivery[index] = err
+def _reporter(delivery: dict[int, KafkaError | None], index: int) -> Callable[[KafkaError | None, Message], None]:
+    """Message ``index``'s delivery report, served on the thread that flushes. A Python function, not a
+    ``functools.partial``: after a fatal error (a fenced producer) confluent-kafka calls delivery callbacks with an
+    exception already set, which a Python function's call absorbs and a C callable's turns into SystemError."""
+
+    def delivered(err: KafkaError | None, _msg: Message) -> None:
+        delivery[index] = err
+
+    return delivered
 
 
 def _per_record(delivery: Mapping[int, KafkaError | None], outgoing: list[Outgoing]) -> dict[int, RecordError]:
