@@ -44,7 +44,7 @@ unit: install
 	$(VENV)/bin/pytest tests/unit
 
 bench: install
-	$(VENV)/bin/pytest tests/bench -s -p no:cacheprovider
+	$(VENV)/bin/pytest tests/bench -s -p no:cacheprovider -o timeout=3600
 
 clean:
 	rm -rf $(VENV) .pytest_cache .mypy_cache .ruff_cache
