@@ -38,7 +38,7 @@ lint: install
 	$(VENV)/bin/mypy
 
 test: lint
-	$(VENV)/bin/pytest
+	$(VENV)/bin/pytest -n 2 --dist loadfile
 
 unit: install
 	$(VENV)/bin/pytest tests/unit

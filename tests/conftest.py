@@ -6,6 +6,7 @@ import os
 import uuid
 from collections.abc import Callable, Iterator
 from pathlib import Path
+from typing import Any
 
 import pytest
 
@@ -61,3 +62,43 @@ def logs_dir(tmp_path: Path) -> Path:
     d = tmp_path / "logs"
     d.mkdir()
     return d
+
+
+# `make test` runs the suite on two xdist workers (`-n 2 --dist loadfile`): most tests wait on the broker, the
+# clock and their subprocesses (one process used about a fifth of two cores). A test file runs on one worker, so its
+# module fixtures run once, and two units span files: the vLLM tests (one engine at a time, as the machine's cores
+# allow) and the tests that make network namespaces on the host (tests/support/netns.py). Those two go first, on
+# one worker each; the rest follows in file order. (xdist's own `loadgroup` cannot do this with pytest 9.2: it tags
+# node ids through `Item._nodeid`, which pytest no longer reads.)
+_VLLM_FILES = frozenset({"test_api_vllm.py", "test_demo.py", "test_vllm_generate.py", "test_vllm_pooling.py"})
+_NETNS_FILES = frozenset({"test_partitions.py", "test_liveness_chaos.py", "test_lossy_link.py"})
+_FIRST = {"vllm": 0, "netns": 1}
+
+
+def _unit(nodeid: str) -> str:
+    """The unit of work ``nodeid`` belongs to: ``vllm``, ``netns`` or its file."""
+    path = nodeid.split("::", 1)[0]
+    name = path.rsplit("/", 1)[-1]
+    return "vllm" if name in _VLLM_FILES else "netns" if name in _NETNS_FILES else path
+
+
+def pytest_collection_modifyitems(config: pytest.Config, items: list[pytest.Item]) -> None:
+    for item in items:
+        if item.get_closest_marker("vllm") and _unit(item.nodeid) != "vllm":
+            raise pytest.UsageError(f"{item.nodeid} needs vLLM: add its file to _VLLM_FILES in tests/conftest.py")
+    if os.environ.get("PYTEST_XDIST_WORKER"):  # every worker collects; all sort alike (the sort is stable)
+        items.sort(key=lambda item: _FIRST.get(_unit(item.nodeid), 2))
+
+
+def pytest_xdist_make_scheduler(config: pytest.Config, log: Any) -> Any:
+    """``--dist loadfile`` with the two cross-file units above, in collection order (no reorder by size)."""
+    if config.getvalue("dist") != "loadfile":
+        return None
+    from xdist.scheduler import LoadScopeScheduling
+
+    class Units(LoadScopeScheduling):
+        def _split_scope(self, nodeid: str) -> str:
+            return _unit(nodeid)
+
+    config.option.loadscopereorder = False
+    return Units(config, log)
