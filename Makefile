@@ -38,7 +38,7 @@ lint: install
 	$(VENV)/bin/mypy
 
 test: lint
-	$(VENV)/bin/pytest -n 2 --dist loadfile
+	$(VENV)/bin/pytest
 
 unit: install
 	$(VENV)/bin/pytest tests/unit

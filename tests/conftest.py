@@ -64,12 +64,12 @@ def logs_dir(tmp_path: Path) -> Path:
     return d
 
 
-# `make test` runs the suite on two xdist workers (`-n 2 --dist loadfile`): most tests wait on the broker, the
-# clock and their subprocesses (one process used about a fifth of two cores). A test file runs on one worker, so its
-# module fixtures run once, and two units span files: the vLLM tests (one engine at a time, as the machine's cores
-# allow) and the tests that make network namespaces on the host (tests/support/netns.py). Those two go first, on
-# one worker each; the rest follows in file order. (xdist's own `loadgroup` cannot do this with pytest 9.2: it tags
-# node ids through `Item._nodeid`, which pytest no longer reads.)
+# `pytest -n 2 --dist loadfile` runs the suite on two xdist workers (README "Testing"; `make test` is serial):
+# most tests wait on the broker, the clock and their subprocesses (one process used about a fifth of two cores).
+# A test file runs on one worker, so its module fixtures run once, and two units span files: the vLLM tests (one
+# engine at a time) and the tests that make network namespaces on the host (tests/support/netns.py). Those two go
+# first, on a worker each; the rest follows in file order. (xdist's own `loadgroup` cannot do this with pytest 9.2:
+# it tags node ids through `Item._nodeid`, which pytest no longer reads.)
 _VLLM_FILES = frozenset({"test_api_vllm.py", "test_demo.py", "test_vllm_generate.py", "test_vllm_pooling.py"})
 _NETNS_FILES = frozenset({"test_partitions.py", "test_liveness_chaos.py", "test_lossy_link.py"})
 _FIRST = {"vllm": 0, "netns": 1}
