@@ -11,17 +11,15 @@ broker cannot take on its own (too large) is replaced in the same transaction by
 Whatever fails reaches the worker as one exception type, :class:`~consumers.exceptions.CommitFailed`, returned by
 :meth:`CommitLine.harvest`; the worker then rewinds (:meth:`CommitLine.drop` gives it the flights to re-read).
 
-Each micro-batch gets its span: ``process J.requests`` (CONSUMER) from the start of its inference to its commit,
-linked to its records' producer spans, with ``infer``, ``route`` and ``produce and commit`` children.
+Each micro-batch's span and its counts once committed are :class:`~consumers.batch_report.BatchReport`'s.
 
-Threads. The worker's thread calls every public method; it alone owns the flights (``_flights``), the
-transactions not yet harvested (``_line``), the spans and the counts (:class:`~consumers.work.WorkerStats`,
-:class:`~batchline.telemetry.WorkerMetrics`). The commit thread (``commit``) is the only one that calls the
-producer. They share one queue of transactions to commit (``_queue``, under ``_cond``): the worker appends to it;
-the commit thread commits its head, writes the outcome into the transaction (``replaced``, ``error``, timings)
-and ``done`` last, then sets ``wake``; the worker reads ``done`` without a lock and the rest after it. The
-commit thread also calls ``Router.replacement``, which reads only the router's configuration. The flights
-themselves are written by the engine thread until ``Flight.done``; a flight is routed only after that.
+Threads. The worker's thread calls every public method; it alone owns the flights (``_flights``), the transactions
+not yet harvested (``_line``), and the spans and counts (``report``). The commit thread (``commit``) is the only one
+that calls the producer. They share one queue of transactions to commit (``_queue``, under ``_cond``): the worker
+appends to it; the commit thread commits its head, writes the outcome into the transaction (``replaced``, ``error``,
+timings) and ``done`` last, then sets ``wake``; the worker reads ``done`` without a lock and the rest after it. The
+commit thread also calls ``Router.replacement``, which reads only the router's configuration. The flights themselves
+are written by the engine thread until ``Flight.done``; a flight is routed only after that.
 """
 
 from __future__ import annotations
@@ -37,7 +35,6 @@ from typing import Any, Protocol
 
 from confluent_kafka import TopicPartition
 from opentelemetry import trace
-from opentelemetry.trace import SpanKind, Status, StatusCode
 
 from batchline.config import KafkaSettings
 from batchline.kafka.liveness import BrokerDown
@@ -46,7 +43,8 @@ from batchline.kafka.record_size import Outgoing, RecordError
 from batchline.kafka.replacements import CommitReport, Fit
 from batchline.kafka.transaction_errors import TransactionFailed, TransactionFenced
 from batchline.kafka.transactions import Guard, TransactionalProducer
-from batchline.telemetry import Health, WorkerMetrics, link_from_traceparent, traceparent_of
+from batchline.telemetry import Health, WorkerMetrics, traceparent_of
+from consumers.batch_report import BatchReport
 from consumers.exceptions import CommitFailed
 from consumers.infer import Flight
 from consumers.route import BatchContext, Produced, Router
@@ -140,13 +138,9 @@ class CommitLine:
         self.producer = producer
         self.router = router
         self.ownership = ownership
-        self.metrics = metrics
         self.stats = stats
-        self.health = health
-        self.requests_topic = requests_topic
-        self.group = group
+        self.report = BatchReport(metrics, stats, health, requests_topic, group)
         self.depth = depth
-        self.tracer = trace.get_tracer("batchline.worker")
         self._wake = wake
         self._flights: deque[Flight] = deque()  # launched, not yet committed, oldest first (worker thread)
         self._line: deque[_Txn] = deque()  # queued, not yet harvested, oldest first (worker thread)
@@ -211,14 +205,14 @@ class CommitLine:
             if txn.error is not None:
                 self.stats.sink_failures += 1
                 for failed in (txn, *self._line):
-                    self._end_spans(failed, txn.error)
+                    self.report.close(failed.spans, failed.started_ns, failed.ended_ns, txn.error)
                 self._line.clear()
                 self._committing = 0
                 return txn.error
             for _ in txn.flights:
                 self._held -= len(self._flights.popleft().items)
-            self._end_spans(txn, None)
-            self._count(txn)
+            self.report.close(txn.spans, txn.started_ns, txn.ended_ns, None)
+            self.report.committed(txn.flights, txn.produced())
         return None
 
     def settle(self) -> CommitFailed | None:
@@ -250,7 +244,7 @@ class CommitLine:
                 txn.done = True
             self._queue = deque(started)
         for txn in self._line:
-            self._end_spans(txn, CommitFailed("abandoned", txn.batch_id, True, False))
+            self.report.close(txn.spans, 0, 0, CommitFailed("abandoned", txn.batch_id, True, False))
         self._line.clear()
         self._committing = 0
         flights = list(self._flights)
@@ -275,75 +269,18 @@ class CommitLine:
         sizes: list[int] = []
         spans: list[trace.Span] = []
         for flight in group:
-            span = self._batch_span(flight)
+            span = self.report.open(flight)
             spans.append(span)
-            ctx = trace.set_span_in_context(span)
-            self.tracer.start_span("infer", ctx, start_time=flight.started_ns).end(flight.ended_ns)
             started = time.time_ns()
             batch = BatchContext(flight.batch_id, self.router.worker_id, traceparent_of(span))
             latency = flight.engine_ms / max(1, flight.runnable)
             produced = self.router.route(flight.items, flight.outcomes, batch, latency)
-            self.tracer.start_span("route", ctx, start_time=started).end(time.time_ns())
+            self.report.child(span, "route", started)
             messages += produced
             sizes.append(len(produced))
         offsets = _offsets(group)
         claim = self.ownership.claim((tp.topic, tp.partition) for tp in offsets)
         return _Txn(group, messages, sizes, offsets, claim, spans)
-
-    def _batch_span(self, flight: Flight) -> trace.Span:
-        links = [lk for lk in (link_from_traceparent(i.trace_parent) for i in flight.items if i.trace_parent) if lk]
-        attributes: dict[str, str | int | float] = {
-            "messaging.system": "kafka",
-            "messaging.operation.type": "process",
-            "messaging.destination.name": self.requests_topic,
-            "messaging.batch.message_count": len(flight.items),
-            "messaging.consumer.group.name": self.group,
-            "batchline.batch_id": flight.batch_id,
-            "batchline.engine_ms": flight.engine_ms,
-        }
-        return self.tracer.start_span(
-            f"process {self.requests_topic}",
-            kind=SpanKind.CONSUMER,
-            links=links,
-            attributes=attributes,
-            start_time=flight.started_ns,
-        )
-
-    def _end_spans(self, txn: _Txn, error: CommitFailed | None) -> None:
-        for span in txn.spans:
-            if error is not None:
-                span.set_status(Status(StatusCode.ERROR, str(error)))
-                span.end()
-                continue
-            ctx = trace.set_span_in_context(span)
-            self.tracer.start_span("produce and commit", ctx, start_time=txn.started_ns).end(txn.ended_ns)
-            span.end(txn.ended_ns)
-
-    def _count(self, txn: _Txn) -> None:
-        stats = self.stats
-        stats.transactions += 1
-        stats.batches += len(txn.flights)
-        by_kind = stats.by_kind
-        for flight, produced in zip(txn.flights, txn.produced(), strict=True):
-            others = [p for p in produced if p.kind != "result"]  # retries and dead letters: few
-            results = len(produced) - len(others)
-            by_kind["result"] = by_kind.get("result", 0) + results
-            for p in others:
-                by_kind[p.kind] = by_kind.get(p.kind, 0) + 1
-            self.metrics.batch_done(
-                flight.items,
-                flight.outcomes,
-                results,
-                others,
-                flight.engine_ms,
-                flight.started_ns,
-                passed_over=flight.passed_over,
-                tokens=(flight.prompt_tokens, flight.completion_tokens),
-            )
-        stats.results = by_kind.get("result", 0)
-        stats.retries = by_kind.get("retry", 0)
-        stats.dead_letters = by_kind.get("dlq", 0)
-        self.health.progressed()
 
     # -- the commit thread -------------------------------------------------------------------------
     def _run(self) -> None:

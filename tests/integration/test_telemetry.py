@@ -32,7 +32,7 @@ def test_batch_span_links_records_and_its_traceparent_is_on_every_result(
     provider = TracerProvider()
     provider.add_span_processor(SimpleSpanProcessor(exporter))
     worker = Worker(cfg, kafka, idle_exit_s=3)
-    worker.commits.tracer = provider.get_tracer("test")
+    worker.commits.report.tracer = provider.get_tracer("test")
     stats = worker.run()
     assert stats.results == 30
 
