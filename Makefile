@@ -37,8 +37,9 @@ lint: install
 	$(VENV)/bin/ruff format --check batchline consumers streams schemas tests examples
 	$(VENV)/bin/mypy
 
+# two xdist workers, a file on one worker, the vLLM and network-namespace files one unit each (tests/conftest.py)
 test: lint
-	$(VENV)/bin/pytest
+	$(VENV)/bin/pytest -n 2 --dist loadfile
 
 unit: install
 	$(VENV)/bin/pytest tests/unit

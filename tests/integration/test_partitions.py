@@ -48,6 +48,7 @@ RETRY_EVERY_S = 0.25
 PROGRESS_EVERY_S = 1.0
 ASSIGNED = r"\bassigned \["
 FAULT_SIGNALS = {"sigstop": signal.SIGSTOP, "sigterm": signal.SIGTERM, "sigkill": signal.SIGKILL}
+CUT_TRIES = 3  # cuts made until one lands while the cut scheduler has a transaction open
 FENCED = "fenced: "  # how the worker's sink and the scheduler log a transaction they aborted as stale
 
 
@@ -230,7 +231,14 @@ def test_a_retry_scheduler_cut_off_mid_transaction_never_commits_it(
         producer.start()
         try:
             wait_for(lambda: len(republished()) >= 50, JOIN_TIMEOUT_S, "the first re-publishes")
-            taken, cut = _cut_until_taken_over(ns, other, pattern)
+            # The scenario needs a transaction open while the zombie is cut off. A cut that leaves it none to fence
+            # (seen once, beside the vLLM tests on two workers: its outcome asserts held) is healed and made again
+            for _ in range(CUT_TRIES):
+                rejoins = _assigned(zombie, pattern)
+                taken, cut = _cut_until_taken_over(ns, other, pattern)
+                if FENCED in zombie.log():
+                    break
+                wait_for(lambda n=rejoins: _assigned(zombie, pattern) > n, JOIN_TIMEOUT_S, "the zombie assigned again")
         finally:
             stop.set()
             producer.join(30)
@@ -245,7 +253,7 @@ def test_a_retry_scheduler_cut_off_mid_transaction_never_commits_it(
     still_open = settle_topics(kafka.bootstrap, [topics.requests, *topics.retries]).open
     assert not still_open, [str(t) for t in still_open]
     log = zombie.log()
-    assert FENCED in log, f"the cut scheduler never had a transaction to fence:\n{log[-3000:]}"
+    assert FENCED in log, f"in {CUT_TRIES} cuts the cut scheduler never had a transaction to fence:\n{log[-3000:]}"
     print(
         f"\npartition: scheduler cut {cut:.1f}s, its partitions taken over after {taken:.1f}s; {len(written)} retries "
         f"re-published once each, the last {finished:.1f}s after the heal"
