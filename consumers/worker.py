@@ -23,10 +23,11 @@ Who owns what, and how work crosses (docs/architecture.md#threads counts them in
 
 - **worker** (:meth:`Worker.run`; the main thread under ``batchline worker``): the consumer and its rebalance
   callbacks, the batcher, the pause book and the :class:`~consumers.admission.Admission` that holds and lifts its
-  reasons, the rewinder, the schedule, :class:`~consumers.work.WorkerStats`, and
-  every public call of the :class:`~consumers.commit.CommitLine` (its flights, its transactions not yet harvested,
-  spans, counts). It alone reads the consumer; it refreshes the group membership for the commit thread
-  (``Ownership.observe``) every turn and fences partitions in the callbacks (``Ownership.fence``).
+  reasons, the :class:`~consumers.rollback.Rollback` and its rewinder, the schedule,
+  :class:`~consumers.work.WorkerStats`, and every public call of the :class:`~consumers.commit.CommitLine` (its
+  flights, its transactions not yet harvested, spans, counts). It alone reads the consumer; it refreshes the group
+  membership for the commit thread (``Ownership.observe``) every turn and fences partitions in the callbacks
+  (``Ownership.fence``).
 - **engine** (:class:`~consumers.infer.Feeder`): the engine (the only thread that calls it) and the feeder's
   slots and backlog. Hand-off: the worker submits a flight (``Feeder.submit``, a condition-guarded queue); the
   engine thread fills in ``Flight.outcomes`` and the flight's counts (runnable, passed over, tokens), sets
@@ -80,7 +81,8 @@ from consumers.intake import Intake
 from consumers.lanes import Lanes
 from consumers.pauses import PauseBook
 from consumers.pinning import Pinning
-from consumers.rewind import PendingSeeks, Rewinder, first_offsets
+from consumers.rewind import Rewinder
+from consumers.rollback import Rollback
 from consumers.route import Router
 from consumers.schedule import Schedule
 from consumers.work import WorkerStats, WorkItem
@@ -167,11 +169,14 @@ class Worker:
         self.schedule = Schedule(config.schedule)
         self.lanes = Lanes(kafka, config.schedule)
         self.admission = Admission(config, self.pauses, self.schedule, self.lanes)  # the pause reasons' only writer
+        # dropping what is uncommitted and re-reading it (failed commits, lost or revoked partitions, late rejoins)
+        self.rollback = Rollback(
+            self.commits, self.feeder, self.batcher, self.pauses, self.rewinder, self.stats, self._heartbeat
+        )
         self.stop_event = threading.Event()
         self.idle_exit_s = idle_exit_s
         self._seq = 0
         self._last_record = time.monotonic()
-        self._pending_seeks = PendingSeeks()  # rewinds asked for in rebalance callbacks, made after consume()
         self._abandoned = False
 
     # -- lifecycle -------------------------------------------------------------------------------
@@ -309,13 +314,9 @@ class Worker:
         self._after_callbacks()
 
     def _after_callbacks(self) -> None:
-        """What rebalance callbacks left to do: Kafka calls nested inside a callback would break the client's call
-        state, so seeks back and fetcher wake-ups run here, after ``consume()`` returned."""
-        pending = self._pending_seeks.take()
-        if pending is not None:
-            targets, held, exact = pending
-            self.batcher.drop(targets)  # read again from the seek target, so not twice
-            self.rewinder.seek_back(targets & self.pauses.assigned, held, self._heartbeat if exact else None)
+        """What rebalance callbacks left to do, after ``consume()`` returned: the seeks of their rollbacks, and
+        fetcher wake-ups."""
+        self.rollback.seek_pending()
         self.pauses.wake_fetchers()
 
     def _work_ready(self) -> bool:
@@ -336,7 +337,7 @@ class Worker:
         """Outside a time window, or while a job this one yields to has a backlog
         (:meth:`Admission.follow_schedule`), buffered records are given back."""
         if self.admission.follow_schedule() and len(self.batcher):
-            self._give_back_buffered()
+            self.rollback.give_back_buffered()
 
     def _may_dispatch(self) -> bool:
         if not self.feeder.streaming and len(self.commits) >= self.config.batching.pipeline_depth:
@@ -392,7 +393,7 @@ class Worker:
                 error.fenced,
                 error.ambiguous,
             )
-            self._rewind(in_callback=in_callback, exact=error.ambiguous)
+            self.rollback.rewind(in_callback=in_callback, exact=error.ambiguous)
             return False
         # No new transaction while the broker is suspected down (it would only block) or while a rejoin has lasted
         # past a claim's lifetime (its claims would be stale: batchline/kafka/ownership.py).
@@ -407,38 +408,7 @@ class Worker:
         self.feeder.cancel(self.commits.abandon())
         self.batcher.drop({(i.source.topic, i.source.partition) for i in self.batcher.items()})
 
-    # -- rewinds ---------------------------------------------------------------------------------
-    def _rewind(self, partitions: set[TP] | None = None, in_callback: bool = False, exact: bool = False) -> None:
-        """Drop everything uncommitted (in flight and buffered) and re-read it. ``partitions`` limits the seeks
-        (the others were lost or revoked); by default every assigned partition. Transactions already queued are
-        let finish first (what they committed is not re-read), except those holding fenced partitions: the commit
-        thread aborts them (or drops them unbegun), so this waits for an abort, never for a stale commit. From a
-        rebalance callback the seeks wait until ``consume()`` has returned (:meth:`_after_callbacks`).
-
-        ``exact`` (a commit whose outcome was unknown, made final by the commit line): the targets are the committed
-        offsets and nothing else - the first record held may have been committed already (CommittedUnknown if the
-        broker will not tell)."""
-        self.stats.rewinds += 1
-        failure = self.commits.settle()  # a failure here drops the transactions queued after it: all re-read below
-        exact = exact or (failure is not None and failure.ambiguous)
-        flights = self.commits.drop()
-        held = first_offsets([i for f in flights for i in f.items] + list(self.batcher.items()))
-        self.feeder.cancel(flights)
-        self.batcher.drop(self.pauses.assigned | set(held))
-        targets = (self.pauses.assigned if partitions is None else partitions) & set(held)
-        if in_callback:
-            self._pending_seeks.add(targets, held, exact)
-        else:
-            self.rewinder.seek_back(targets, held, self._heartbeat if exact else None)
-        log.warning("rewound %d partitions to their committed offsets", len(targets))
-
-    def _give_back_buffered(self) -> None:
-        """Forget the batcher's records (not the in-flight ones) and seek their partitions back to the first."""
-        held = first_offsets(self.batcher.items())
-        self.batcher.drop(set(held))
-        for (topic, partition), offset in held.items():
-            self.rewinder.seek(topic, partition, offset)
-
+    # -- shutdown ------------------------------------------------------------------------------
     def _drain(self) -> None:
         """Finish and commit what is in flight and buffered (shutdown). A failed commit rewinds, which empties
         both, so what was not committed is left for the partitions' next owner."""
@@ -479,7 +449,7 @@ class Worker:
                 self.wake.clear()
         self.ownership.fence(revoked)  # no longer ours once this returns: nothing may commit for them after it
         if self.commits:  # out of time: give everything uncommitted back
-            self._rewind(self.pauses.assigned - revoked, in_callback=True)
+            self.rollback.rewind(self.pauses.assigned - revoked, in_callback=True)
         dropped = self.batcher.drop(revoked)
         self.pauses.gone(partitions)
         self.health.set_assigned(len(self.pauses.assigned))  # readiness
@@ -495,7 +465,7 @@ class Worker:
         if not self.ownership.rejoined_late(stats, held):
             return
         log.warning("rejoined the group after more than %.1fs: re-reading %s", self.ownership.claim_ttl_s, sorted(held))
-        self._rewind(held, in_callback=True, exact=True)
+        self.rollback.rewind(held, in_callback=True, exact=True)
 
     def _on_lost(self, consumer: Consumer, partitions: list[TopicPartition]) -> None:
         """Partitions taken from us (session timeout): commit nothing for them, forget everything uncommitted
@@ -504,7 +474,7 @@ class Worker:
         held = self._held()
         log.warning("lost %s: dropping uncommitted work (%d records held)", sorted(lost), held)
         self.ownership.fence(lost)  # the commit thread aborts what holds their records: their new owner re-reads them
-        self._rewind(self.pauses.assigned - lost, in_callback=True)
+        self.rollback.rewind(self.pauses.assigned - lost, in_callback=True)
         self.pauses.gone(partitions)
         self.health.set_assigned(len(self.pauses.assigned))
         self.group_watch.assigned(len(self.pauses.assigned))
