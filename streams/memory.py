@@ -8,14 +8,15 @@ import ctypes.util
 
 # Bounded prefetch: librdkafka's own queues count towards the ledger's memory (default 64 MiB, and its fetch
 # buffers stay resident in its threads' malloc arenas). What it holds grows with the messages queued (~0.5 KB each
-# here: the message and its share of a decompressed lz4 batch), and the fold waits on the broker when too few are.
-# Measured at 1M ids (one run each, this busy 2-core machine), 1 MiB fetches of 64 KiB a partition, by messages
-# queued: 20k -> 34k records/s, peak RSS 109 MB; 50k -> 60k/s, 124 MB; 100k (16 MiB) -> 70k/s, 159 MB. Before:
-# 4 MiB fetches of at most 256 KiB a partition, 1 MiB and 10k messages queued (146 MB and ~54k/s at 1M ids in the
-# benchmark, a bare consume of the same partitions ~90k/s; and before that 2 MiB fetches, 40 % of a fold waiting).
+# here: the message and its share of a decompressed lz4 batch). The queue used to be deep (50k messages) because
+# the fold waited on the broker with fewer - but what it waited on was librdkafka's fetch.queue.backoff.ms (1 s by
+# default): a partition over its queue thresholds was not fetched again for a second. With a 20 ms back-off
+# (batchline.kafka.client.FETCH_QUEUE_BACKOFF_MS) the fold ran at 129-139k records/s with 5k to 50k messages
+# queued alike (500k ids, this 2-core machine, pairs alternated; 60-62k with 50k queued and the old back-off), so
+# the queue is 20k again. 1 MiB fetches of at most 64 KiB a partition.
 READER_LIMITS = {
     "queued.max.messages.kbytes": 8 << 10,
-    "queued.min.messages": 50_000,
+    "queued.min.messages": 20_000,
     "fetch.max.bytes": 1 << 20,  # librdkafka's floor: message.max.bytes
     "max.partition.fetch.bytes": 64 << 10,
     "enable.partition.eof": False,

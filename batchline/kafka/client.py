@@ -27,6 +27,11 @@ REDACTED = "**********"
 # request plus 64 KiB for a dead letter's fields). librdkafka's own default, 1,000,000, would refuse a request
 # that max_request_bytes accepts; the worker's commit line raises it further to its topics' real limits.
 PRODUCER_MESSAGE_MAX_BYTES = (1 << 20) + 64 * 1024
+# How long librdkafka postpones a partition's next fetch once its prefetch queue is over queued.min.messages or
+# queued.max.messages.kbytes. Its default, 1 s, stalls any consumer that drains its queue faster than that: the
+# ledger folded 60-62k records/s with 50k messages queued and 129-139k with this (at 10k-50k queued alike; a bare
+# consume of the same partitions ~121k), and a worker's engine idled after every pause. Every consumer and reader.
+FETCH_QUEUE_BACKOFF_MS = 20
 
 
 def consumer_conf(kafka: KafkaSettings, group: str, **overrides: Any) -> dict[str, Any]:
@@ -35,7 +40,11 @@ def consumer_conf(kafka: KafkaSettings, group: str, **overrides: Any) -> dict[st
     # wait for members to rejoin. librdkafka's 300 s let a group whose members were SIGKILLed mid-rebalance sit
     # with no partition assigned for minutes on the embedded broker (tests/chaos/test_liveness_chaos.py); a worker
     # polls continuously (its engine and commit line have threads of their own), so 60 s costs nothing.
-    defaults = {"heartbeat.interval.ms": max(500, kafka.session_timeout_ms // 6), "max.poll.interval.ms": 60_000}
+    defaults = {
+        "heartbeat.interval.ms": max(500, kafka.session_timeout_ms // 6),
+        "max.poll.interval.ms": 60_000,
+        "fetch.queue.backoff.ms": FETCH_QUEUE_BACKOFF_MS,
+    }
     fixed = {
         "group.id": group,
         "enable.auto.commit": False,
@@ -50,16 +59,15 @@ def consumer_conf(kafka: KafkaSettings, group: str, **overrides: Any) -> dict[st
 
 def bounded_prefetch(max_in_flight_records: int) -> dict[str, Any]:
     """A consumer's prefetch, bounded by the records its owner may hold (``batching.max_in_flight_records``)."""
-    # librdkafka's prefetch counts against memory too: bounded in bytes and records. Its default back-off when
-    # that queue is full (fetch.queue.backoff.ms, 1 s) would leave the engine idle after every pause.
-    # Fetch responses are bounded as well, and tighter than the queue: their limits count *compressed* bytes,
-    # and a fetch's decompressed records stay in memory until all of them are consumed. With 1 MB fetches of
-    # lz4 batches (~10x on JSON prompts) a worker's peak grew with the depth of its topic, 89 MB at 20k
-    # records to 108 MB at 200k; with these limits 88 and 92 MB, at the same rate
-    # (tests/bench/test_pipeline_cost.py). The consumer's message.max.bytes only bounds the requests it sends
-    # and must not exceed fetch.max.bytes. receive.message.max.bytes stays librdkafka's (100 MB): a record
-    # larger than any topic should take must still be read, to be dead-lettered (a fetch always returns at
-    # least one record batch, whatever fetch.max.bytes says).
+    # librdkafka's prefetch counts against memory too: bounded in bytes and records (with a short back-off when that
+    # queue is full: FETCH_QUEUE_BACKOFF_MS, in consumer_conf). Fetch responses are bounded as well, and tighter
+    # than the queue: their limits count *compressed* bytes, and a fetch's decompressed records stay in memory until
+    # all of them are consumed. With 1 MB fetches of lz4 batches (~10x on JSON prompts) a worker's peak grew with
+    # the depth of its topic, 89 MB at 20k records to 108 MB at 200k; with these limits 88 and 92 MB, at the same
+    # rate (tests/bench/test_pipeline_cost.py). The consumer's message.max.bytes only bounds the requests it sends
+    # and must not exceed fetch.max.bytes. receive.message.max.bytes stays librdkafka's (100 MB): a record larger
+    # than any topic should take must still be read, to be dead-lettered (a fetch always returns at least one record
+    # batch, whatever fetch.max.bytes says).
     prefetch_kb = max(1024, max_in_flight_records // 2)
     fetch_bytes = prefetch_kb * 1024 // 4
     return {
@@ -68,7 +76,6 @@ def bounded_prefetch(max_in_flight_records: int) -> dict[str, Any]:
         "fetch.max.bytes": fetch_bytes,
         "max.partition.fetch.bytes": fetch_bytes // 4,
         "message.max.bytes": fetch_bytes,
-        "fetch.queue.backoff.ms": 20,
     }
 
 
@@ -80,7 +87,7 @@ def reader_conf(kafka: KafkaSettings, **overrides: Any) -> dict[str, Any]:
         "auto.offset.reset": "earliest",
         "isolation.level": "read_committed",
     }
-    return kafka.librdkafka() | fixed | overrides
+    return {"fetch.queue.backoff.ms": FETCH_QUEUE_BACKOFF_MS} | kafka.librdkafka() | fixed | overrides
 
 
 def producer_conf(kafka: KafkaSettings, transactional_id: str | None = None, **overrides: Any) -> dict[str, Any]:
