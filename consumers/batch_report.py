@@ -40,11 +40,12 @@ class BatchReport:
     def open(self, flight: Flight) -> trace.Span:
         """The micro-batch's span, from the start of its inference, with its ``infer`` child.
 
-        When the tracer samples nothing (``ALWAYS_OFF``: no exporter, :func:`~batchline.telemetry.setup.setup_telemetry`)
-        the span is still started, so the batch has a span context and its results a traceparent, but without the
-        links and attributes that sampler never reads; a span that does not record gets no children (they would not
-        record either). With :func:`~batchline.telemetry.traceparent_of` written directly, a micro-batch's spans and
-        traceparent cost 10 us instead of 34 (one thread, no contention; README, "Benchmarks")."""
+        When the tracer samples nothing (``ALWAYS_OFF``: no exporter,
+        :func:`~batchline.telemetry.setup.setup_telemetry`) the span is still started, so the batch has a span context
+        and its results a traceparent, but without the links and attributes that sampler never reads; a span that
+        does not record gets no children (they would not record either). With
+        :func:`~batchline.telemetry.traceparent_of` written directly, a micro-batch's spans and traceparent cost 10 us
+        instead of 34 (one thread, no contention; README, "Benchmarks")."""
         name = f"process {self.requests_topic}"
         if getattr(self.tracer, "sampler", None) is ALWAYS_OFF:
             return self.tracer.start_span(name, kind=SpanKind.CONSUMER, start_time=flight.started_ns)
