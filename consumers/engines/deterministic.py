@@ -199,17 +199,16 @@ class DeterministicEngine:
     def _generate(self, inp: EngineInput, words: list[str], invalid: bool) -> Outcome:
         s = inp.sampling
         # Greedy (temperature 0) outputs ignore the seed, as a real engine's would.
-        salt = s.seed if s.temperature > 0 else 0
-        kept = words[: max(1, s.max_tokens - 1)]
-        tag = f"{zlib.crc32(f'|{salt}'.encode(), zlib.crc32(inp.prompt.encode())):08x}"  # CRC of f"{prompt}|{salt}"
+        salt = f"|{s.seed}".encode() if s.temperature > 0 else b"|0"
+        tag = f"{zlib.crc32(salt, zlib.crc32(inp.prompt.encode())):08x}"  # the CRC of f"{prompt}|{salt}"
+        keep = max(1, s.max_tokens - 1)  # the first `keep` words, in reverse order
         if self.json_schema is not None:
             text = "not json" if invalid else json.dumps(_instance(self.json_schema, tag))
             completion = len(text.split())
         elif invalid:
             text, completion = "", 0
         else:
-            kept.reverse()
-            text, completion = f"{tag} " + " ".join(kept), len(kept) + 1
+            text, completion = tag + " " + " ".join(words[keep - 1 :: -1]), min(keep, len(words)) + 1
         # positional: text, label, scores, embedding, finish_reason, prompt_tokens, completion_tokens
         return EngineOutput(
             text, None, None, None, "length" if completion >= s.max_tokens else "stop", len(words), completion
