@@ -88,22 +88,18 @@ class BatchReport:
         stats.transactions += 1
         stats.batches += len(flights)
         by_kind = stats.by_kind
+        results = passed_over = prompt_tokens = completion_tokens = 0
         for flight, messages in zip(flights, produced, strict=True):
             others = [p for p in messages if p.kind != "result"]  # retries and dead letters: few
-            results = len(messages) - len(others)
-            by_kind["result"] = by_kind.get("result", 0) + results
+            results += len(messages) - len(others)
             for p in others:
                 by_kind[p.kind] = by_kind.get(p.kind, 0) + 1
-            self.metrics.batch_done(
-                flight.items,
-                flight.outcomes,
-                results,
-                others,
-                flight.engine_ms,
-                flight.started_ns,
-                passed_over=flight.passed_over,
-                tokens=(flight.prompt_tokens, flight.completion_tokens),
-            )
+            self.metrics.batch_done(flight.items, flight.outcomes, others, flight.engine_ms, flight.started_ns)
+            passed_over += flight.passed_over
+            prompt_tokens += flight.prompt_tokens
+            completion_tokens += flight.completion_tokens
+        by_kind["result"] = by_kind.get("result", 0) + results
+        self.metrics.committed(results, passed_over, (prompt_tokens, completion_tokens))
         stats.results = by_kind.get("result", 0)
         stats.retries = by_kind.get("retry", 0)
         stats.dead_letters = by_kind.get("dlq", 0)

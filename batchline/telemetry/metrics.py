@@ -1,9 +1,10 @@
 """The worker's instruments, named to the OpenTelemetry conventions (README "Telemetry").
 
 Synchronous instruments are recorded where things happen (:meth:`WorkerMetrics.batch_done`, once per committed
-batch). Observable ones (:mod:`batchline.telemetry.feeds`) read state the worker already keeps - in-flight records,
-its assigned partitions, its stats - through callbacks whenever a reader collects; nothing here changes what it
-reads. The lag is read from the brokers (:mod:`batchline.telemetry.lag`).
+batch, and :meth:`WorkerMetrics.committed`, once per transaction). Observable ones (:mod:`batchline.telemetry.feeds`)
+read state the worker already keeps - in-flight records, its assigned partitions, its stats - through callbacks
+whenever a reader collects; nothing here changes what it reads. The lag is read from the brokers
+(:mod:`batchline.telemetry.lag`).
 """
 
 from __future__ import annotations
@@ -40,8 +41,8 @@ class WorkerCounters(Protocol):
 
 
 class WorkerMetrics:
-    """The worker's instruments: :meth:`batch_done` after each committed batch, :meth:`watch` once the loop starts,
-    :meth:`close` before the consumer closes."""
+    """The worker's instruments: :meth:`batch_done` after each committed batch and :meth:`committed` after each
+    transaction, :meth:`watch` once the loop starts, :meth:`close` before the consumer closes."""
 
     def __init__(self, job: str, topic: str = "", group: str = "") -> None:
         meter = metrics.get_meter(SCOPE)
@@ -85,24 +86,18 @@ class WorkerMetrics:
         self,
         items: Sequence[Any],
         outcomes: dict[int, Any],
-        results: int,
         others: Sequence[Any],
         engine_ms: float,
         started_ns: int | None = None,
-        *,
-        passed_over: int = 0,
-        tokens: tuple[int, int] = (0, 0),
     ) -> None:
-        """A batch committed: ``results`` results and ``others``, its other messages (kind retry|dlq), one per
-        record; ``started_ns`` when its inference began (epoch ns); ``passed_over`` records it did not run;
-        ``tokens`` (prompt, completion) of its outcomes. The counts come from the caller, which has them at hand:
-        nothing here goes through the batch record by record (only its failures, to tell their classes)."""
+        """A batch committed: its sizes and times, and ``others``, its other messages than results (kind retry|dlq),
+        one per record; ``started_ns`` when its inference began (epoch ns). Nothing here goes through the batch
+        record by record (only its failures, to tell their classes); the counts common to a transaction's batches
+        are :meth:`committed`'s."""
         self.batch_size.record(len(items), self.attrs)
         self.engine_time.record(engine_ms / 1000, self.attrs)
         if started_ns is not None:
             self.process_time.record(max(0, time.time_ns() - started_ns) / 1e9, self.messaging)
-        if results:
-            self.records.add(results, self._result_attrs)
         classes: dict[bytes, str] | None = None  # built on the first retry: most batches have none
         counts: dict[tuple[str, str | None], int] = {}  # one add per outcome and class, not one per record
         for p in others:
@@ -118,6 +113,12 @@ class WorkerMetrics:
             if failure is not None:
                 attrs[FAILURE_CLASS] = failure
             self.records.add(n, attrs)
+
+    def committed(self, results: int, passed_over: int, tokens: tuple[int, int]) -> None:
+        """A transaction committed: its batches' ``results``, the records they did not run (``passed_over``) and
+        the ``tokens`` (prompt, completion) of their outcomes, added once a transaction, not once a batch."""
+        if results:
+            self.records.add(results, self._result_attrs)
         if passed_over:
             self.records.add(passed_over, self.attrs | {OUTCOME: "passed_over"})
         self.tokens.add(tokens[0], self._input_attrs)
