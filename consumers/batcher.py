@@ -26,10 +26,19 @@ class Batcher:
         return len(self._items)
 
     def add(self, item: WorkItem) -> None:
-        self._items.append((self.clock(), item))
-        if item.runnable:
-            self._runnable += 1
-            self._tokens += item.prompt_tokens
+        self.extend((item,))
+
+    def extend(self, items: Iterable[WorkItem]) -> None:
+        """Buffer ``items``, delivered together (one poll): they share one arrival time."""
+        now, append = self.clock(), self._items.append
+        runnable = tokens = 0
+        for item in items:
+            append((now, item))
+            if item.runnable:
+                runnable += 1
+                tokens += item.prompt_tokens
+        self._runnable += runnable
+        self._tokens += tokens
 
     def full(self) -> bool:
         return self._runnable >= self.config.max_records or self._tokens >= self.config.max_prompt_tokens
@@ -51,9 +60,13 @@ class Batcher:
     def take(self, force: bool = False, full_only: bool = False) -> list[WorkItem]:
         """The next batch, or [] when none is ready. ``force`` takes what there is; ``full_only`` ignores linger
         (while the engine is busy, a partial batch would only cost it a call)."""
+        return self.take_counted(force, full_only)[0]
+
+    def take_counted(self, force: bool = False, full_only: bool = False) -> tuple[list[WorkItem], int, int]:
+        """:meth:`take`, with the batch's runnable records and their prompt tokens (what the schedule charges)."""
         ready = self.full() if full_only else self.ready()
         if not (force or ready):
-            return []
+            return [], 0, 0
         batch: list[WorkItem] = []
         runnable = tokens = 0
         while self._items:
@@ -68,7 +81,7 @@ class Batcher:
             batch.append(self._items.popleft()[1])
         self._runnable -= runnable
         self._tokens -= tokens
-        return batch
+        return batch, runnable, tokens
 
     def drop(self, partitions: Iterable[tuple[str, int]]) -> int:
         """Forget buffered records of revoked partitions (their new owner re-reads them). Returns the count."""

@@ -32,6 +32,11 @@ class Intake:
     def __init__(self, config: JobConfig, count_tokens: TokenCounter) -> None:
         self.config = config
         self.count_tokens = count_tokens
+        # read once a record: kept here, not looked up through the config each time
+        self._generate = config.task == "generate"
+        self._max_bytes = config.max_request_bytes
+        self._template = config.engine.prompt_template
+        self._max_model_len = config.engine.max_model_len
 
     def admit(self, msg: Message) -> WorkItem:
         raw_headers = msg.headers()
@@ -48,26 +53,26 @@ class Intake:
             if first:
                 item.first_failure_at = datetime.fromtimestamp(first / 1000, UTC)
         try:
-            item.request = decode_request(payload, self.config.max_request_bytes)
+            item.request = decode_request(payload, self._max_bytes)
         except DecodeError as exc:
             item.request_id = fallback_id(item.key, payload)
             item.failure = Failure("invalid_input", "DecodeError", str(exc))
             return item
         request = item.request
         item.request_id = request.id
-        if self.config.task == "generate" and request.text is not None:
+        if self._generate and request.text is not None:
             item.failure = Failure("invalid_input", "WrongInput", "generate jobs take prompt or messages, not text")
             return item
-        if self.config.task != "generate" and request.text is None and request.prompt is None:
+        if not self._generate and request.text is None and request.prompt is None:
             item.failure = Failure("invalid_input", "WrongInput", f"{self.config.task} jobs take text or prompt")
             return item
-        item.prompt = render_prompt(self.config.engine.prompt_template, request.input_text)
-        item.prompt_tokens = self.count_tokens(item.prompt)
-        limit = self.config.engine.max_model_len
-        if item.prompt_tokens > limit:
+        item.prompt = prompt = render_prompt(self._template, request.input_text)
+        item.prompt_tokens = tokens = self.count_tokens(prompt)
+        limit = self._max_model_len
+        if tokens > limit:
             item.failure = Failure(
                 "invalid_input",
                 "PromptTooLong",
-                f"prompt has {item.prompt_tokens} tokens > max_model_len {limit}",
+                f"prompt has {tokens} tokens > max_model_len {limit}",
             )
         return item

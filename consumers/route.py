@@ -77,6 +77,7 @@ class Router:
     ) -> list[Produced]:
         out: list[Produced] = []
         tail = self._results.tail(latency_ms, int(time.time() * 1000))
+        trace = (h.TRACEPARENT, ctx.traceparent.encode()) if ctx.traceparent else None  # the batch's, on each result
         for i, item in enumerate(items):
             if item.passed_over is not None:
                 continue
@@ -87,7 +88,7 @@ class Router:
                     "nothing of the batch is committed"
                 )
             if isinstance(outcome, EngineOutput):
-                out.append(self._result(item, outcome, ctx, tail))
+                out.append(self._result(item, outcome, ctx, tail, trace))
             else:
                 out.append(self._failure(item, outcome, ctx))
         return out
@@ -117,7 +118,9 @@ class Router:
             h.integer(item.headers, h.ORIGINAL_OFFSET, item.source.offset),
         )
 
-    def _result(self, item: WorkItem, out: EngineOutput, ctx: BatchContext, tail: bytes) -> Produced:
+    def _result(
+        self, item: WorkItem, out: EngineOutput, ctx: BatchContext, tail: bytes, trace: tuple[str, bytes] | None
+    ) -> Produced:
         run_id = item.run_id
         key = item.request_id.encode()
         encoded = self._results.encode(
@@ -145,8 +148,8 @@ class Router:
                 self._run_headers.clear()
             run_headers = self._run_headers[run_id] = [(h.RUN_ID, (run_id or "").encode()), *self._fixed_headers]
         headers: h.Headers = [(h.LINEAGE, lineage), *run_headers]
-        if ctx.traceparent:
-            headers.append((h.TRACEPARENT, ctx.traceparent.encode()))
+        if trace is not None:
+            headers.append(trace)
         return _new_tuple(Produced, (self._results_topic, key, encoded, headers, "result", item, None))
 
     # -- failures --------------------------------------------------------------------------------

@@ -286,13 +286,15 @@ class Worker:
         # past the offset below which it knows of no aborted transaction (AbortedIndex.clear_to)
         run: TP = ("", -1)
         clear = -1
+        admitted: list[WorkItem] = []
         for msg in msgs:
             if msg.error():
                 if msg.error().code() != KafkaError._PARTITION_EOF:
                     log.warning("consume error: %s", msg.error())
                     self.liveness.on_error(msg.error())
                 continue
-            topic, partition, offset = msg.topic(), msg.partition(), msg.offset()
+            item = self.intake.admit(msg)
+            topic, partition, offset, _ = item.source
             if offset < clear and partition == run[1] and topic == run[0]:
                 aborted: bool | None = False
             else:
@@ -301,14 +303,14 @@ class Worker:
                     continue  # read again, later
                 run = (topic, partition)
                 clear = -1 if aborted else self.aborted.clear_to(topic, partition, offset)
-            item = self.intake.admit(msg)
             item.passed_over = self.pinning.pass_over(item)
             if item.passed_over:
                 self.stats.passed_over += 1
             elif aborted:
                 item.passed_over = "aborted"  # its offset commits with its batch's; nothing is produced for it
                 self.stats.aborted += 1
-            self.batcher.add(item)
+            admitted.append(item)
+        self.batcher.extend(admitted)
         if msgs:
             self._last_record = time.monotonic()
         self._after_callbacks()
@@ -350,12 +352,14 @@ class Worker:
         the running batch); a call-by-call engine gets ``pipeline_depth`` queued, only full ones while busy."""
         while self._may_dispatch():
             busy = bool(self.commits) and not self.feeder.streaming
-            batch = self.batcher.take(full_only=busy)
+            batch, runnable, tokens = self.batcher.take_counted(full_only=busy)
             if not batch:
                 return
             self._launch(batch)
-            runnable = [i for i in batch if i.runnable]
-            self.schedule.charge(len(runnable), sum(i.prompt_tokens for i in runnable))
+            if self.pinning.view.stops:  # records of stopped runs became failures at launch: they are not charged
+                kept = [i for i in batch if i.runnable]
+                runnable, tokens = len(kept), sum(i.prompt_tokens for i in kept)
+            self.schedule.charge(runnable, tokens)
 
     def _launch(self, batch: list[WorkItem]) -> None:
         if self.pinning.view.stops:  # some run of the job is cancelled or has a completion window
