@@ -320,7 +320,7 @@ class CommitLine:
             txn.replaced[index] = new
             return _outgoing(new)
 
-        outgoing = [_outgoing(m) for m in txn.messages]
+        outgoing: list[Outgoing] = [m[:4] for m in txn.messages]  # Produced begins with its Outgoing
         try:
             report = self.producer.commit(outgoing, txn.offsets, None, fit=fit, guard=txn.claim)
         except TransactionFenced as exc:
@@ -387,8 +387,8 @@ def _offsets(group: list[Flight]) -> list[TopicPartition]:
     high: dict[TP, int] = {}
     for flight in group:
         for it in flight.items:
-            key = (it.source.topic, it.source.partition)
-            offset = it.source.offset + 1
-            if high.get(key, -1) < offset:
-                high[key] = offset
+            source = it.source
+            key = source[:2]  # (topic, partition)
+            if high.get(key, -1) <= source[2]:
+                high[key] = source[2] + 1
     return [TopicPartition(t, p, o) for (t, p), o in high.items()]

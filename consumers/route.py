@@ -27,12 +27,13 @@ from schemas.encoders import LineageEncoder, ResultEncoder
 
 
 class Produced(NamedTuple):
-    """A message to produce and what it was made from. One per record: the hot path builds it with ``_new_tuple``
-    (``tuple.__new__``; a NamedTuple's own ``__new__`` is Python, twice the cost)."""
+    """A message to produce and what it was made from. Its first four fields are the producer's
+    :data:`~batchline.kafka.record_size.Outgoing` (``message[:4]``). One per record: the hot path builds it with
+    ``_new_tuple`` (``tuple.__new__``; a NamedTuple's own ``__new__`` is Python, twice the cost)."""
 
     topic: str
-    key: bytes
     value: bytes
+    key: bytes
     headers: h.Headers
     kind: str  # result | retry | dlq
     item: WorkItem | None = None  # what it was made from, so the commit line can replace it (see Router.replacement)
@@ -150,7 +151,7 @@ class Router:
         headers: h.Headers = [(h.LINEAGE, lineage), *run_headers]
         if trace is not None:
             headers.append(trace)
-        return _new_tuple(Produced, (self._results_topic, key, encoded, headers, "result", item, None))
+        return _new_tuple(Produced, (self._results_topic, encoded, key, headers, "result", item, None))
 
     # -- failures --------------------------------------------------------------------------------
     def _failure(self, item: WorkItem, failure: Failure, ctx: BatchContext) -> Produced:
@@ -187,7 +188,7 @@ class Router:
         if item.trace_parent:
             headers.append((h.TRACEPARENT, item.trace_parent.encode()))
         return Produced(
-            self.topics.retry(tier), item.request_id.encode(), item.payload, headers, "retry", item, failure
+            self.topics.retry(tier), item.payload, item.request_id.encode(), headers, "retry", item, failure
         )
 
     def _dead_letter(self, item: WorkItem, failure: Failure, small: bool = False) -> Produced:
@@ -218,7 +219,7 @@ class Router:
             (h.REQUEST_ID, item.request_id.encode()),
         ]
         encoded = codec_for("dead_letter").encode(letter)
-        return Produced(self.topics.dlq, item.request_id.encode(), encoded, headers, "dlq", item, failure)
+        return Produced(self.topics.dlq, encoded, item.request_id.encode(), headers, "dlq", item, failure)
 
     # -- what the commit line produces instead of a message the broker cannot take -----------------------
     def replacement(self, message: Produced, reason: str, fits: Callable[[Produced], bool]) -> Produced:
