@@ -29,7 +29,7 @@ import logging
 import threading
 import time
 from collections import deque
-from collections.abc import Callable, Iterable, Mapping
+from collections.abc import Callable, Iterable, Mapping, Sequence
 from dataclasses import dataclass, field
 from typing import Any, Protocol
 
@@ -69,6 +69,7 @@ class Transactions(Protocol):
         before_commit: Callable[[], None] | None = None,
         fit: Fit | None = None,
         guard: Guard | None = None,
+        sizes: Sequence[int] | None = None,
     ) -> CommitReport: ...
 
     def oversize(self, message: Outgoing) -> RecordError | None: ...
@@ -322,7 +323,8 @@ class CommitLine:
 
         outgoing: list[Outgoing] = [m[:4] for m in txn.messages]  # Produced begins with its Outgoing
         try:
-            report = self.producer.commit(outgoing, txn.offsets, None, fit=fit, guard=txn.claim)
+            sizes = [m.size for m in txn.messages]
+            report = self.producer.commit(outgoing, txn.offsets, None, fit=fit, guard=txn.claim, sizes=sizes)
         except TransactionFenced as exc:
             log.warning("batch %s: not committed, %s", txn.batch_id, exc)
             self._settle(exc)

@@ -16,6 +16,7 @@ from typing import NamedTuple
 
 from batchline.config import JobConfig
 from batchline.kafka import headers as h
+from batchline.kafka.record_size import headers_size, length_size, sized
 from batchline.kafka.topics import JobTopics
 from batchline.runs.control import STOP_CLASSES
 from batchline.runs.identity import Fingerprint
@@ -38,6 +39,7 @@ class Produced(NamedTuple):
     kind: str  # result | retry | dlq
     item: WorkItem | None = None  # what it was made from, so the commit line can replace it (see Router.replacement)
     failure: Failure | None = None
+    size: int = 0  # its wire_size() where its maker knew it (results), else 0: the producer computes it
 
 
 _new_tuple = tuple.__new__
@@ -71,7 +73,9 @@ class Router:
             (h.FINGERPRINT, fingerprint.value.encode()),
         ]
         self._results_topic = topics.results
-        self._run_headers: dict[str | None, h.Headers] = {}  # per run: its run-id header, then the fixed ones
+        # per run: its run-id header, then the fixed ones, and what they add to a message's wire size
+        self._run_headers: dict[str | None, tuple[h.Headers, int]] = {}
+        self._lineage_name_bytes = headers_size([(h.LINEAGE, b"")]) - length_size(0)
 
     def route(
         self, items: Sequence[WorkItem], outcomes: dict[int, Outcome], ctx: BatchContext, latency_ms: float
@@ -79,6 +83,7 @@ class Router:
         out: list[Produced] = []
         tail = self._results.tail(latency_ms, int(time.time() * 1000))
         trace = (h.TRACEPARENT, ctx.traceparent.encode()) if ctx.traceparent else None  # the batch's, on each result
+        trace_bytes = headers_size([trace]) if trace is not None else 0
         for i, item in enumerate(items):
             if item.passed_over is not None:
                 continue
@@ -89,7 +94,7 @@ class Router:
                     "nothing of the batch is committed"
                 )
             if isinstance(outcome, EngineOutput):
-                out.append(self._result(item, outcome, ctx, tail, trace))
+                out.append(self._result(item, outcome, ctx, tail, trace, trace_bytes))
             else:
                 out.append(self._failure(item, outcome, ctx))
         return out
@@ -120,7 +125,13 @@ class Router:
         )
 
     def _result(
-        self, item: WorkItem, out: EngineOutput, ctx: BatchContext, tail: bytes, trace: tuple[str, bytes] | None
+        self,
+        item: WorkItem,
+        out: EngineOutput,
+        ctx: BatchContext,
+        tail: bytes,
+        trace: tuple[str, bytes] | None,
+        trace_bytes: int,
     ) -> Produced:
         run_id = item.run_id
         key = item.request_id.encode()
@@ -143,15 +154,19 @@ class Router:
         else:
             source = item.source
             lineage = self._lineage.encode(run_id, source.topic, source.partition, source.offset, ctx.batch_id)
-        run_headers = self._run_headers.get(run_id)
-        if run_headers is None:
+        run = self._run_headers.get(run_id)
+        if run is None:
             if len(self._run_headers) > 1024:  # many runs over a worker's life: keep the cache small
                 self._run_headers.clear()
-            run_headers = self._run_headers[run_id] = [(h.RUN_ID, (run_id or "").encode()), *self._fixed_headers]
-        headers: h.Headers = [(h.LINEAGE, lineage), *run_headers]
+            run_headers = [(h.RUN_ID, (run_id or "").encode()), *self._fixed_headers]
+            run = self._run_headers[run_id] = (run_headers, headers_size(run_headers))
+        headers: h.Headers = [(h.LINEAGE, lineage), *run[0]]
         if trace is not None:
             headers.append(trace)
-        return _new_tuple(Produced, (self._results_topic, encoded, key, headers, "result", item, None))
+        # wire_size(), from the parts: the commit line's size check need not walk the headers again
+        n = len(lineage)
+        size = sized(key, encoded, self._lineage_name_bytes + n + length_size(n) + run[1] + trace_bytes)
+        return _new_tuple(Produced, (self._results_topic, encoded, key, headers, "result", item, None, size))
 
     # -- failures --------------------------------------------------------------------------------
     def _failure(self, item: WorkItem, failure: Failure, ctx: BatchContext) -> Produced:

@@ -53,9 +53,9 @@ def wire_size(message: Outgoing) -> int:
     """The size librdkafka checks against ``message.max.bytes`` (``rd_kafka_msg_max_wire_size``): the record's
     key, value and serialized headers plus the v2 record's maximum overhead.
 
-    Every message of a micro-batch passes here on the commit thread, so the common case is kept short: an ASCII
-    header name is as long in UTF-8 as in characters, a length below 64 is a one-byte varint, and below 8192 a
-    two-byte one."""
+    Every message of a micro-batch passes here on the commit thread unless its maker knew its size
+    (:func:`sized`), so the common case is kept short: an ASCII header name is as long in UTF-8 as in characters, a
+    length below 64 is a one-byte varint, and below 8192 a two-byte one."""
     _, value, key, headers = message
     size = RECORD_V2_MAX_OVERHEAD + len(key or b"") + len(value or b"")
     for name, raw in headers:
@@ -68,3 +68,18 @@ def wire_size(message: Outgoing) -> int:
             + (1 if value_len < 64 else 2 if value_len < 8192 else _varint_size(value_len))
         )
     return size
+
+
+def length_size(n: int) -> int:
+    """The bytes of a header's varint length ``n`` in a v2 record."""
+    return 1 if n < 64 else 2 if n < 8192 else _varint_size(n)
+
+
+def headers_size(headers: list[tuple[str, bytes]]) -> int:
+    """What ``headers`` add to :func:`wire_size`: a maker that reuses headers computes it once for them."""
+    return wire_size(("", None, None, headers)) - RECORD_V2_MAX_OVERHEAD
+
+
+def sized(key: bytes, value: bytes, headers_bytes: int) -> int:
+    """:func:`wire_size` of a message whose headers add ``headers_bytes`` (:func:`headers_size`)."""
+    return RECORD_V2_MAX_OVERHEAD + len(key) + len(value) + headers_bytes

@@ -40,7 +40,7 @@ from __future__ import annotations
 
 import logging
 import time
-from collections.abc import Callable, Iterable, Mapping
+from collections.abc import Callable, Iterable, Mapping, Sequence
 from typing import Any
 
 from confluent_kafka import KafkaError, KafkaException, Message, TopicPartition
@@ -125,6 +125,7 @@ class TransactionalProducer:
         before_commit: Callable[[], None] | None = None,
         fit: Fit | None = None,
         guard: Guard | None = None,
+        sizes: Sequence[int] | None = None,
     ) -> CommitReport:
         """Produce ``messages`` and commit ``offsets`` atomically, or raise TransactionFailed.
 
@@ -132,14 +133,16 @@ class TransactionalProducer:
         transaction (see the module docstring); without it, such a rejection fails the transaction as any error.
         ``before_commit`` runs inside each real transaction, after the messages are produced. With ``guard`` the
         transaction commits only while its partitions are ours (else TransactionFenced), and the offsets go with
-        ``guard.group_metadata()`` instead of ``group_metadata``.
+        ``guard.group_metadata()`` instead of ``group_metadata``. ``sizes``: each message's :func:`wire_size` where
+        its maker knew it (0 where not), so the size check before producing need not compute it.
         """
         outgoing = list(messages)
         report = CommitReport()
         if fit is not None:
             limits, most = self.topic_limits, self.max_message_bytes
-            for i, message in enumerate(outgoing):
-                size = wire_size(message)  # oversize()'s test, inline for every message
+            known = sizes if sizes is not None else [0] * len(outgoing)
+            for i, (message, size) in enumerate(zip(outgoing, known, strict=True)):
+                size = size or wire_size(message)  # oversize()'s test, inline for every message
                 limit = limits.get(message[0])
                 if size > most or (limit is not None and size + RECORD_BATCH_OVERHEAD > limit):
                     error = self.oversize(message)

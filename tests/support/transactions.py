@@ -8,7 +8,7 @@ broker sees is what a real failed transaction leaves. It records what each trans
 
 from __future__ import annotations
 
-from collections.abc import Callable, Iterable
+from collections.abc import Callable, Iterable, Sequence
 from typing import Any
 
 from confluent_kafka import KafkaError, KafkaException, TopicPartition
@@ -44,13 +44,14 @@ class FailingTransactions:
         before_commit: Callable[[], None] | None = None,
         fit: Fit | None = None,
         guard: Guard | None = None,
+        sizes: Sequence[int] | None = None,
     ) -> CommitReport:
         self.calls += 1
         n = self.calls
         outgoing = list(messages)
         hook = _abort if n in self.fail else before_commit
         try:
-            report = self.inner.commit(outgoing, offsets, group_metadata, hook, fit, guard)
+            report = self.inner.commit(outgoing, offsets, group_metadata, hook, fit, guard, sizes)
         except TransactionFailed:
             self.failed[n] = outgoing
             if self.on_failure is not None:
@@ -97,6 +98,7 @@ class LateCommit:
         before_commit: Callable[[], None] | None = None,
         fit: Fit | None = None,
         guard: Guard | None = None,
+        sizes: Sequence[int] | None = None,
     ) -> CommitReport:
         self._land("commit")
         self.calls += 1
@@ -104,7 +106,7 @@ class LateCommit:
         if self.calls == self.lose:
             self.held = (outgoing, offsets, guard.group_metadata() if guard is not None else group_metadata)
             raise TransactionFailed("commit_transaction: answer lost (injected)", True, ambiguous=True)
-        return self.inner.commit(outgoing, offsets, group_metadata, before_commit, fit, guard)
+        return self.inner.commit(outgoing, offsets, group_metadata, before_commit, fit, guard, sizes)
 
     def _land(self, by: str) -> None:
         if self.held is not None:

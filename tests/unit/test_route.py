@@ -14,6 +14,7 @@ from typing import Any
 import pytest
 
 from batchline.kafka import headers as h
+from batchline.kafka.record_size import wire_size
 from batchline.kafka.topics import JobTopics
 from batchline.runs.identity import fingerprint_of
 from consumers.engines.base import EngineOutput
@@ -209,3 +210,38 @@ def test_a_runnable_record_without_an_outcome_stops_the_batch_loudly() -> None:
 
     with pytest.raises(MissingOutcome, match="no outcome for record r2"):
         _route(router, items, {0: EngineOutput(text="ok")})
+
+
+@pytest.mark.parametrize(
+    ("run_id", "offset", "traceparent", "batch_id", "republished"),
+    [
+        (None, 0, CTX.traceparent, "w1-7", False),
+        ("run-a", 41, None, "w1-7", False),
+        ("ränn-ü" * 20, 2**40, CTX.traceparent, "b" * 9000, False),  # a non-ASCII run id, a lineage over 8 KiB
+        ("run-b", 7, CTX.traceparent, "w1-8", True),  # a re-published retry keeps its original coordinates
+    ],
+)
+def test_a_results_size_is_the_wire_size_librdkafka_checks(
+    run_id: str | None, offset: int, traceparent: str | None, batch_id: str, republished: bool
+) -> None:
+    """The commit line checks a result against the topic limits with the size its router computed from the parts
+    (``Produced.size``); it must be ``wire_size`` of the message (librdkafka's own, tests/unit/test_record_size.py)
+    to the byte, or an oversize result would reach the broker."""
+    router = _router()
+    rec = item("r-" + "x" * 300, offset=offset)
+    rec.request = Request(id=rec.request_id, run_id=run_id, prompt="some words here")
+    if republished:
+        rec.headers = {h.ORIGINAL_TOPIC: b"unit.requests", h.ORIGINAL_PARTITION: b"3", h.ORIGINAL_OFFSET: b"99"}
+    out = EngineOutput(text="é" * 5000, finish_reason="stop", completion_tokens=2)
+    ctx = BatchContext(batch_id, "w1", traceparent)
+
+    for _ in range(2):  # the second time from the router's per-run cache
+        (p,) = router.route([rec], {0: out}, ctx, latency_ms=1.0)
+        assert p.size == wire_size(p[:4]) > 0
+
+
+def test_retries_and_dead_letters_leave_their_size_to_the_producer() -> None:
+    router = _router()
+    retried, dead = item("r1"), item("r2")
+    produced = _route(router, [retried, dead], {0: _fail("transient"), 1: _fail("invalid_output")})
+    assert [(p.kind, p.size) for p in produced] == [("retry", 0), ("dlq", 0)]
