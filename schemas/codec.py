@@ -166,7 +166,8 @@ def decode_request(data: bytes | None, max_bytes: int = 1 << 20) -> RequestLike:
     refuses goes through :func:`decode_request_model`'s pydantic path unchanged, so what is accepted, and the error
     of what is not, are pydantic's. Avro gives a ``models.Request``. Callers that need the pydantic model
     (``model_dump``) call :func:`decode_request_model`."""
-    data = _checked(data, max_bytes)
+    if not data or len(data) > max_bytes:
+        data = _checked(data, max_bytes)  # raises DecodeError
     # "{" starts no Avro framing (single-object C3 01, Confluent 00): the common JSON record skips the codec
     if data[:1] == b"{" or not codec_for("request").is_avro(data):
         try:
