@@ -321,7 +321,7 @@ class CommitLine:
             txn.replaced[index] = new
             return _outgoing(new)
 
-        outgoing: list[Outgoing] = [m[:4] for m in txn.messages]  # Produced begins with its Outgoing
+        outgoing: list[Outgoing] = [m[:4] for m in txn.messages]  # _outgoing, without a call a message
         try:
             sizes = [m.size for m in txn.messages]
             report = self.producer.commit(outgoing, txn.offsets, None, fit=fit, guard=txn.claim, sizes=sizes)
@@ -382,7 +382,8 @@ def _failed(
 
 
 def _outgoing(m: Produced) -> Outgoing:
-    return (m.topic, m.value, m.key, m.headers)
+    """What the producer takes of ``m``: its first four fields (CommitLine._commit slices a whole transaction so)."""
+    return m[:4]
 
 
 def _offsets(group: list[Flight]) -> list[TopicPartition]:

@@ -73,6 +73,8 @@ def engine_input(config: JobConfig, item: WorkItem, greedy: Sampling | None = No
     job's greedy sampling, shared by records without overrides (pass it from a loop)."""
     request = item.request
     assert request is not None
+    if greedy is not None and greedy.temperature == 0 and request.sampling is None and not request.messages:
+        return EngineInput(item.request_id, item.prompt, None, greedy, item.attempt)  # most records: no lookups
     job = config.engine.sampling
     over = request.sampling
     messages = tuple(request.messages) if request.messages else None
@@ -158,7 +160,6 @@ class Feeder:
         job = config.engine.sampling
         # shared by the records without overrides of a greedy job; never mutated (re-tries build a new one)
         self._greedy = Sampling(job.temperature, job.top_p, job.max_tokens, None)
-        self._all_greedy = job.temperature == 0  # records without overrides share _greedy (engine_input's rule)
         self.limit = AdaptiveLimit(config.batching.max_in_flight_records)  # records in the running batch at once
         self.stats = FeederStats()
         self.error: BaseException | None = None
@@ -233,18 +234,13 @@ class Feeder:
     def _admit(self, flight: Flight) -> None:
         flight.started_ns = time.time_ns()
         config, greedy, keys, slots, backlog = self.config, self._greedy, self._keys, self._slots, self._backlog
-        shared = greedy if self._all_greedy else None
         pending = passed = 0
         for i, item in enumerate(flight.items):
             if item.passed_over is not None:
                 passed += 1
-            elif (request := item.request) is not None and item.failure is None:  # item.runnable
+            elif item.request is not None and item.failure is None:  # item.runnable
                 key = next(keys)
-                if shared is not None and request.sampling is None and not request.messages:  # most records
-                    inp = EngineInput(item.request_id, item.prompt, None, shared, item.attempt)
-                else:
-                    inp = engine_input(config, item, greedy)
-                slots[key] = _new_slot(_Slot, (flight, i, inp, 0))
+                slots[key] = _new_slot(_Slot, (flight, i, engine_input(config, item, greedy), 0))
                 backlog.append(key)
                 pending += 1
         flight.passed_over = passed
