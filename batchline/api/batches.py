@@ -36,7 +36,13 @@ from batchline.runs.submit import publish_run
 ENDPOINTS = (CHAT, COMPLETIONS, EMBEDDINGS)
 MAX_METADATA = 16
 WINNER_WAIT_S = 30.0
+# The publish producer's queue, bounded both ways: by bytes (librdkafka's default is 1 GB) and by records, because
+# the byte bound counts payloads only. A record's struct, key, headers and its share of the compressed batch being
+# built cost about twice its payload again, so on requests of ~130 bytes the 1 MB bound alone let ~8,700 records
+# (~4 MB) queue, and a 20,000-line file peaked ~3 MB above a 5,000-line one (heaptrack: rd_kafka_msg_new0,
+# rd_buf_init, lz4 at the peak). 2,000 records still fill the broker's batches (two partitions, linger 5 ms).
 PUBLISH_QUEUE_KB = 1024
+PUBLISH_QUEUE_RECORDS = 2000
 # Reading results for an output file: smaller fetches than export's (results compress well and fetch limits count
 # compressed bytes); at 50k results the peak stayed flat against 5k, at about half export's read rate.
 OUTCOMES_READER = {
@@ -147,9 +153,12 @@ def create(
 
 
 def _bounded_producer(kafka: KafkaSettings) -> KafkaSettings:
-    """``kafka`` with the producer's queue bounded (librdkafka's default is 1 GB): publish then waits on the broker
-    rather than queueing a large file's records in memory."""
-    props = dict(kafka.kafka) | {"queue.buffering.max.kbytes": SecretStr(str(PUBLISH_QUEUE_KB))}
+    """``kafka`` with the producer's queue bounded (librdkafka's defaults are 1 GB and 100,000 records): publish then
+    waits on the broker rather than queueing a large file's records in memory."""
+    props = dict(kafka.kafka) | {
+        "queue.buffering.max.kbytes": SecretStr(str(PUBLISH_QUEUE_KB)),
+        "queue.buffering.max.messages": SecretStr(str(PUBLISH_QUEUE_RECORDS)),
+    }
     return kafka.model_copy(update={"kafka": props})
 
 
