@@ -39,8 +39,9 @@ WINNER_WAIT_S = 30.0
 # The publish producer's queue, bounded both ways: by bytes (librdkafka's default is 1 GB) and by records, because
 # the byte bound counts payloads only. A record's struct, key, headers and its share of the compressed batch being
 # built cost about twice its payload again, so on requests of ~130 bytes the 1 MB bound alone let ~8,700 records
-# (~4 MB) queue, and a 20,000-line file peaked ~3 MB above a 5,000-line one (heaptrack: rd_kafka_msg_new0,
-# rd_buf_init, lz4 at the peak). 2,000 records still fill the broker's batches (two partitions, linger 5 ms).
+# (~4 MB) queue, and a 20,000-line file's live heap peaked 5.2 MB above a 5,000-line one's (heaptrack:
+# rd_kafka_msg_new0, rd_buf_init, lz4 at the peak; 1.2 MB with both bounds). At 2,000 a partition's batch holds up
+# to ~1,000 records; the publish rate was not measured against the byte bound alone.
 PUBLISH_QUEUE_KB = 1024
 PUBLISH_QUEUE_RECORDS = 2000
 # Reading results for an output file: smaller fetches than export's (results compress well and fetch limits count
