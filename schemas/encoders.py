@@ -56,6 +56,8 @@ RESULT_FIELDS = (
     "latency_ms",
     "produced_at",
     "value",
+    "choices",
+    "embeddings",
 )
 _DOUBLE = struct.Struct("<d")
 
@@ -135,7 +137,10 @@ class ResultEncoder:
     """Result records as Avro single-object bytes, from plain values."""
 
     def __init__(self, task: str) -> None:
-        _check_fields("result", RESULT_FIELDS)
+        types = _check_fields("result", RESULT_FIELDS)
+        # the rare fields (a record that asked for n, logprobs, tools or several inputs): fastavro writes them
+        self._choices = fastavro.parse_schema(types["choices"], named_schemas={})
+        self._embeddings = fastavro.parse_schema(types["embeddings"], named_schemas={})
         codec = codec_for("result")
         self._header = codec.encode_dict(_empty_result())[:HEADER_LEN]
         self._task = avro_string(task)
@@ -161,8 +166,11 @@ class ResultEncoder:
         attempt: int,
         tail: bytes,
         value: float | None,
+        choices: Sequence[Mapping[str, Any]] | None = None,
+        embeddings: Sequence[Sequence[float]] | None = None,
     ) -> bytes:
-        """A Result; ``tail`` is :meth:`tail` (latency_ms and produced_at)."""
+        """A Result; ``tail`` is :meth:`tail` (latency_ms and produced_at). ``choices`` are plain dicts of
+        ``models.Choice``'s fields."""
         run_task = self._run_task.get(run_id)
         if run_task is None:
             if len(self._run_task) > 1024:  # many runs over a worker's life: keep the cache small
@@ -190,8 +198,16 @@ class ResultEncoder:
                 _SMALL[attempt] if 0 <= attempt < 8192 else zigzag(attempt),
                 tail,
                 b"\x00" if value is None else b"\x02" + _DOUBLE.pack(value),
+                b"\x00" if choices is None else self._rare(self._choices, choices),
+                b"\x00" if embeddings is None else self._rare(self._embeddings, embeddings),
             )
         )
+
+    @staticmethod
+    def _rare(schema: Any, value: Any) -> bytes:
+        buf = io.BytesIO()
+        fastavro.schemaless_writer(buf, schema, value)
+        return buf.getvalue()
 
 
 def _empty_result() -> dict[str, Any]:
@@ -210,6 +226,8 @@ def _empty_result() -> dict[str, Any]:
         "latency_ms": 0.0,
         "produced_at": 0,
         "value": None,
+        "choices": None,
+        "embeddings": None,
     }
 
 

@@ -21,10 +21,13 @@ from __future__ import annotations
 
 import sys
 from collections.abc import Mapping, Sequence
-from typing import Annotated, Protocol
+from typing import TYPE_CHECKING, Annotated, Any, Protocol
 
 import msgspec
 from msgspec import Meta
+
+if TYPE_CHECKING:
+    from schemas.models import StructuredOutput
 
 __all__ = ["ChatMessage", "ChatMessageLike", "Request", "RequestLike", "SamplingLike", "SamplingOverrides", "decode"]
 
@@ -51,6 +54,42 @@ class SamplingLike(Protocol):
 
     @property
     def seed(self) -> int | None: ...
+
+    @property
+    def stop(self) -> Sequence[str] | None: ...
+
+    @property
+    def stop_token_ids(self) -> Sequence[int] | None: ...
+
+    @property
+    def n(self) -> int | None: ...
+
+    @property
+    def logprobs(self) -> int | None: ...
+
+    @property
+    def presence_penalty(self) -> float | None: ...
+
+    @property
+    def frequency_penalty(self) -> float | None: ...
+
+    @property
+    def repetition_penalty(self) -> float | None: ...
+
+    @property
+    def min_tokens(self) -> int | None: ...
+
+    @property
+    def top_k(self) -> int | None: ...
+
+    @property
+    def min_p(self) -> float | None: ...
+
+    @property
+    def logit_bias(self) -> Mapping[str, float] | None: ...
+
+    @property
+    def plain(self) -> bool: ...
 
 
 class RequestLike(Protocol):
@@ -84,7 +123,32 @@ class RequestLike(Protocol):
     def metadata(self) -> Mapping[str, str]: ...
 
     @property
+    def structured(self) -> StructuredOutput | None: ...
+
+    @property
+    def tools(self) -> str | None: ...
+
+    @property
+    def tool_choice(self) -> str | None: ...
+
+    @property
+    def inputs(self) -> Sequence[str] | None: ...
+
+    @property
+    def dimensions(self) -> int | None: ...
+
+    @property
+    def normalize(self) -> bool | None: ...
+
+    @property
+    def plain(self) -> bool: ...
+
+    @property
     def input_text(self) -> str: ...
+
+
+# A field of models.Request that the fast path leaves to pydantic: always None on a Struct decoded here.
+_NONE: Any = property(lambda self: None)
 
 
 class ChatMessage(msgspec.Struct, frozen=True, forbid_unknown_fields=True):
@@ -93,14 +157,23 @@ class ChatMessage(msgspec.Struct, frozen=True, forbid_unknown_fields=True):
 
 
 class SamplingOverrides(msgspec.Struct, frozen=True, forbid_unknown_fields=True):
-    temperature: Annotated[float, Meta(ge=0.0, le=10.0)] | None = None
+    """The four basic fields only: a record that sets any other option of ``models.SamplingOverrides`` is refused
+    here (an unknown field) and takes the pydantic path. The other options read as None, as on the model."""
+
+    temperature: Annotated[float, Meta(ge=0.0, le=2.0)] | None = None
     top_p: Annotated[float, Meta(gt=0.0, le=1.0)] | None = None
     max_tokens: Annotated[int, Meta(ge=1, le=1 << 20)] | None = None
-    seed: int | None = None
+    seed: Annotated[int, Meta(ge=-(1 << 63), le=(1 << 63) - 1)] | None = None
+
+    stop = stop_token_ids = n = logprobs = presence_penalty = frequency_penalty = _NONE
+    repetition_penalty = min_tokens = top_k = min_p = logit_bias = _NONE
+    plain = property(lambda self: True)
 
 
 class Request(msgspec.Struct, frozen=True, forbid_unknown_fields=True):
-    """``models.Request`` on the fast path. Exactly one of ``prompt``, ``messages`` or ``text`` is set."""
+    """``models.Request`` on the fast path: a record of ``prompt``, ``messages`` or ``text`` (exactly one) without
+    per-record options beyond the basic sampling fields. A record that sets one (``structured``, ``tools``,
+    ``inputs``...) is refused here and takes the pydantic path; here they read as None."""
 
     id: Annotated[str, Meta(min_length=1, max_length=512)]
     run_id: Annotated[str, Meta(min_length=1, max_length=256)] | None = None
@@ -112,6 +185,9 @@ class Request(msgspec.Struct, frozen=True, forbid_unknown_fields=True):
     # allow_inf_nan=False in the model; msgspec reads no NaN and refuses an overflow, the bound says it anyway
     value: Annotated[float, Meta(ge=0.0, le=sys.float_info.max)] = 1.0
     metadata: dict[str, str] = {}
+
+    structured = tools = tool_choice = inputs = dimensions = normalize = _NONE
+    plain = property(lambda self: True)
 
     def __post_init__(self) -> None:
         # models.Request._one_input; raised here it is a msgspec.ValidationError, and the pydantic path takes over

@@ -6,13 +6,20 @@ Field names match the ``.avsc`` files one to one; a unit test keeps them in step
 from __future__ import annotations
 
 import hashlib
+import json
 from datetime import datetime
-from typing import Annotated
+from typing import Annotated, Any
 
-from pydantic import BaseModel, ConfigDict, Field, StringConstraints, model_validator
+from pydantic import BaseModel, ConfigDict, Field, StringConstraints, field_validator, model_validator
 
 OMITTED_KEEP_CHARS = 1000  # what a dead letter too large for its topic keeps of its error message and output
 RequestId = Annotated[str, StringConstraints(min_length=1, max_length=512)]
+# Hard bounds of a record's options, whatever the job allows (a job's limits, batchline.config.LimitsConfig, are
+# at most these): vLLM's own where it has one.
+MAX_N = 128
+MAX_LOGPROBS = 20  # vLLM's default max_logprobs; OpenAI's top_logprobs allows 0-20
+MAX_STOP = 64
+MAX_INPUTS = 2048  # OpenAI's limit of inputs in one embeddings request
 
 
 class _Record(BaseModel):
@@ -25,16 +32,112 @@ class ChatMessage(_Record):
 
 
 class SamplingOverrides(_Record):
-    """Per-record sampling parameters; unset fields fall back to the job's."""
+    """Per-record sampling parameters, as vLLM's ``SamplingParams`` means them; unset fields fall back to the job's.
 
-    temperature: Annotated[float, Field(ge=0.0, le=10.0)] | None = None
+    The bounds are vLLM's own (``SamplingParams._verify_args``), so a value vLLM would refuse is refused when the
+    record is decoded (an ``invalid_input`` dead letter naming the field), never inside the engine."""
+
+    temperature: Annotated[float, Field(ge=0.0, le=2.0)] | None = None
     top_p: Annotated[float, Field(gt=0.0, le=1.0)] | None = None
     max_tokens: Annotated[int, Field(ge=1, le=1 << 20)] | None = None
-    seed: int | None = None
+    seed: Annotated[int, Field(ge=-(1 << 63), lt=1 << 63)] | None = None
+    stop: Annotated[list[Annotated[str, StringConstraints(min_length=1)]], Field(max_length=MAX_STOP)] | None = None
+    stop_token_ids: Annotated[list[Annotated[int, Field(ge=0, lt=1 << 31)]], Field(max_length=MAX_STOP)] | None = None
+    n: Annotated[int, Field(ge=1, le=MAX_N)] | None = None
+    logprobs: Annotated[int, Field(ge=0, le=MAX_LOGPROBS)] | None = None
+    presence_penalty: Annotated[float, Field(ge=-2.0, le=2.0)] | None = None
+    frequency_penalty: Annotated[float, Field(ge=-2.0, le=2.0)] | None = None
+    repetition_penalty: Annotated[float, Field(gt=0.0, le=2.0)] | None = None
+    min_tokens: Annotated[int, Field(ge=0, le=1 << 20)] | None = None
+    top_k: Annotated[int, Field(ge=-1, le=1 << 20)] | None = None
+    min_p: Annotated[float, Field(ge=0.0, le=1.0)] | None = None
+    logit_bias: dict[str, Annotated[float, Field(ge=-100.0, le=100.0)]] | None = None
+
+    @field_validator("logit_bias")
+    @classmethod
+    def _token_ids(cls, bias: dict[str, float] | None) -> dict[str, float] | None:
+        for key in bias or ():
+            if not key.isascii() or not key.isdigit() or int(key) >= 1 << 31:
+                raise ValueError(f"logit_bias keys are token ids (decimal integers), got {key!r}")
+        return bias
+
+    @model_validator(mode="after")
+    def _min_below_max(self) -> SamplingOverrides:
+        if self.min_tokens is not None and self.max_tokens is not None and self.min_tokens > self.max_tokens:
+            raise ValueError(f"min_tokens {self.min_tokens} > max_tokens {self.max_tokens}")
+        return self
+
+    @property
+    def plain(self) -> bool:
+        """Only the four basic fields are set: the record needs no :class:`EngineOptions` of its own."""
+        return all(getattr(self, name) is None for name in EXTENDED_SAMPLING)
+
+
+# The fields beyond temperature, top_p, max_tokens and seed (a record with one of them set leaves the greedy path).
+EXTENDED_SAMPLING = (
+    "stop",
+    "stop_token_ids",
+    "n",
+    "logprobs",
+    "presence_penalty",
+    "frequency_penalty",
+    "repetition_penalty",
+    "min_tokens",
+    "top_k",
+    "min_p",
+    "logit_bias",
+)
+
+
+def _as_json_text(value: Any) -> Any:
+    """A JSON value given as an object or list is kept as its JSON text (the Avro field is a string)."""
+    if isinstance(value, dict | list):
+        return json.dumps(value, separators=(",", ":"), sort_keys=True)
+    return value
+
+
+class StructuredOutput(_Record):
+    """vLLM's structured outputs for one record: exactly one constraint. ``json_schema`` is JSON text (an object
+    is accepted and kept as its text)."""
+
+    json_schema: str | None = None
+    json_object: bool = False
+    regex: Annotated[str, StringConstraints(min_length=1)] | None = None
+    choice: Annotated[list[str], Field(min_length=1)] | None = None
+    grammar: Annotated[str, StringConstraints(min_length=1)] | None = None
+
+    _text = field_validator("json_schema", mode="before")(_as_json_text)
+
+    @field_validator("json_schema")
+    @classmethod
+    def _schema_object(cls, text: str | None) -> str | None:
+        if text is None:
+            return None
+        try:
+            schema = json.loads(text)
+        except (ValueError, RecursionError) as exc:
+            raise ValueError(f"json_schema is not JSON: {exc}") from None
+        if not isinstance(schema, dict):
+            raise ValueError("json_schema must be a JSON object")
+        return text
+
+    @model_validator(mode="after")
+    def _exactly_one(self) -> StructuredOutput:
+        given = [n for n in STRUCTURED_KINDS if getattr(self, n) not in (None, False)]
+        if len(given) != 1:
+            raise ValueError(f"structured takes exactly one of {', '.join(STRUCTURED_KINDS)} (got {given or 'none'})")
+        return self
+
+    @property
+    def kind(self) -> str:
+        return next(n for n in STRUCTURED_KINDS if getattr(self, n) not in (None, False))
+
+
+STRUCTURED_KINDS = ("json_schema", "json_object", "regex", "choice", "grammar")
 
 
 class Request(_Record):
-    """A unit of work. Exactly one of ``prompt``, ``messages`` or ``text`` is set."""
+    """A unit of work. Exactly one of ``prompt``, ``messages``, ``text`` or ``inputs`` is set."""
 
     model_config = ConfigDict(frozen=True, extra="ignore")
 
@@ -47,14 +150,37 @@ class Request(_Record):
     priority: int = 0
     value: Annotated[float, Field(ge=0.0, allow_inf_nan=False)] = 1.0
     metadata: dict[str, str] = Field(default_factory=dict)
+    structured: StructuredOutput | None = None
+    tools: str | None = None
+    tool_choice: str | None = None
+    inputs: Annotated[list[str], Field(min_length=1, max_length=MAX_INPUTS)] | None = None
+    dimensions: Annotated[int, Field(ge=1, le=1 << 16)] | None = None
+    normalize: bool | None = None
+
+    _json_text = field_validator("tools", "tool_choice", mode="before")(_as_json_text)
+
+    @field_validator("tools")
+    @classmethod
+    def _tool_list(cls, text: str | None) -> str | None:
+        if text is not None:
+            try:
+                tools = json.loads(text)
+            except (ValueError, RecursionError) as exc:
+                raise ValueError(f"tools is not JSON: {exc}") from None
+            if not isinstance(tools, list) or not tools:
+                raise ValueError("tools must be a non-empty list")
+        return text
 
     @model_validator(mode="after")
     def _one_input(self) -> Request:
-        if (self.prompt is not None) + (self.messages is not None) + (self.text is not None) != 1:
-            given = [n for n in ("prompt", "messages", "text") if getattr(self, n) is not None]
-            raise ValueError(f"exactly one of prompt, messages, text must be set (got {given or 'none'})")
+        sources = ("prompt", "messages", "text", "inputs")
+        if sum(getattr(self, n) is not None for n in sources) != 1:
+            given = [n for n in sources if getattr(self, n) is not None]
+            raise ValueError(f"exactly one of prompt, messages, text, inputs must be set (got {given or 'none'})")
         if self.messages is not None and not self.messages:
             raise ValueError("messages must not be empty")
+        if (self.tools is not None or self.tool_choice is not None) and self.messages is None:
+            raise ValueError("tools and tool_choice need chat messages")
         return self
 
     @property
@@ -62,7 +188,52 @@ class Request(_Record):
         """The record's input as one string (chat messages joined), for token counting and hashing."""
         if self.messages is not None:
             return "\n".join(f"{m.role}: {m.content}" for m in self.messages)
+        if self.inputs is not None:
+            return "\n".join(self.inputs)
         return self.prompt if self.prompt is not None else (self.text or "")
+
+    @property
+    def plain(self) -> bool:
+        """No option beyond the basic sampling fields: the engine's common path serves it."""
+        return (
+            self.structured is None
+            and self.tools is None
+            and self.tool_choice is None
+            and self.inputs is None
+            and self.dimensions is None
+            and self.normalize is None
+            and (self.sampling is None or self.sampling.plain)
+        )
+
+
+class TopLogprob(_Record):
+    token: str
+    token_id: int
+    logprob: float
+
+
+class TokenLogprob(_Record):
+    """A generated token's log-probability, with the ``top`` alternatives the record asked for."""
+
+    token: str
+    token_id: int
+    logprob: float
+    top: list[TopLogprob] = Field(default_factory=list)
+
+
+class ToolCall(_Record):
+    id: str
+    name: str
+    arguments: str  # JSON text, as the model wrote it
+
+
+class Choice(_Record):
+    index: int
+    text: str | None = None
+    finish_reason: str | None = None
+    completion_tokens: int = 0
+    logprobs: list[TokenLogprob] | None = None
+    tool_calls: list[ToolCall] | None = None
 
 
 class Result(_Record):
@@ -80,6 +251,8 @@ class Result(_Record):
     latency_ms: float = 0.0
     produced_at: datetime
     value: float | None = None  # the request's value weight (None: a result written before the field existed)
+    choices: list[Choice] | None = None  # with n, logprobs or tool calls: every choice (output repeats the first)
+    embeddings: list[list[float]] | None = None  # a record with several inputs: one embedding each
 
 
 class DeadLetter(_Record):

@@ -122,6 +122,17 @@ def _blocks(item: Step, keyed: bool) -> Step:
     return walk
 
 
+def _record(steps: list[Step]) -> Step:
+    """A nested record: its fields in order (stepped over; a record is never a value the ledger reads)."""
+
+    def walk(data: bytes, pos: int) -> tuple[None, int]:
+        for step in steps:
+            _, pos = step(data, pos)
+        return None, pos
+
+    return walk
+
+
 def _optional(step: Step) -> Step:
     def walk(data: bytes, pos: int) -> tuple[Any, int]:
         branch = data[pos]
@@ -160,6 +171,9 @@ def _step(avro_type: Any) -> Step | None:
     if kind in ("array", "map"):
         inner = _step(avro_type["items" if kind == "array" else "values"])
         return _blocks(inner, keyed=kind == "map") if inner is not None else None
+    if kind == "record":
+        steps = [_step(f["type"]) for f in avro_type["fields"]]
+        return _record([s for s in steps if s is not None]) if all(s is not None for s in steps) else None
     return None
 
 

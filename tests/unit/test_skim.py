@@ -37,6 +37,24 @@ stamps = st.integers(min_value=-(2**41), max_value=2**44).map(  # 1900 .. 2527: 
 )
 float32s = st.floats(width=32, allow_nan=False)
 
+TOP = st.fixed_dictionaries({"token": texts, "token_id": longs, "logprob": doubles})
+CHOICES = st.fixed_dictionaries(
+    {
+        "index": ints,
+        "text": st.none() | texts,
+        "finish_reason": st.none() | texts,
+        "completion_tokens": ints,
+        "logprobs": st.none()
+        | st.lists(
+            st.fixed_dictionaries(
+                {"token": texts, "token_id": longs, "logprob": doubles, "top": st.lists(TOP, max_size=2)}
+            ),
+            max_size=3,
+        ),
+        "tool_calls": st.none()
+        | st.lists(st.fixed_dictionaries({"id": texts, "name": texts, "arguments": texts}), max_size=2),
+    }
+)
 RESULTS = st.fixed_dictionaries(
     {
         "request_id": texts,
@@ -53,6 +71,8 @@ RESULTS = st.fixed_dictionaries(
         "latency_ms": doubles,
         "produced_at": stamps,
         "value": st.none() | doubles,
+        "choices": st.none() | st.lists(CHOICES, max_size=3),
+        "embeddings": st.none() | st.lists(st.lists(float32s, max_size=3), max_size=3),
     }
 )
 LETTERS = st.fixed_dictionaries(
@@ -84,6 +104,7 @@ def _old(name: str) -> tuple[Any, bytes]:
 
 
 RESULT_V1, RESULT_V1_FP = _old("result.v1.avsc")
+RESULT_V2, RESULT_V2_FP = _old("result.v2.avsc")
 
 
 def framed(kind: str, record: dict[str, Any], framing: str) -> bytes:
@@ -96,7 +117,10 @@ def framed(kind: str, record: dict[str, Any], framing: str) -> bytes:
         head = b"\x00" + struct.pack(">I", 7)
     elif framing == "v1":
         schema, head = RESULT_V1, b"\xc3\x01" + RESULT_V1_FP
-        record = {k: v for k, v in record.items() if k != "value"}
+        record = {k: v for k, v in record.items() if k not in ("value", "choices", "embeddings")}
+    elif framing == "v2":
+        schema, head = RESULT_V2, b"\xc3\x01" + RESULT_V2_FP
+        record = {k: v for k, v in record.items() if k not in ("choices", "embeddings")}
     buf = io.BytesIO(head)
     buf.seek(len(head))
     fastavro.schemaless_writer(buf, schema, record)
@@ -145,7 +169,7 @@ def corrupt(data: bytes, how: int, at: int, junk: bytes) -> bytes:
 
 
 @settings(max_examples=300, deadline=None)
-@given(RESULTS, st.sampled_from(["spec", "legacy", "confluent", "v1"]))
+@given(RESULTS, st.sampled_from(["spec", "legacy", "confluent", "v1", "v2"]))
 def test_a_valid_result_of_any_version_is_skimmed_to_what_the_codec_reads(record: dict[str, Any], how: str) -> None:
     data = framed("result", record, how)
     assert Skimmer(codec_for("result"), ("request_id",)).read(data) is not None, "the fast path took it"
