@@ -19,6 +19,7 @@ from pydantic import BaseModel, ConfigDict, Field, ValidationError, field_valida
 from pydantic_settings import BaseSettings, SettingsConfigDict
 
 from batchline.exceptions import ConfigError
+from schemas.models import MAX_LOGPROBS, MAX_N
 
 # The Kafka concern (TLS, SASL, the librdkafka passthrough) has its own module; its names are here as before.
 from batchline.kafka.settings import DEFAULT_BOOTSTRAP as DEFAULT_BOOTSTRAP
@@ -153,6 +154,11 @@ class EngineConfig(_Frozen):
         "(`batching.pipeline_depth` calls queued). vllm pooling (embed, classify by embedding) never streams.",
     )
     deterministic: DeterministicConfig = Field(default_factory=DeterministicConfig)
+    tool_parser: str | None = Field(
+        None,
+        description="vllm: the tool-call parser of the model's chat format (vLLM's `--tool-call-parser` names: "
+        "`hermes`, `llama3_json`, ...). Unset: a record that carries `tools` is refused (invalid_input).",
+    )
     engine_kwargs: dict[str, Any] = Field(
         default_factory=dict,
         description="Passed through to the engine: vLLM `LLM(...)` kwargs (`enforce_eager`, `dtype`, ...). "
@@ -184,6 +190,29 @@ class EngineConfig(_Frozen):
         if deterministic:
             data["deterministic"] = deterministic
         return data
+
+
+class LimitsConfig(_Frozen):
+    """What one record may ask of the engine (schemas/models.py holds the hard bounds these stay within). A record
+    over a limit is refused at intake as ``invalid_input`` naming the field and the limit; none changes outputs,
+    so none is in the config digest."""
+
+    max_n: int = Field(16, ge=1, le=MAX_N, description="Choices per record (`sampling.n`) at most.")
+    max_logprobs: int = Field(
+        MAX_LOGPROBS, ge=0, le=MAX_LOGPROBS, description="Top alternatives per token (`sampling.logprobs`) at most."
+    )
+    max_schema_bytes: int = Field(
+        65536,
+        ge=2,
+        description="Largest per-record structured-output constraint (JSON schema, regex, grammar or choices, as "
+        "UTF-8 bytes): compiling one costs engine time for the whole batch.",
+    )
+    max_tokens: int | None = Field(
+        None,
+        ge=1,
+        description="Cap on a record's completion tokens, whatever it asks. Unset: a record runs to the model's "
+        "context (`engine.max_model_len`) at most, as vLLM does.",
+    )
 
 
 class BatchingConfig(_Frozen):
@@ -324,6 +353,7 @@ class JobConfig(_Frozen):
     validation: ValidationConfig = Field(default_factory=ValidationConfig)
     schedule: ScheduleConfig = Field(default_factory=ScheduleConfig)
     telemetry: TelemetryConfig = Field(default_factory=TelemetryConfig)
+    limits: LimitsConfig = Field(default_factory=LimitsConfig)
     max_request_bytes: int = Field(1 << 20, ge=64, description="Larger payloads are invalid_input.")
 
 

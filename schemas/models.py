@@ -19,6 +19,7 @@ RequestId = Annotated[str, StringConstraints(min_length=1, max_length=512)]
 MAX_N = 128
 MAX_LOGPROBS = 20  # vLLM's default max_logprobs; OpenAI's top_logprobs allows 0-20
 MAX_STOP = 64
+MAX_TOKENS = 1 << 20  # a record asking this many (or more than fit) runs to the model's context, as vLLM does
 MAX_INPUTS = 2048  # OpenAI's limit of inputs in one embeddings request
 
 
@@ -39,7 +40,7 @@ class SamplingOverrides(_Record):
 
     temperature: Annotated[float, Field(ge=0.0, le=2.0)] | None = None
     top_p: Annotated[float, Field(gt=0.0, le=1.0)] | None = None
-    max_tokens: Annotated[int, Field(ge=1, le=1 << 20)] | None = None
+    max_tokens: Annotated[int, Field(ge=1, le=MAX_TOKENS)] | None = None
     seed: Annotated[int, Field(ge=-(1 << 63), lt=1 << 63)] | None = None
     stop: Annotated[list[Annotated[str, StringConstraints(min_length=1)]], Field(max_length=MAX_STOP)] | None = None
     stop_token_ids: Annotated[list[Annotated[int, Field(ge=0, lt=1 << 31)]], Field(max_length=MAX_STOP)] | None = None
