@@ -1,7 +1,8 @@
 """Intake: a Kafka message becomes a WorkItem - decoded, validated, its prompt rendered and counted.
 
 Nothing raised here: a bad record becomes a WorkItem with an ``invalid_input`` failure, so it rides in its
-batch (its offset is committed with its neighbours') and leaves as a dead letter.
+batch (its offset is committed with its neighbours') and leaves as a dead letter. That includes a record whose own
+options this job cannot honour (``consumers.options``): refused by name, never ignored.
 """
 
 from __future__ import annotations
@@ -13,6 +14,7 @@ from confluent_kafka import Message
 
 from batchline.config import JobConfig
 from batchline.kafka import headers as h
+from consumers.options import refusal
 from consumers.work import Failure, Source, WorkItem
 from schemas.codec import DecodeError, decode_request, fallback_id
 
@@ -63,11 +65,18 @@ class Intake:
         if self._generate and request.text is not None:
             item.failure = Failure("invalid_input", "WrongInput", "generate jobs take prompt or messages, not text")
             return item
-        if not self._generate and request.text is None and request.prompt is None:
+        if not self._generate and request.text is None and request.prompt is None and request.inputs is None:
             item.failure = Failure("invalid_input", "WrongInput", f"{self.config.task} jobs take text or prompt")
             return item
+        if not request.plain and (refused := refusal(request, self.config)) is not None:
+            item.failure = refused
+            return item
         item.prompt = prompt = render_prompt(self._template, request.input_text)
-        item.prompt_tokens = tokens = self.count_tokens(prompt)
+        if request.inputs is None:
+            item.prompt_tokens = tokens = self.count_tokens(prompt)
+        else:  # several texts, embedded one by one: each must fit
+            counts = [self.count_tokens(render_prompt(self._template, text)) for text in request.inputs]
+            item.prompt_tokens, tokens = sum(counts), max(counts)
         limit = self._max_model_len
         if tokens > limit:
             item.failure = Failure(

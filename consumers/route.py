@@ -148,6 +148,8 @@ class Router:
             item.attempt,
             tail,
             item.weight,
+            None if out.choices is None else [c.model_dump() for c in out.choices],
+            out.embeddings,
         )
         if item.headers and h.ORIGINAL_TOPIC in item.headers:  # a re-published retry
             lineage = self._lineage.encode(run_id, *self._source(item), ctx.batch_id)

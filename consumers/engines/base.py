@@ -15,10 +15,11 @@ from __future__ import annotations
 
 from collections.abc import Iterable, Sequence
 from dataclasses import dataclass
-from typing import Protocol, runtime_checkable
+from typing import Any, Protocol, runtime_checkable
 
 from consumers.work import Failure
 from schemas import ChatMessageLike
+from schemas.models import Choice, StructuredOutput
 
 
 # The records below are built per record on the hot path: slotted, and not frozen (a frozen dataclass's
@@ -31,6 +32,50 @@ class Sampling:
     seed: int | None = None
 
 
+@dataclass(slots=True, frozen=True)
+class Options:
+    """What one record asks beyond the basic sampling, as vLLM's ``SamplingParams`` / ``PoolingParams`` mean it.
+    None on an :class:`EngineInput` for nearly every record; built by ``consumers.options`` from a request that
+    intake already checked against vLLM's bounds and the job's limits. An engine honours each field or returns an
+    ``invalid_input`` Failure naming it: never ignores one."""
+
+    stop: tuple[str, ...] = ()
+    stop_token_ids: tuple[int, ...] = ()
+    n: int = 1
+    logprobs: int | None = None  # top alternatives per token; 0: the sampled token's log-probability alone
+    presence_penalty: float = 0.0
+    frequency_penalty: float = 0.0
+    repetition_penalty: float = 1.0
+    min_tokens: int = 0
+    top_k: int = 0  # 0 or -1: off
+    min_p: float = 0.0
+    logit_bias: dict[int, float] | None = None
+    structured: StructuredOutput | None = None  # the record's own constraint (the job's engine.json_schema else)
+    tools: tuple[dict[str, Any], ...] | None = None  # OpenAI's tool definitions
+    tool_choice: str | dict[str, Any] | None = None  # "none" | "auto" | "required" | {"type": "function", ...}
+    inputs: tuple[str, ...] | None = None  # embed: several texts, one embedding each
+    dimensions: int | None = None
+    normalize: bool | None = None
+
+    @property
+    def forced_tool(self) -> str | None:
+        """The function the record forces (a named ``tool_choice``), else None."""
+        choice = self.tool_choice
+        if isinstance(choice, dict):
+            return str(choice.get("function", {}).get("name"))
+        return None
+
+    @property
+    def calls_tools(self) -> bool:
+        """The output must be tool calls: ``tool_choice`` is "required" or names a function."""
+        return bool(self.tools) and (self.tool_choice == "required" or isinstance(self.tool_choice, dict))
+
+    @property
+    def detailed(self) -> bool:
+        """The result carries its choices: several, log-probabilities, or tools offered."""
+        return self.n > 1 or self.logprobs is not None or bool(self.tools)
+
+
 @dataclass(slots=True)
 class EngineInput:
     request_id: str
@@ -38,6 +83,7 @@ class EngineInput:
     messages: tuple[ChatMessageLike, ...] | None
     sampling: Sampling
     attempt: int = 1
+    options: Options | None = None
 
 
 @dataclass(slots=True)
@@ -49,6 +95,8 @@ class EngineOutput:
     finish_reason: str | None = None
     prompt_tokens: int = 0
     completion_tokens: int = 0
+    choices: list[Choice] | None = None  # a record that asked for n, logprobs or tools: all of them (text = first's)
+    embeddings: list[list[float]] | None = None  # a record with several inputs: one each (embedding stays None)
 
 
 # What became of one record: its output, or why it has none (one failure type from the engine to the sink;
