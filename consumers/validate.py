@@ -38,9 +38,9 @@ class OutputValidator:
                     return "empty embedding"
                 if not all(math.isfinite(x) for x in vector):
                     return "embedding has non-finite values"
-            if options is not None and options.dimensions is not None:
-                if any(len(v) != options.dimensions for v in vectors):
-                    return f"embedding size is not the {options.dimensions} dimensions asked"
+            dimensions = options.dimensions if options is not None else None
+            if dimensions is not None and any(len(v) != dimensions for v in vectors):
+                return f"embedding size is not the {dimensions} dimensions asked"
             return None
         if self.task == "classify":
             if out.label is None:
