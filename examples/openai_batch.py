@@ -51,10 +51,17 @@ def download(client: OpenAI, file_id: str | None) -> list[dict[str, object]]:
     return [json.loads(line) for line in client.files.content(file_id).text.splitlines() if line]
 
 
+def error_code(line: dict[str, object]) -> str:
+    """An error line's code: a request that ran and failed carries it in its response's error body (status 400 or
+    500), one that never ran (``batch_cancelled``, ``batch_expired``) in ``error``, as OpenAI writes them."""
+    error = line["error"] or line["response"]["body"]["error"]  # type: ignore[index]
+    return str(error["code"])  # type: ignore[index]
+
+
 def report(client: OpenAI, name: str, batch: object) -> None:
     output, errors = download(client, batch.output_file_id), download(client, batch.error_file_id)  # type: ignore[attr-defined]
     counts = batch.request_counts  # type: ignore[attr-defined]
-    codes = sorted({str(e["error"]["code"]) for e in errors})  # type: ignore[index]
+    codes = sorted({error_code(e) for e in errors})
     print(f"{name} {batch.status}: {counts.completed} completed, {counts.failed} failed of {counts.total}; "  # type: ignore[attr-defined]
           f"output file {len(output)} lines, error file {len(errors)} lines {codes}")  # fmt: skip
 

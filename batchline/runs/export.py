@@ -3,29 +3,30 @@
 ``PATH`` holds one line (or Parquet row) per request id of the run that has a result, with its lineage;
 ``PATH.errors.jsonl`` holds one line per request id whose outcome is a dead letter (and no result). Formats:
 
-- ``jsonl``: the Result's fields plus ``lineage`` (the Lineage header's fields); error lines are the DeadLetter's
-  fields, with the original request (``request``) when it decodes, else its bytes (``payload`` or ``payload_base64``).
-- ``openai``: the OpenAI Batch API's output and error line shapes, ``{id, custom_id, response, error}``, with
-  ``custom_id`` = the request id (``submit --format openai`` made the custom_id the request id). The response body
-  is a ``chat.completion`` (generate, classify: the label is the message) or an embedding ``list`` (embed), with
-  ``model`` = the lineage's model id, ``system_fingerprint`` = the run's fingerprint, and batchline's extras
-  (attempt, latency, label scores, lineage) under ``body.batchline``. Error lines carry
-  ``error: {code: failure class, message}`` and ``response: null``; records of a cancelled or expired run (dead
-  letters of class ``cancelled`` / ``expired``) carry OpenAI's codes ``batch_cancelled`` / ``batch_expired``.
-- ``parquet``: one row per result (``scores`` a map, ``embedding`` a list, ``lineage`` a struct), written in row
+- ``jsonl``: the Result's fields (``choices`` and ``embeddings`` included) plus ``lineage`` (the Lineage header's
+  fields); error lines are the DeadLetter's fields, with the original request (``request``) when it decodes, else
+  its bytes (``payload`` or ``payload_base64``).
+- ``openai``: the OpenAI Batch API's output and error lines (:mod:`batchline.runs.openai_lines`), ``{id,
+  custom_id, response, error}`` plus batchline's extras (attempt, latency, label scores, lineage) as a top-level
+  ``batchline`` object, with ``custom_id`` = the request id (``submit --format openai`` made the custom_id the
+  request id). The response body is a ``chat.completion`` with every choice, its logprobs and tool calls
+  (generate, classify: the label is the message), a ``text_completion``, or an embedding ``list`` with one entry
+  per input (embed). A failed request is a 400 (``invalid_input``) or 500 response with OpenAI's error body;
+  records of a cancelled or expired run carry OpenAI's ``error`` codes ``batch_cancelled`` / ``batch_expired``.
+- ``parquet``: one row per result (``scores`` a map, ``embedding`` a list, ``embeddings`` a list of lists,
+  ``choices`` a list of structs with their logprobs and tool calls nested, ``lineage`` a struct), written in row
   groups; the error file is JSONL as above.
 
 It streams (:class:`batchline.runs.outcomes.RunOutcomes`): results are read once, in topic order, committed ones
 only (``scan`` leaves records of aborted transactions out, on the embedded broker too), and written as they come,
 the first copy of each request id only; the dead letters of the ids without a result are written at the end;
 memory stays flat whatever the run's size. Both files are written under a ``.part`` name and renamed when
-complete. The ``openai`` line shapes are also what the API server (``batchline.api``) streams.
+complete.
 """
 
 from __future__ import annotations
 
 import base64
-import hashlib
 import json
 import logging
 from collections.abc import Callable
@@ -36,8 +37,10 @@ from typing import IO, Any, Literal, Protocol
 from batchline.config import KafkaSettings
 from batchline.exceptions import NotFoundError, UsageError
 from batchline.kafka.topics import JobTopics
-from batchline.runs.control import OPENAI_CODES, OPENAI_MESSAGES
 from batchline.runs.manifests import RunsView
+from batchline.runs.openai_lines import openai_error as openai_error
+from batchline.runs.openai_lines import openai_output as openai_output
+from batchline.runs.openai_lines import openai_stopped as openai_stopped
 from batchline.runs.outcomes import RunOutcomes
 from schemas import DeadLetter, Lineage, Result, RunManifest
 from schemas.codec import DecodeError, decode_request_model
@@ -46,8 +49,6 @@ log = logging.getLogger(__name__)
 Format = Literal["jsonl", "openai", "parquet"]
 FORMATS: tuple[str, ...] = ("jsonl", "openai", "parquet")
 ROW_GROUP = 8192  # Parquet rows buffered per row group
-CHAT_ENDPOINT = "/v1/chat/completions"
-COMPLETIONS_ENDPOINT = "/v1/completions"
 
 
 @dataclass
@@ -103,68 +104,6 @@ def letter_json(letter: DeadLetter) -> dict[str, Any]:
     return row
 
 
-def _ref(run_id: str | None, request_id: str) -> str:
-    return hashlib.sha256(f"{run_id}\x1f{request_id}".encode()).hexdigest()[:24]
-
-
-def openai_output(
-    result: Result, lineage: Lineage | None, endpoint: str = CHAT_ENDPOINT, model: str | None = None
-) -> dict[str, Any]:
-    """One line of an OpenAI batch output file for ``result``: the response body of ``endpoint`` (a
-    ``chat.completion``, a ``text_completion`` or an embedding ``list``); ``model``: the name the request asked
-    for (default: the lineage's model id)."""
-    ref, model = _ref(result.run_id, result.request_id), model or (lineage.model_id if lineage else None)
-    prompt, completion = result.prompt_tokens, result.completion_tokens
-    body: dict[str, Any]
-    if result.task == "embed":
-        data = [{"object": "embedding", "index": 0, "embedding": result.embedding}]
-        body = {"object": "list", "data": data, "model": model}
-        body["usage"] = {"prompt_tokens": prompt, "total_tokens": prompt}
-    else:
-        content = result.output if result.output is not None else result.label
-        finish = result.finish_reason or "stop"
-        created = int(result.produced_at.timestamp())
-        if endpoint == COMPLETIONS_ENDPOINT:
-            choice: dict[str, Any] = {"text": content, "index": 0, "logprobs": None, "finish_reason": finish}
-            body = {"id": f"cmpl-{ref}", "object": "text_completion", "created": created}
-        else:
-            message = {"role": "assistant", "content": content}
-            choice = {"index": 0, "message": message, "logprobs": None, "finish_reason": finish}
-            body = {"id": f"chatcmpl-{ref}", "object": "chat.completion", "created": created}
-        body |= {"model": model, "choices": [choice]}
-        body["usage"] = {"prompt_tokens": prompt, "completion_tokens": completion, "total_tokens": prompt + completion}
-        body["system_fingerprint"] = lineage.fingerprint if lineage else None
-    body["batchline"] = {
-        "run_id": result.run_id,
-        "task": result.task,
-        "label": result.label,
-        "scores": result.scores,
-        "attempt": result.attempt,
-        "latency_ms": result.latency_ms,
-        "lineage": lineage.model_dump(mode="json") if lineage else None,
-    }
-    response = {"status_code": 200, "request_id": f"req_{ref}", "body": body}
-    return {"id": f"batch_req_{ref}", "custom_id": result.request_id, "response": response, "error": None}
-
-
-def openai_error(letter: DeadLetter) -> dict[str, Any]:
-    """One line of an OpenAI batch error file for a dead letter. A record of a cancelled or expired run gets
-    OpenAI's own codes and messages (``batch_cancelled``, ``batch_expired``)."""
-    code = OPENAI_CODES.get(letter.failure_class, letter.failure_class)
-    message = OPENAI_MESSAGES.get(letter.failure_class) or f"{letter.error_type}: {letter.error_message}"
-    error = {"code": code, "message": message}
-    ref = _ref(letter.run_id, letter.request_id)
-    return {"id": f"batch_req_{ref}", "custom_id": letter.request_id, "response": None, "error": error}
-
-
-def openai_stopped(run_id: str | None, request_id: str, failure_class: str) -> dict[str, Any]:
-    """The error line of a request its run's cancel or completion window stopped before any worker met it (no
-    dead letter yet): what :func:`openai_error` writes for the dead letter it will get."""
-    error = {"code": OPENAI_CODES[failure_class], "message": OPENAI_MESSAGES[failure_class]}
-    ref = _ref(run_id, request_id)
-    return {"id": f"batch_req_{ref}", "custom_id": request_id, "response": None, "error": error}
-
-
 # -- writers -------------------------------------------------------------------------------------
 
 
@@ -204,6 +143,9 @@ class _Parquet:
                 *((name, pa.int64()) for name in ("prompt_tokens", "completion_tokens", "attempt")),
                 ("latency_ms", pa.float64()),
                 ("produced_at", pa.timestamp("ms", tz="UTC")),
+                ("value", pa.float64()),
+                ("choices", pa.list_(_choice_type(pa))),
+                ("embeddings", pa.list_(pa.list_(pa.float32()))),
                 ("lineage", pa.struct(lineage_fields)),
             ]
         )
@@ -227,6 +169,28 @@ class _Parquet:
     def close(self) -> None:
         self._flush()
         self.writer.close()
+
+
+def _choice_type(pa: Any) -> Any:
+    """The ``choices`` column: typed nested structs, not JSON text. pyarrow, DuckDB, Polars and Spark query the
+    fields directly (``unnest(choices)``, ``choices[1].logprobs``) with their types (float32 vs float64, int64
+    token ids); pandas gets each row's choices as an array of dicts. JSON text would need a second parse per
+    cell and lose the types."""
+    top = pa.struct([("token", pa.string()), ("token_id", pa.int64()), ("logprob", pa.float64())])
+    token = pa.struct(
+        [("token", pa.string()), ("token_id", pa.int64()), ("logprob", pa.float64()), ("top", pa.list_(top))]
+    )
+    tool_call = pa.struct([("id", pa.string()), ("name", pa.string()), ("arguments", pa.string())])
+    return pa.struct(
+        [
+            ("index", pa.int64()),
+            ("text", pa.string()),
+            ("finish_reason", pa.string()),
+            ("completion_tokens", pa.int64()),
+            ("logprobs", pa.list_(token)),
+            ("tool_calls", pa.list_(tool_call)),
+        ]
+    )
 
 
 def _writer(fmt: Format, path: Path) -> _Writer:

@@ -96,7 +96,8 @@ def test_batch_round_trip_one_to_one_by_custom_id(stack: Stack) -> None:
     ids = Counter(line["custom_id"] for line in output + errors)
     assert set(ids) == {f"task-{i:05d}" for i in range(120)} and set(ids.values()) == {1}
     assert {line["custom_id"] for line in errors} == poison
-    assert all(line["error"]["code"] == "poison" and line["response"] is None for line in errors)
+    assert all(line["response"]["body"]["error"]["code"] == "poison" and line["error"] is None for line in errors)
+    assert {line["response"]["status_code"] for line in errors} == {500}
     for line in output:
         body = line["response"]["body"]
         assert line["response"]["status_code"] == 200 and line["error"] is None

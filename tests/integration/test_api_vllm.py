@@ -74,7 +74,7 @@ def test_chat_on_tiny_llama_and_embeddings_on_minilm(
         body = line["response"]["body"]
         assert body["object"] == "chat.completion" and body["model"] == "tiny-llama"
         assert isinstance(body["choices"][0]["message"]["content"], str) and body["usage"]["completion_tokens"] > 0
-        assert body["batchline"]["lineage"]["engine"] == "vllm"
+        assert line["batchline"]["lineage"]["engine"] == "vllm"
     for line in emb:
         body = line["response"]["body"]
         assert body["object"] == "list" and body["model"] == "minilm"

@@ -24,6 +24,7 @@ RECORDS = 240
 POISON_EVERY = 40  # these records crash the engine on their own: dead letters of class poison
 BAD_BODY = {"task-0007", "task-0131"}  # a body that is not an object: invalid_input under their custom_id
 OPENAI_LINE_KEYS = {"id", "custom_id", "response", "error"}
+OUTPUT_LINE_KEYS = OPENAI_LINE_KEYS | {"batchline"}  # batchline's extras, beside the endpoint's response
 
 
 def _openai_batch(path: Path) -> tuple[set[str], set[str], set[str]]:
@@ -92,19 +93,24 @@ def test_openai_batch_round_trip(
 
     produced = {rid: copies[0][0] for rid, copies in results(kafka, topics).items()}
     for line in output:
-        assert set(line) == OPENAI_LINE_KEYS and line["error"] is None
+        assert set(line) == OUTPUT_LINE_KEYS and line["error"] is None
         assert line["id"].startswith("batch_req_") and line["response"]["status_code"] == 200
         body = line["response"]["body"]
         assert body["object"] == "chat.completion" and body["model"] == "deterministic"
         choice = body["choices"][0]
         assert choice["message"] == {"role": "assistant", "content": produced[line["custom_id"]].output}
         assert body["usage"]["total_tokens"] == body["usage"]["prompt_tokens"] + body["usage"]["completion_tokens"]
-        assert body["system_fingerprint"] == body["batchline"]["lineage"]["fingerprint"] != ""
-    codes = {line["custom_id"]: line["error"]["code"] for line in errors}
-    assert all(set(line) == OPENAI_LINE_KEYS and line["response"] is None for line in errors)
+        assert body["system_fingerprint"] == line["batchline"]["lineage"]["fingerprint"] != ""
+    assert all(set(line) == OPENAI_LINE_KEYS and line["error"] is None for line in errors)
+    codes = {line["custom_id"]: line["response"]["body"]["error"]["code"] for line in errors}
     assert codes == {rid: "poison" for rid in ids["poison"]} | {
         rid: "invalid_input" for rid in ids["bad"] | ids["garbage"]
     }
+    for line in errors:  # the caller's fault is a 400, ours a 500, as OpenAI writes a failed request
+        caller = line["custom_id"] in ids["bad"] | ids["garbage"]
+        assert line["response"]["status_code"] == (400 if caller else 500)
+        error_type = "invalid_request_error" if caller else "server_error"
+        assert line["response"]["body"]["error"]["type"] == error_type
 
 
 def test_export_jsonl_and_parquet_carry_lineage_and_skip_duplicates(

@@ -103,3 +103,105 @@ SAMPLES: dict[str, BaseModel] = {
         top_quarantined=[{"request_id": "x", "value": 1.0, "failure_class": "poison"}],
     ),
 }
+
+
+def _token(token: str, token_id: int, logprob: float, *top: tuple[str, int, float]) -> dict[str, Any]:
+    return {
+        "token": token,
+        "token_id": token_id,
+        "logprob": logprob,
+        "top": [{"token": t, "token_id": i, "logprob": lp} for t, i, lp in top],
+    }
+
+
+# Records with every option and every nested field set: what the OpenAI lines, the export files and the Java
+# reference are checked on. Floats are exact in binary (and embeddings in float32), so equality is exact.
+CHOICES_RESULT = Result(
+    request_id="gen-ü-3",
+    run_id="run-1",
+    task="generate",
+    output="Paris",
+    finish_reason="stop",
+    prompt_tokens=9,
+    completion_tokens=6,
+    attempt=1,
+    latency_ms=40.5,
+    produced_at=NOW,
+    value=2.0,
+    choices=[
+        {
+            "index": 0,
+            "text": "Paris",
+            "finish_reason": "stop",
+            "completion_tokens": 1,
+            "logprobs": [_token("Paris", 3681, -0.25, ("Paris", 3681, -0.25), ("Lyon", 9012, -2.5))],
+        },
+        {
+            "index": 1,
+            "text": "Lyon é",
+            "finish_reason": "length",
+            "completion_tokens": 2,
+            "logprobs": [
+                _token("Lyon", 9012, -1.5, ("Lyon", 9012, -1.5), ("Paris", 3681, -0.5)),
+                _token(" é", 1234, -3.0, (" é", 1234, -3.0), (" e", 77, -0.125)),
+            ],
+        },
+        {"index": 2, "text": "Nice", "finish_reason": "stop", "completion_tokens": 3, "logprobs": []},
+    ],
+)
+TOOL_RESULT = Result(
+    request_id="tool-1",
+    run_id="run-1",
+    task="generate",
+    output='<tool_call>{"name": "get_weather", "arguments": {"city": "Zürich"}}</tool_call>',
+    finish_reason="stop",
+    prompt_tokens=30,
+    completion_tokens=12,
+    produced_at=NOW,
+    choices=[
+        {
+            "index": 0,
+            "text": '<tool_call>{"name": "get_weather", "arguments": {"city": "Zürich"}}</tool_call>',
+            "finish_reason": "stop",
+            "completion_tokens": 12,
+            "tool_calls": [{"id": "call_0", "name": "get_weather", "arguments": '{"city": "Zürich"}'}],
+        }
+    ],
+)
+EMBEDDINGS_RESULT = Result(
+    request_id="emb-2",
+    run_id="run-1",
+    task="embed",
+    prompt_tokens=7,
+    produced_at=NOW,
+    embeddings=[[0.25, -1.5, 0.125], [1.0, 0.0, -0.0625]],
+)
+FULL_REQUEST = Request(
+    id="req-every-option",
+    run_id="run-1",
+    messages=[{"role": "system", "content": "be brief"}, {"role": "user", "content": "weather in Zürich?"}],
+    sampling={
+        "temperature": 0.5,
+        "top_p": 0.75,
+        "max_tokens": 64,
+        "seed": -(1 << 62),
+        "stop": ["\n\n", "END"],
+        "stop_token_ids": [2, 32000],
+        "n": 3,
+        "logprobs": 5,
+        "presence_penalty": -0.5,
+        "frequency_penalty": 1.25,
+        "repetition_penalty": 1.125,
+        "min_tokens": 2,
+        "top_k": 40,
+        "min_p": 0.0625,
+        "logit_bias": {"50256": -100.0, "13": 2.5},
+    },
+    priority=2,
+    value=3.5,
+    metadata={"team": "weather"},
+    structured={"json_schema": {"type": "object", "properties": {"city": {"type": "string"}}}},
+    tools=[{"type": "function", "function": {"name": "get_weather", "parameters": {"type": "object"}}}],
+    tool_choice="auto",
+)
+EMBED_REQUEST = Request(id="emb-2", run_id="run-1", inputs=["first", "zweite ü"], dimensions=256, normalize=True)
