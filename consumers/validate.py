@@ -54,6 +54,12 @@ class OutputValidator:
             for choice in out.choices or ():
                 if not choice.tool_calls:
                     return "the record required a tool call; the output has none"
+        for choice in out.choices or ():
+            for call in choice.tool_calls or ():
+                problem = self._arguments_problem(call.name, call.arguments, options)
+                if problem is not None:
+                    return problem
+        if options.calls_tools:
             return None
         if out.choices is None:
             return self._text_problem(out.text or "", options.structured)
@@ -64,6 +70,15 @@ class OutputValidator:
             if problem is not None:
                 return problem if len(out.choices) == 1 else f"choice {choice.index}: {problem}"
         return None
+
+    def _arguments_problem(self, name: str, arguments: str, options: Options) -> str | None:
+        """A tool call must name an offered function, with arguments that obey its parameters' schema."""
+        function = next((t["function"] for t in options.tools or () if t["function"]["name"] == name), None)
+        if function is None:
+            return f"tool call names {name!r}, not an offered function"
+        schema = function.get("parameters", {"type": "object"})
+        problem = _schema_problem(self._compile("json_schema", json.dumps(schema, sort_keys=True)), arguments)
+        return None if problem is None else f"tool call {name!r}: {problem.replace('output', 'arguments', 1)}"
 
     def _text_problem(self, text: str, structured: StructuredOutput | None) -> str | None:
         shortest = self._min_chars

@@ -38,9 +38,10 @@ from collections.abc import Iterable, Sequence
 from typing import Any
 
 from batchline.config import DeterministicConfig
-from consumers.engines.base import EngineInput, EngineOutput, Outcome
+from consumers.engines.base import EngineInput, EngineOutput, Options, Outcome
 from consumers.exceptions import EngineError, EngineOOM
 from consumers.work import Failure
+from schemas.models import Choice, StructuredOutput, TokenLogprob, ToolCall, TopLogprob
 
 LOAD_GATE_POLL_S = 0.05
 
@@ -174,15 +175,35 @@ class DeterministicEngine:
         words = inp.prompt.split()
         invalid = self.invalid_output_rate > 0 and self.gives_invalid_output(inp.request_id)
         if self.task == "embed":
+            if inp.options is not None:
+                return self._embed_with(inp.options, inp.prompt, len(words))
             return EngineOutput(embedding=self._embedding(inp.prompt), prompt_tokens=len(words))
         if self.task == "classify":
             return self._classify(inp.prompt, len(words), invalid)
+        if inp.options is not None:
+            return self._generate_with(inp, inp.options, words, invalid)
         return self._generate(inp, words, invalid)
 
-    def _embedding(self, text: str) -> list[float]:
-        raw = [_unit("embed", text, i) - 0.5 for i in range(self.embed_dim)]
+    def _embedding(self, text: str, dimensions: int | None = None, normalize: bool = True) -> list[float]:
+        """The first ``dimensions`` of the text's vector (a Matryoshka truncation), normalised after truncation as
+        vLLM's pooler does; ``normalize`` false: the raw values."""
+        raw = [_unit("embed", text, i) - 0.5 for i in range(dimensions or self.embed_dim)]
+        if not normalize:
+            return raw
         norm = math.sqrt(sum(x * x for x in raw)) or 1.0
         return [x / norm for x in raw]
+
+    def _embed_with(self, options: Options, prompt: str, tokens: int) -> Outcome:
+        dimensions = options.dimensions
+        if dimensions is not None and dimensions > self.embed_dim:
+            return Failure(
+                "invalid_input", "UnsupportedOption", f"dimensions: {dimensions} > the model's {self.embed_dim}"
+            )
+        normalize = options.normalize is not False
+        if options.inputs is None:
+            return EngineOutput(embedding=self._embedding(prompt, dimensions, normalize), prompt_tokens=tokens)
+        vectors = [self._embedding(text, dimensions, normalize) for text in options.inputs]
+        return EngineOutput(embeddings=vectors, prompt_tokens=sum(len(text.split()) for text in options.inputs))
 
     def _classify(self, text: str, tokens: int, invalid: bool) -> Outcome:
         if not self.labels:
@@ -213,6 +234,119 @@ class DeterministicEngine:
         return EngineOutput(
             text, None, None, None, "length" if completion >= s.max_tokens else "stop", len(words), completion
         )
+
+    def _generate_with(self, inp: EngineInput, options: Options, words: list[str], invalid: bool) -> Outcome:
+        """A record with options of its own: ``n`` choices (the same ones when greedy, as a real engine's), each cut
+        by its stop strings and stop token ids no earlier than ``min_tokens``, with log-probabilities when asked;
+        structured outputs (JSON schema, JSON object, choice) and required tool calls are made to fit. A regex or a
+        grammar cannot be generated here: refused by name."""
+        structured = options.structured
+        if structured is not None and structured.kind in ("regex", "grammar"):
+            why = f"structured.{structured.kind}: the deterministic engine cannot generate from a {structured.kind}"
+            return Failure("invalid_input", "UnsupportedOption", why)
+        choices = [self._choice(i, inp, options, words, invalid) for i in range(options.n)]
+        first = choices[0]
+        completion = sum(c.completion_tokens for c in choices)
+        detailed = choices if options.detailed else None
+        return EngineOutput(first.text, None, None, None, first.finish_reason, len(words), completion, detailed)
+
+    def _choice(self, index: int, inp: EngineInput, options: Options, words: list[str], invalid: bool) -> Choice:
+        s = inp.sampling
+        # Greedy (temperature 0) outputs ignore the seed, as a real engine's would; sampled choices differ by index.
+        salt = f"|{(s.seed or 0) + index}".encode() if s.temperature > 0 else b"|0"
+        tag = f"{zlib.crc32(salt, zlib.crc32(inp.prompt.encode())):08x}"
+        if options.calls_tools:
+            return self._tool_choice(index, options, tag)
+        structured = options.structured
+        if structured is not None and not invalid:
+            text = _structured_text(structured, tag)
+            count = len(text.split())
+            return Choice(index=index, text=text, finish_reason="stop", completion_tokens=count)
+        keep = max(1, s.max_tokens - 1)
+        tokens = [] if invalid else [tag, *words[keep - 1 :: -1]]
+        while len(tokens) < min(options.min_tokens, s.max_tokens):
+            tokens.append("pad")
+        finish = "length" if len(tokens) >= s.max_tokens else "stop"
+        cut = _stop_at(tokens, options)
+        if cut is not None:
+            tokens, finish = tokens[:cut], "stop"
+        text = " ".join(tokens)
+        if cut is None and not invalid and len(words) == 0:
+            text += " "  # the plain path's spelling (tag, a space, no words): one output for one input
+        if options.stop and cut is None:
+            text, found = _cut_at_stop_string(text, options.stop, options.min_tokens)
+            if found:
+                finish = "stop"
+                tokens = text.split()
+        logprobs = _logprobs(tokens, options.logprobs, tag) if options.logprobs is not None else None
+        return Choice(index=index, text=text, finish_reason=finish, completion_tokens=len(tokens), logprobs=logprobs)
+
+    def _tool_choice(self, index: int, options: Options, tag: str) -> Choice:
+        tools = options.tools or ()
+        name = options.forced_tool or str(tools[0]["function"]["name"])
+        function = next(t["function"] for t in tools if t["function"]["name"] == name)
+        arguments = json.dumps(_instance(function.get("parameters", {"type": "object"}), tag))
+        call = ToolCall(id=f"call_{tag}{index}", name=name, arguments=arguments)
+        return Choice(
+            index=index,
+            text=None,
+            finish_reason="tool_calls",
+            completion_tokens=len(arguments.split()),
+            tool_calls=[call],
+        )
+
+
+VOCAB = 50_000  # the deterministic engine's token ids: a word's CRC-32 modulo this
+
+
+def token_id(word: str) -> int:
+    return zlib.crc32(word.encode()) % VOCAB
+
+
+def _stop_at(tokens: list[str], options: Options) -> int | None:
+    """Where a stop token id ends the output (the token itself is not output, as vLLM's default), not before
+    ``min_tokens``; None when none does."""
+    if not options.stop_token_ids:
+        return None
+    stops = set(options.stop_token_ids)
+    for at in range(options.min_tokens, len(tokens)):
+        if token_id(tokens[at]) in stops:
+            return at
+    return None
+
+
+def _cut_at_stop_string(text: str, stops: Sequence[str], min_tokens: int) -> tuple[str, bool]:
+    """The text up to the earliest stop string (excluded, as vLLM's default) that starts after ``min_tokens``
+    words; whether one was found."""
+    floor = len(" ".join(text.split(" ")[:min_tokens])) if min_tokens else 0
+    found = [at for at in (text.find(stop, floor) for stop in stops) if at >= 0]
+    if not found:
+        return text, False
+    return text[: min(found)], True
+
+
+def _logprobs(tokens: list[str], top: int, tag: str) -> list[TokenLogprob]:
+    """A log-probability per token, reproducible, with ``top`` alternatives (the sampled token first: a greedy
+    engine's sampled token is its most likely one)."""
+    out = []
+    for at, word in enumerate(tokens):
+        best = -_unit("logprob", tag, at, word) * 2
+        alternatives = [TopLogprob(token=word, token_id=token_id(word), logprob=best)]
+        for k in range(1, top):
+            alt = f"{word}~{k}"
+            alternatives.append(TopLogprob(token=alt, token_id=token_id(alt), logprob=best - k - _unit(alt, at)))
+        out.append(TokenLogprob(token=word, token_id=token_id(word), logprob=best, top=alternatives[:top]))
+    return out
+
+
+def _structured_text(structured: StructuredOutput, tag: str) -> str:
+    if structured.kind == "json_schema":
+        assert structured.json_schema is not None
+        return json.dumps(_instance(json.loads(structured.json_schema), tag))
+    if structured.kind == "json_object":
+        return json.dumps({"tag": tag})
+    choices = structured.choice or ()
+    return choices[int(tag, 16) % len(choices)]
 
 
 def _instance(schema: dict[str, Any], tag: str) -> Any:

@@ -24,6 +24,8 @@ Prompts are tokenized here with the engine's own tokenizer: a prompt over ``max_
 
 from __future__ import annotations
 
+import hashlib
+import json
 import logging
 import threading
 import time
@@ -33,9 +35,10 @@ from pathlib import Path
 from typing import Any
 
 from batchline.config import JobConfig
-from consumers.engines.base import EngineInput, EngineOutput, Outcome
+from consumers.engines.base import EngineInput, EngineOutput, Options, Outcome
 from consumers.exceptions import EngineError, EngineOOM, EngineStartError
 from consumers.work import Failure
+from schemas.models import Choice, TokenLogprob, ToolCall, TopLogprob
 
 log = logging.getLogger(__name__)
 # Softmax temperature over cosine similarities: sentence-embedding similarities spread over ~0.1-0.3, so a
@@ -77,6 +80,8 @@ class VLLMEngine:
         self.streaming = eng.streaming and not self.by_embedding
         self._keys: dict[int, str] = {}  # running record -> vLLM request id
         self._ids: dict[str, int] = {}
+        self._inputs: dict[int, EngineInput] = {}  # running record -> its input (its options shape its output)
+        self._tool_parser: Any = _tool_parser(eng.tool_parser) if eng.tool_parser else None
         self._llm: Any = None
         self._watchdog: _Watchdog | None = None
         self._label_vectors: Any = None  # numpy (labels x dim) unit vectors, set at start for classify by embedding
@@ -111,6 +116,7 @@ class VLLMEngine:
         """Stop vLLM's engine-core processes; idempotent. Running records are forgotten."""
         self._keys.clear()
         self._ids.clear()
+        self._inputs.clear()
         llm, self._llm = self._llm, None
         if self._watchdog is not None:
             self._watchdog.stop()
@@ -169,17 +175,15 @@ class VLLMEngine:
         if isinstance(checked, Failure):
             return checked
         request_id = f"r{key}"
-        params = self._sampling(inp)
-        params.output_kind = self._final_only  # only finished records come back from step()
         try:
+            params = self._sampling(inp, len(checked))
+            params.output_kind = self._final_only  # only finished records come back from step()
             self._llm.llm_engine.add_request(request_id, self._vllm.TokensPrompt(prompt_token_ids=checked), params)
-        except Exception as exc:  # vLLM refused this request alone
-            failure = self._failure_of(exc, 1)
-            if failure is None:
-                raise
-            return failure
+        except Exception as exc:  # vLLM refused this request alone (its SamplingParams, its structured output...)
+            return self._refused(exc)
         self._keys[key] = request_id
         self._ids[request_id] = key
+        self._inputs[key] = inp
         return None
 
     def step(self) -> list[tuple[int, Outcome]]:
@@ -195,7 +199,7 @@ class VLLMEngine:
             key = self._ids.pop(o.request_id, None) if o.finished else None
             if key is not None:
                 del self._keys[key]
-                done.append((key, self._generated(o)))
+                done.append((key, self._generated(o, self._inputs.pop(key).options)))
         return done
 
     def running(self) -> int:
@@ -204,6 +208,8 @@ class VLLMEngine:
     def abort(self, keys: Iterable[int] | None = None) -> list[int]:
         gone = list(self._keys) if keys is None else [k for k in keys if k in self._keys]
         request_ids = [self._keys.pop(k) for k in gone]
+        for k in gone:
+            self._inputs.pop(k, None)
         for request_id in request_ids:
             self._ids.pop(request_id, None)
         if request_ids and self._llm is not None:
@@ -219,10 +225,13 @@ class VLLMEngine:
         try:
             if inp.messages is not None and not self.by_embedding:
                 chat = [{"role": m.role, "content": m.content} for m in inp.messages]
+                tools = list(inp.options.tools) if inp.options is not None and inp.options.tools else None
                 text = self.tokenizer.apply_chat_template(
-                    chat, chat_template=self._llm.chat_template, add_generation_prompt=True, tokenize=False
+                    chat, chat_template=self._llm.chat_template, add_generation_prompt=True, tokenize=False, tools=tools
                 )
                 ids = list(self.tokenizer.encode(text, add_special_tokens=False))
+            elif inp.options is not None and inp.options.inputs is not None:  # several texts: the longest must fit
+                ids = max((list(self.tokenizer.encode(x)) for x in inp.options.inputs), key=len)
             else:
                 ids = list(self.tokenizer.encode(inp.prompt))
         except Exception as exc:  # no chat template, undecodable text: this record's problem only
@@ -239,46 +248,175 @@ class VLLMEngine:
 
     # -- inference -------------------------------------------------------------------------------
     def _run(self, inputs: list[EngineInput], ids: list[list[int]]) -> list[Outcome]:
-        prompts = [self._vllm.TokensPrompt(prompt_token_ids=t) for t in ids]  # tokenized once, by _tokens
         if self.by_embedding:
-            outs = self._llm.embed(prompts, use_tqdm=False)
-            if self.task == "embed":
-                return [
-                    EngineOutput(
-                        embedding=list(o.outputs.embedding), prompt_tokens=len(o.prompt_token_ids), finish_reason="stop"
-                    )
-                    for o in outs
-                ]
-            return self._by_similarity([o.outputs.embedding for o in outs], [len(o.prompt_token_ids) for o in outs])
-        outs = self._llm.generate(prompts, [self._sampling(inp) for inp in inputs], use_tqdm=False)
-        return [self._generated(o) for o in outs]
+            return self._pooled(inputs, ids)
+        outcomes: list[Outcome | None] = [None] * len(inputs)
+        prompts, params, at = [], [], []
+        for i, (inp, tokens) in enumerate(zip(inputs, ids, strict=True)):
+            try:
+                params.append(self._sampling(inp, len(tokens)))
+            except Exception as exc:  # this record's parameters alone
+                outcomes[i] = self._refused(exc)
+                continue
+            prompts.append(self._vllm.TokensPrompt(prompt_token_ids=tokens))  # tokenized once, by _tokens
+            at.append(i)
+        if prompts:
+            outs = self._llm.generate(prompts, params, use_tqdm=False)
+            for i, o in zip(at, outs, strict=True):
+                outcomes[i] = self._generated(o, inputs[i].options)
+        return [o for o in outcomes if o is not None]
 
-    def _generated(self, o: Any) -> EngineOutput:
+    def _pooled(self, inputs: list[EngineInput], ids: list[list[int]]) -> list[Outcome]:
+        """Embeddings (and classify by embedding): one vector per record, or per input of a record with several;
+        ``dimensions`` and ``normalize`` through vLLM's PoolingParams."""
+        prompts: list[Any] = []
+        params: list[Any] = []
+        spans: list[tuple[int, int]] = []
+        for inp, tokens in zip(inputs, ids, strict=True):
+            o = inp.options
+            texts = [tokens] if o is None or o.inputs is None else [self.tokenizer.encode(x) for x in o.inputs]
+            pooling = self._vllm.PoolingParams(
+                dimensions=o.dimensions if o is not None else None,
+                use_activation=o.normalize if o is not None else None,
+            )
+            spans.append((len(prompts), len(prompts) + len(texts)))
+            prompts += [self._vllm.TokensPrompt(prompt_token_ids=t) for t in texts]
+            params += [pooling] * len(texts)
+        outs = self._llm.embed(prompts, pooling_params=params, use_tqdm=False)
+        if self.task == "classify":
+            return self._by_similarity([o.outputs.embedding for o in outs], [len(o.prompt_token_ids) for o in outs])
+        results: list[Outcome] = []
+        for inp, (start, end) in zip(inputs, spans, strict=True):
+            mine = outs[start:end]
+            used = sum(len(o.prompt_token_ids) for o in mine)
+            if inp.options is not None and inp.options.inputs is not None:
+                vectors = [list(o.outputs.embedding) for o in mine]
+                results.append(EngineOutput(embeddings=vectors, prompt_tokens=used, finish_reason="stop"))
+            else:
+                embedding = list(mine[0].outputs.embedding)
+                results.append(EngineOutput(embedding=embedding, prompt_tokens=used, finish_reason="stop"))
+        return results
+
+    def _generated(self, o: Any, options: Options | None) -> EngineOutput:
         c = o.outputs[0]
-        text = str(c.text)
-        label = text.strip() if self.task == "classify" else None
+        text: str | None = str(c.text)
+        label = text.strip() if self.task == "classify" and text is not None else None
+        completion = len(c.token_ids)
+        choices = None
+        if options is not None and (options.detailed or options.calls_tools):
+            choices = [self._choice(x, options, o.request_id) for x in o.outputs]
+            completion = sum(len(x.token_ids) for x in o.outputs)
+            text, finish = choices[0].text, choices[0].finish_reason
+        else:
+            finish = c.finish_reason
         return EngineOutput(
             text=None if label is not None else text,
             label=label,
-            finish_reason=c.finish_reason,
+            finish_reason=finish,
             prompt_tokens=len(o.prompt_token_ids),
-            completion_tokens=len(c.token_ids),
+            completion_tokens=completion,
+            choices=choices,
         )
 
-    def _sampling(self, inp: EngineInput) -> Any:
+    def _choice(self, c: Any, options: Options, request_id: str) -> Choice:
+        """One of vLLM's completions as a Result choice: its log-probabilities, and its tool calls when tools were
+        offered (parsed from the constrained JSON for a required or named call, by the job's tool parser else)."""
+        text: str | None = str(c.text)
+        finish = c.finish_reason
+        calls = None
+        if options.tools:
+            calls, text = self._tool_calls(text or "", options, f"{request_id}-{c.index}")
+            if calls:
+                finish = "tool_calls"
+        logprobs = _logprobs(c, options.logprobs, self.tokenizer) if options.logprobs is not None else None
+        return Choice(
+            index=c.index,
+            text=text,
+            finish_reason=finish,
+            completion_tokens=len(c.token_ids),
+            logprobs=logprobs,
+            tool_calls=calls,
+        )
+
+    def _tool_calls(self, text: str, options: Options, ref: str) -> tuple[list[ToolCall] | None, str | None]:
+        """(tool calls, remaining content) of one completion."""
+        forced = options.forced_tool
+        if forced is not None:
+            return [ToolCall(id=_call_id(ref, 0), name=forced, arguments=text)], None
+        if options.tool_choice == "required":
+            try:
+                calls = json.loads(text)
+                made = [
+                    ToolCall(id=_call_id(ref, i), name=str(call["name"]), arguments=json.dumps(call["parameters"]))
+                    for i, call in enumerate(calls)
+                ]
+            except (ValueError, TypeError, KeyError):
+                return None, text  # cut short (max_tokens): the validator sends it round again
+            return made, None
+        if options.tool_choice == "none" or self._tool_parser is None:
+            return None, text
+        from vllm.entrypoints.openai.chat_completion.protocol import ChatCompletionRequest
+
+        request = ChatCompletionRequest(
+            model=self.model, messages=[{"role": "user", "content": ""}], tools=list(options.tools or ())
+        )
+        found = self._tool_parser(self.tokenizer, request.tools).extract_tool_calls(text, request)
+        if not found.tools_called:
+            return None, text
+        made = [
+            ToolCall(id=_call_id(ref, i), name=call.function.name, arguments=call.function.arguments)
+            for i, call in enumerate(found.tool_calls)
+        ]
+        return made, found.content
+
+    def _sampling(self, inp: EngineInput, prompt_tokens: int) -> Any:
+        """vLLM's SamplingParams of one record. ``max_tokens`` is cut to what fits the context after the prompt
+        (vLLM itself stops there: a record asking for more runs to the context). Raises what vLLM raises for a
+        value it refuses."""
         s = inp.sampling
+        o = inp.options
         structured = None
         if self.task == "classify":
             structured = self._structured(choice=list(self.labels))
+        elif o is not None and (o.structured is not None or o.calls_tools):
+            structured = self._structured(**_constraint(o))
         elif self.config.engine.json_schema is not None:
             structured = self._structured(json=self.config.engine.json_schema)
+        max_tokens = min(s.max_tokens, self.max_model_len - prompt_tokens)
+        if o is None:
+            return self._vllm.SamplingParams(
+                temperature=s.temperature,
+                top_p=s.top_p,
+                max_tokens=max_tokens,
+                seed=s.seed,
+                structured_outputs=structured,
+            )
         return self._vllm.SamplingParams(
             temperature=s.temperature,
             top_p=s.top_p,
-            max_tokens=s.max_tokens,
+            max_tokens=max_tokens,
             seed=s.seed,
             structured_outputs=structured,
+            n=o.n,
+            stop=list(o.stop) or None,
+            stop_token_ids=list(o.stop_token_ids) or None,
+            logprobs=o.logprobs,
+            presence_penalty=o.presence_penalty,
+            frequency_penalty=o.frequency_penalty,
+            repetition_penalty=o.repetition_penalty,
+            min_tokens=min(o.min_tokens, max_tokens),
+            top_k=o.top_k,
+            min_p=o.min_p,
+            logit_bias=o.logit_bias,
         )
+
+    def _refused(self, exc: Exception) -> Failure:
+        """A record vLLM refused alone: an ``invalid_input`` dead letter with vLLM's reason, or the engine-level
+        error it really was (a dead engine, OOM: raised)."""
+        failure = self._failure_of(exc, 1)
+        if failure is None:
+            failure = Failure("invalid_input", type(exc).__name__, str(exc)[:500])
+        return failure
 
     def _by_similarity(self, vectors: Sequence[Sequence[float]], tokens: Sequence[int]) -> list[Outcome]:
         """Each vector's softmaxed cosine similarity to each label's, as one matrix product per call."""
@@ -315,6 +453,76 @@ class VLLMEngine:
         if "EngineGenerateError" in names:
             raise EngineError(f"{type(exc).__name__}: {exc}") from exc
         return None
+
+
+def _constraint(o: Options) -> dict[str, Any]:
+    """StructuredOutputsParams' fields for a record's constraint: its own, or the shape of the tool call it
+    requires (one function's arguments, or a list of calls of the offered functions, as vLLM's OpenAI server
+    constrains ``tool_choice``)."""
+    forced = o.forced_tool
+    if forced is not None:
+        function = next(t["function"] for t in o.tools or () if t["function"]["name"] == forced)
+        return {"json": function.get("parameters", {"type": "object"}), "disable_any_whitespace": True}
+    if o.calls_tools:
+        calls = [
+            {
+                "type": "object",
+                "properties": {
+                    "name": {"const": t["function"]["name"]},
+                    "parameters": t["function"].get("parameters", {"type": "object"}),
+                },
+                "required": ["name", "parameters"],
+            }
+            for t in o.tools or ()
+        ]
+        # our own JSON, parsed here: free whitespace would only spend the record's tokens
+        return {"json": {"type": "array", "minItems": 1, "items": {"anyOf": calls}}, "disable_any_whitespace": True}
+    s = o.structured
+    assert s is not None
+    if s.kind == "json_schema":
+        assert s.json_schema is not None
+        return {"json": json.loads(s.json_schema)}
+    if s.kind == "json_object":
+        return {"json_object": True}
+    return {s.kind: getattr(s, s.kind)}
+
+
+def _logprobs(c: Any, top: int, tokenizer: Any) -> list[TokenLogprob]:
+    """vLLM's per-position log-probabilities of one completion: the sampled token's, and the ``top`` most likely
+    (vLLM returns the top ``top`` and the sampled one)."""
+    out = []
+    for position, token in zip(c.logprobs or (), c.token_ids, strict=False):
+        ranked = sorted(position.items(), key=lambda kv: -kv[1].logprob)[:top]
+        own = position.get(token)
+        out.append(
+            TokenLogprob(
+                token=_decoded(token, own, tokenizer),
+                token_id=token,
+                logprob=own.logprob if own is not None else float("-inf"),
+                top=[TopLogprob(token=_decoded(t, lp, tokenizer), token_id=t, logprob=lp.logprob) for t, lp in ranked],
+            )
+        )
+    return out
+
+
+def _decoded(token: int, lp: Any, tokenizer: Any) -> str:
+    text = getattr(lp, "decoded_token", None)
+    return str(text) if text is not None else str(tokenizer.decode([token]))
+
+
+def _call_id(ref: str, i: int) -> str:
+    """A tool call's id, the same on a replay: from the record's engine request and the call's place."""
+    return "call_" + hashlib.sha256(f"{ref}|{i}".encode()).hexdigest()[:24]
+
+
+def _tool_parser(name: str) -> Any:
+    """vLLM's tool-call parser class of that name; an unknown name stops the worker at start, in one line."""
+    try:
+        from vllm.tool_parsers import ToolParserManager
+
+        return ToolParserManager.get_tool_parser(name)
+    except Exception as exc:
+        raise EngineStartError(f"engine.tool_parser {name!r}: {exc}") from exc
 
 
 def _is_oom(exc: BaseException) -> bool:
