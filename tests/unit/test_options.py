@@ -164,7 +164,8 @@ def test_engine_input_carries_the_options_and_caps_max_tokens_by_the_jobs_limit(
 def test_options_of_reads_tools_and_defaults_tool_choice_to_auto() -> None:
     options = options_of(_request(messages=CHAT, tools=[TOOL]))
     assert options.tools == (TOOL,) and options.tool_choice == "auto" and not options.calls_tools
-    named = options_of(_request(messages=CHAT, tools=[TOOL], tool_choice={"type": "function", "function": {"name": "lookup"}}))
+    forced = {"type": "function", "function": {"name": "lookup"}}
+    named = options_of(_request(messages=CHAT, tools=[TOOL], tool_choice=forced))
     assert named.forced_tool == "lookup" and named.calls_tools
 
 
