@@ -5,12 +5,15 @@
  * A downstream consumer in another language reads a job's results (J.results), dead letters (J.dlq), run
  * manifests and ledger snapshots, and the `batchline-lineage` header of every result, by the single-object
  * header alone: C3 01 + the schema's CRC-64-AVRO fingerprint (8 little-endian bytes) + the body. The decoder
- * finds the writer's schema by that fingerprint in a SchemaStore holding schemas/*.avsc and resolves it to the
- * reader's schema, so a consumer built on an older schema keeps reading what newer workers write.
+ * finds the writer's schema by that fingerprint in a SchemaStore holding schemas/*.avsc and the versions before
+ * them (schemas/previous/KIND.vN.avsc), and resolves it to the reader's schema (today's): records written before
+ * a field was added read with the field's default, and a consumer built on an older schema keeps reading what
+ * newer workers write.
  * An upstream Java service publishes Requests to J.requests the same way; the worker reads them.
  *
- * Guarantees: every record batchline writes decodes here, with the field values batchline wrote; every
- * Request this program encodes is read by batchline's worker. Records written by batchline 0.1.0 (fingerprint
+ * Guarantees: every record batchline writes decodes here, with the field values batchline wrote, and so does
+ * every record written with a previous version of its schema; every Request this program encodes is read by
+ * batchline's worker. Records written by batchline 0.1.0 (fingerprint
  * bytes reversed) fail here with MissingSchemaException, as in any spec-following decoder.
  *
  * In a Kafka consumer (org.apache.kafka:kafka-clients), per record:
@@ -33,6 +36,7 @@ import java.io.PrintWriter;
 import java.io.StringWriter;
 import java.nio.ByteBuffer;
 import java.nio.charset.StandardCharsets;
+import java.nio.file.DirectoryStream;
 import java.nio.file.Files;
 import java.nio.file.Path;
 import java.nio.file.Paths;
@@ -64,6 +68,15 @@ public final class BatchlineAvro {
             Schema schema = new Schema.Parser().parse(schemaDir.resolve(kind + ".avsc").toFile());
             schemas.put(kind, schema);
             store.addSchema(schema);
+        }
+        // Earlier versions: writers' schemas only, found by fingerprint; one parser each (they share names).
+        Path previous = schemaDir.resolve("previous");
+        if (Files.isDirectory(previous)) {
+            try (DirectoryStream<Path> files = Files.newDirectoryStream(previous, "*.avsc")) {
+                for (Path file : files) {
+                    store.addSchema(new Schema.Parser().parse(file.toFile()));
+                }
+            }
         }
         for (String kind : KINDS) {
             // The reader's schema is this kind's; the writer's is looked up by the header's fingerprint.

@@ -127,16 +127,30 @@ def test_the_tests_canonical_form_matches_the_specs_examples() -> None:
     assert canonical_form(record) == '{"name":"foo","type":"record","fields":[{"name":"f1","type":"boolean"}]}'
 
 
-def test_result_header_is_the_one_the_java_reference_expects() -> None:
-    # The Java reference's vector (docs/architecture.md#wire-format): result.avsc before `value` (previous/result.v1)
-    previous = json.loads((Path(__file__).parents[2] / "schemas" / "previous" / "result.v1.avsc").read_text())
-    v1 = b"\xc3\x01" + rabin64(canonical_form(previous).encode("utf-8")).to_bytes(8, "little")
-    assert v1.hex() == "c301b2e5099766bfe6e3"
-    assert codec_for("result").encode(RESULT)[:10] == spec_header("result")
-    # a record written under v1 still reads
+PREVIOUS = Path(__file__).parents[2] / "schemas" / "previous"
+
+
+@pytest.mark.parametrize(
+    ("version", "header"),
+    [  # the Java reference's vectors (docs/architecture.md#wire-format), today's first
+        (None, "c301508739c7bef5b71f"),  # with choices and embeddings
+        ("result.v2", "c3016383fed9c9d54bed"),  # with value
+        ("result.v1", "c301b2e5099766bfe6e3"),
+    ],
+)
+def test_result_header_is_the_one_the_java_reference_expects(version: str | None, header: str) -> None:
+    schema = load_schema("result") if version is None else json.loads((PREVIOUS / f"{version}.avsc").read_text())
+    written = b"\xc3\x01" + rabin64(canonical_form(schema).encode("utf-8")).to_bytes(8, "little")
+    assert written.hex() == header
+    if version is None:
+        assert codec_for("result").encode(RESULT)[:10] == written == spec_header("result")
+        return
+    # a record written under an older version still reads, its new fields at their defaults
     body = io.BytesIO()
-    fastavro.schemaless_writer(body, fastavro.parse_schema(previous), RESULT.model_dump(exclude={"value"}))
-    assert codec_for("result").decode(v1 + body.getvalue()).request_id == RESULT.request_id
+    fastavro.schemaless_writer(body, fastavro.parse_schema(schema), RESULT.model_dump())
+    read = codec_for("result").decode(written + body.getvalue())
+    assert read.request_id == RESULT.request_id and read.scores == RESULT.scores
+    assert read.choices is None and read.embeddings is None
 
 
 @pytest.mark.parametrize("kind", KINDS)
@@ -252,17 +266,45 @@ def test_models_and_schemas_name_the_same_fields() -> None:
 HISTORY = Path(__file__).parent / "schema_history"
 
 
+def test_every_previous_schema_the_codec_reads_is_in_the_history() -> None:
+    """``schemas/previous`` (what the codec reads by fingerprint) is a subset of the history the test below
+    checks, file for file."""
+    for old in PREVIOUS.glob("*.avsc"):
+        assert json.loads(old.read_text()) == json.loads((HISTORY / old.name).read_text()), old.name
+
+
 @pytest.mark.parametrize("old", sorted(HISTORY.glob("*.avsc")), ids=lambda p: p.stem)
 def test_current_schema_reads_data_written_with_each_previous_version(old: Path) -> None:
-    """Backward compatibility: a reader on today's schema reads what a writer on an older one wrote."""
+    """Backward compatibility: a reader on today's schema reads what a writer on an older one wrote, every value
+    the old writer set kept, the fields it did not know at their defaults."""
     from fastavro.utils import generate_many
 
     kind = old.name.split(".")[0]
-    writer = fastavro.parse_schema(json.loads(old.read_text()))
+    raw = json.loads(old.read_text())
+    writer = fastavro.parse_schema(raw)
     reader = codec_for(kind).parsed
+    old_fields = {f["name"] for f in raw["fields"]}
+    defaults = {f["name"]: f["default"] for f in codec_for(kind).raw_schema["fields"] if f["name"] not in old_fields}
     for record in generate_many(writer, 20):
         buf = io.BytesIO()
         fastavro.schemaless_writer(buf, writer, record)
         buf.seek(0)
         read = fastavro.schemaless_reader(buf, writer, reader)
+        buf.seek(0)
+        written = fastavro.schemaless_reader(buf, writer)  # as the old writer meant it (logical types applied)
         assert set(read) == {f["name"] for f in codec_for(kind).raw_schema["fields"]}
+        assert {name: read[name] for name in defaults} == defaults
+        for name in old_fields & set(read):
+            assert _same(read[name], written[name]), name
+
+
+def _same(a: object, b: object) -> bool:
+    """``a`` (read through today's schema) has every value of ``b`` (as written): NaN equal to NaN (fastavro's
+    generator writes NaN doubles), a nested record with fields of its own beyond ``b``'s."""
+    if isinstance(a, float) and isinstance(b, float):
+        return (a != a and b != b) or a == b
+    if isinstance(a, dict) and isinstance(b, dict):
+        return all(k in a and _same(a[k], v) for k, v in b.items())
+    if isinstance(a, list) and isinstance(b, list):
+        return len(a) == len(b) and all(_same(x, y) for x, y in zip(a, b, strict=True))
+    return a == b
