@@ -122,6 +122,7 @@ def create(
         model=checked.model,
         record_count=checked.count,
         idempotency_key=idempotency_key,
+        encoding_format=checked.encoding_format,
     )
     if checked.errors:
         failed = record.model_copy(update={"errors": checked.errors, "failed_at": int(time.time())})

@@ -1,7 +1,8 @@
 """The API's own records on its topics (``batchline.api.settings.ApiTopics``), as JSON with a version field.
 
 They are read only by ``batchline api`` replicas (the workers never see them), so they are JSON models here rather
-than Avro contracts in ``schemas/``; ``v`` lets a later replica read what an older one wrote.
+than Avro contracts in ``schemas/``; ``v`` lets a later replica read what an older one wrote. Version 2 added
+:attr:`BatchRecord.encoding_format` (a version 1 batch has none: its embeddings are written as floats).
 """
 
 from __future__ import annotations
@@ -10,7 +11,7 @@ from typing import Any
 
 from pydantic import BaseModel, ConfigDict, Field
 
-RECORD_VERSION = 1
+RECORD_VERSION = 2
 
 
 class _Record(BaseModel):
@@ -79,6 +80,7 @@ class BatchRecord(_Record):
     failed_at: int | None = None
     in_progress_at: int | None = None  # set once its records are all published
     idempotency_key: str | None = None
+    encoding_format: str | None = None  # an embeddings batch's (float or base64): how its output writes vectors
 
     @property
     def run_id(self) -> str:

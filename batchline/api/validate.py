@@ -2,8 +2,10 @@
 
 A file passes when every non-blank line is a JSON object with a ``custom_id`` (a string, unique in the file),
 ``method`` ``POST``, ``url`` equal to the batch's endpoint, and a ``body`` that converts to a Request for that
-endpoint with the same ``model`` as the other lines, a model this server routes. Every failing line is named
-(``line``, 1-based) as OpenAI names them; the first :data:`MAX_ERRORS` are kept. A file that passes is published
+endpoint (every field by its rule in :mod:`batchline.api.fields`: honoured, or the line fails naming it) with the
+same ``model`` as the other lines, a model this server routes. An embeddings batch has one ``encoding_format``, the
+first line's. Every failing line is named (``line``, 1-based, and the field as ``param``) as OpenAI names them; the
+first :data:`MAX_ERRORS` are kept. A file that passes is published
 whole; one that fails publishes nothing (the batch is ``failed``).
 
 The custom ids seen are kept in a SQLite file in a temporary directory, so memory does not grow with the file.
@@ -19,14 +21,13 @@ from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
 
-from pydantic import ValidationError
-
+from batchline.api.convert import LineError
+from batchline.api.fields import convert
 from batchline.api.records import BatchError
-from batchline.api.settings import CHAT, COMPLETIONS, EMBEDDINGS, ModelRoute
-from schemas import Request
+from batchline.api.settings import EMBEDDINGS, ModelRoute
 
 MAX_ERRORS = 100
-SAMPLING = ("temperature", "top_p", "max_tokens", "seed")
+DEFAULT_ENCODING = "float"  # an embeddings line without encoding_format, as OpenAI reads it
 
 
 @dataclass
@@ -35,6 +36,7 @@ class Validation:
     count: int = 0
     errors: list[BatchError] = field(default_factory=list)
     more_errors: int = 0  # failing lines beyond MAX_ERRORS
+    encoding_format: str | None = None  # an embeddings batch's: its first converted line's
 
     def fail(self, code: str, message: str, line: int | None = None, param: str | None = None) -> None:
         if len(self.errors) < MAX_ERRORS:
@@ -43,38 +45,9 @@ class Validation:
             self.more_errors += 1
 
 
-def _content(value: Any) -> str:
-    """A chat message's content: a string, or a list of text parts (joined)."""
-    if isinstance(value, str):
-        return value
-    if isinstance(value, list) and all(isinstance(p, dict) and p.get("type") == "text" for p in value):
-        return "".join(str(p.get("text", "")) for p in value)
-    raise ValueError("message content must be a string or a list of text parts")
-
-
 def to_request(custom_id: str, body: Mapping[str, Any], endpoint: str) -> dict[str, Any]:
-    """The Request fields of one line's ``body`` for ``endpoint``; ValueError says what does not fit."""
-    out: dict[str, Any] = {"id": custom_id}
-    if endpoint == CHAT:
-        messages = body.get("messages")
-        if not isinstance(messages, list) or not messages:
-            raise ValueError("body.messages must be a non-empty list")
-        out["messages"] = [{"role": m.get("role"), "content": _content(m.get("content"))} for m in messages]
-    elif endpoint == COMPLETIONS:
-        if not isinstance(body.get("prompt"), str):
-            raise ValueError("body.prompt must be a string (one prompt per line)")
-        out["prompt"] = body["prompt"]
-    elif endpoint == EMBEDDINGS:
-        if not isinstance(body.get("input"), str):
-            raise ValueError("body.input must be a string (one input per line)")
-        out["text"] = body["input"]
-    sampling = {k: body[k] for k in SAMPLING if body.get(k) is not None}
-    if body.get("max_completion_tokens") is not None:
-        sampling["max_tokens"] = body["max_completion_tokens"]
-    if sampling:
-        out["sampling"] = sampling
-    Request.model_validate(out)  # raises ValidationError (a ValueError) naming the field
-    return out
+    """The Request fields of one line's ``body`` for ``endpoint``; LineError names the field that does not fit."""
+    return convert(custom_id, body, endpoint).out
 
 
 class _Seen:
@@ -118,11 +91,14 @@ def _check_line(
 ) -> None:
     try:
         obj = json.loads(raw)
-    except (json.JSONDecodeError, UnicodeDecodeError):
+    except (json.JSONDecodeError, UnicodeDecodeError, RecursionError):
         result.fail("invalid_json_line", f"Line {n} is not valid JSON.", line=n)
         return
     if not isinstance(obj, dict):
         result.fail("invalid_json_line", f"Line {n} is not a JSON object.", line=n)
+        return
+    if rb"\ud" in raw.lower() and not _encodable(obj):
+        result.fail("invalid_json_line", f"Line {n} escapes a lone surrogate (not Unicode text).", line=n)
         return
     custom_id = obj.get("custom_id")
     if not isinstance(custom_id, str) or not custom_id:
@@ -144,25 +120,48 @@ def _check_line(
     if not isinstance(body, dict):
         result.fail("missing_required_parameter", f"Line {n} has no body object.", line=n, param="body")
         return
-    _check_model(n, body.get("model"), routes, result)
+    if not _check_model(n, body.get("model"), routes, result):
+        return
     try:
-        to_request(custom_id, body, endpoint)
-    except (ValueError, ValidationError) as exc:
-        reason = exc.errors()[0]["msg"] if isinstance(exc, ValidationError) else str(exc)
-        result.fail("invalid_body", f"Line {n}: {reason}.", line=n, param="body")
+        line = convert(custom_id, body, endpoint)
+    except LineError as exc:
+        result.fail(exc.code, f"Line {n}: {exc.param} {exc.reason}.", line=n, param=exc.param)
+        return
+    if endpoint == EMBEDDINGS:
+        fmt = line.encoding_format or DEFAULT_ENCODING
+        if result.encoding_format is None:
+            result.encoding_format = fmt
+        elif fmt != result.encoding_format:
+            msg = f"Line {n}: body.encoding_format {fmt!r} differs from the batch's {result.encoding_format!r}."
+            result.fail("mismatched_encoding_format", msg, line=n, param="body.encoding_format")
 
 
-def _check_model(n: int, model: Any, routes: Mapping[str, ModelRoute], result: Validation) -> None:
+def _encodable(obj: Any) -> bool:
+    """Whether every string of ``obj`` is UTF-8 text: JSON lets ``\\ud800`` escape half a character, which the
+    records' encoders cannot write."""
+    try:
+        json.dumps(obj, ensure_ascii=False).encode()
+    except UnicodeEncodeError:
+        return False
+    return True
+
+
+def _check_model(n: int, model: Any, routes: Mapping[str, ModelRoute], result: Validation) -> bool:
+    """Whether the line's model is the batch's (the first line's), a model this server routes."""
     if not isinstance(model, str) or not model:
         result.fail("missing_required_parameter", f"Line {n} has no body.model.", line=n, param="body.model")
-    elif result.model is None:
+        return False
+    if result.model is None:
         result.model = model
         if model not in routes:
             known = ", ".join(sorted(routes))
             result.fail("model_not_found", f"Line {n}: model {model!r} is not served here ({known}).", n, "body.model")
+            return False
     elif model != result.model:
         msg = f"Line {n}: model {model!r} differs from the batch's model {result.model!r}."
         result.fail("mismatched_model", msg, line=n, param="body.model")
+        return False
+    return True
 
 
 def requests(lines: Iterable[tuple[int, bytes]], endpoint: str) -> Iterator[tuple[str, dict[str, Any]]]:
