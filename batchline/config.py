@@ -19,11 +19,11 @@ from pydantic import BaseModel, ConfigDict, Field, ValidationError, field_valida
 from pydantic_settings import BaseSettings, SettingsConfigDict
 
 from batchline.exceptions import ConfigError
-from schemas.models import MAX_LOGPROBS, MAX_N
 
 # The Kafka concern (TLS, SASL, the librdkafka passthrough) has its own module; its names are here as before.
 from batchline.kafka.settings import DEFAULT_BOOTSTRAP as DEFAULT_BOOTSTRAP
 from batchline.kafka.settings import KafkaSettings as KafkaSettings
+from schemas.models import MAX_LOGPROBS, MAX_N
 
 Task = Literal["generate", "embed", "classify"]
 Route = Literal["retry", "dlq"]

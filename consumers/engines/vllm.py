@@ -25,6 +25,7 @@ Prompts are tokenized here with the engine's own tokenizer: a prompt over ``max_
 from __future__ import annotations
 
 import hashlib
+import itertools
 import json
 import logging
 import threading
@@ -81,6 +82,7 @@ class VLLMEngine:
         self._keys: dict[int, str] = {}  # running record -> vLLM request id
         self._ids: dict[str, int] = {}
         self._inputs: dict[int, EngineInput] = {}  # running record -> its input (its options shape its output)
+        self._calls = itertools.count()  # request ids of call-by-call records (streamed ones are r<key>)
         self._tool_parser: Any = _tool_parser(eng.tool_parser) if eng.tool_parser else None
         self._llm: Any = None
         self._watchdog: _Watchdog | None = None
@@ -102,6 +104,12 @@ class VLLMEngine:
             raise EngineStartError(f"vLLM could not start {self.model}: {type(exc).__name__}: {exc}") from exc
         self._watchdog = _Watchdog(self._llm, timeout)
         self.tokenizer = self._llm.get_tokenizer()
+        if self._tool_parser is not None:
+            try:
+                self._tool_parser(self.tokenizer)
+            except Exception as exc:  # a parser that cannot read this model's tokenizer: the job's config is wrong
+                self.close()
+                raise EngineStartError(f"engine.tool_parser cannot parse this model's output: {exc}") from exc
         if self.task == "classify" and self.by_embedding:
             if not self.labels:
                 self.close()
@@ -250,20 +258,29 @@ class VLLMEngine:
     def _run(self, inputs: list[EngineInput], ids: list[list[int]]) -> list[Outcome]:
         if self.by_embedding:
             return self._pooled(inputs, ids)
+        # What LLM.generate does, one request at a time: a request vLLM refuses fails that record, not the call.
+        engine = self._llm.llm_engine
         outcomes: list[Outcome | None] = [None] * len(inputs)
-        prompts, params, at = [], [], []
-        for i, (inp, tokens) in enumerate(zip(inputs, ids, strict=True)):
-            try:
-                params.append(self._sampling(inp, len(tokens)))
-            except Exception as exc:  # this record's parameters alone
-                outcomes[i] = self._refused(exc)
-                continue
-            prompts.append(self._vllm.TokensPrompt(prompt_token_ids=tokens))  # tokenized once, by _tokens
-            at.append(i)
-        if prompts:
-            outs = self._llm.generate(prompts, params, use_tqdm=False)
-            for i, o in zip(at, outs, strict=True):
-                outcomes[i] = self._generated(o, inputs[i].options)
+        waiting: dict[str, int] = {}
+        try:
+            for i, (inp, tokens) in enumerate(zip(inputs, ids, strict=True)):
+                request_id = f"c{next(self._calls)}"
+                try:
+                    params = self._sampling(inp, len(tokens))
+                    params.output_kind = self._final_only
+                    engine.add_request(request_id, self._vllm.TokensPrompt(prompt_token_ids=tokens), params)
+                except Exception as exc:  # this record's parameters alone
+                    outcomes[i] = self._refused(exc)
+                    continue
+                waiting[request_id] = i
+            while waiting:
+                for o in engine.step():
+                    if o.finished and o.request_id in waiting:
+                        i = waiting.pop(o.request_id)
+                        outcomes[i] = self._generated(o, inputs[i].options)
+        finally:
+            if waiting:  # the call failed as a whole: leave nothing of it running
+                engine.abort_request(list(waiting))
         return [o for o in outcomes if o is not None]
 
     def _pooled(self, inputs: list[EngineInput], ids: list[list[int]]) -> list[Outcome]:
@@ -360,7 +377,11 @@ class VLLMEngine:
         request = ChatCompletionRequest(
             model=self.model, messages=[{"role": "user", "content": ""}], tools=list(options.tools or ())
         )
-        found = self._tool_parser(self.tokenizer, request.tools).extract_tool_calls(text, request)
+        try:
+            found = self._tool_parser(self.tokenizer, request.tools).extract_tool_calls(text, request)
+        except Exception as exc:  # text the parser cannot read is the model's answer, as vLLM's server keeps it
+            log.warning("tool parser %s: %s", self.config.engine.tool_parser, exc)
+            return None, text
         if not found.tools_called:
             return None, text
         made = [
@@ -408,6 +429,8 @@ class VLLMEngine:
             top_k=o.top_k,
             min_p=o.min_p,
             logit_bias=o.logit_bias,
+            # a tool parser reads the model's tool-call markers, which some tokenizers mark special
+            skip_special_tokens=not (o.tools and o.tool_choice == "auto"),
         )
 
     def _refused(self, exc: Exception) -> Failure:
@@ -462,7 +485,7 @@ def _constraint(o: Options) -> dict[str, Any]:
     forced = o.forced_tool
     if forced is not None:
         function = next(t["function"] for t in o.tools or () if t["function"]["name"] == forced)
-        return {"json": function.get("parameters", {"type": "object"}), "disable_any_whitespace": True}
+        return {"json": function.get("parameters", {"type": "object"})}
     if o.calls_tools:
         calls = [
             {
@@ -475,8 +498,7 @@ def _constraint(o: Options) -> dict[str, Any]:
             }
             for t in o.tools or ()
         ]
-        # our own JSON, parsed here: free whitespace would only spend the record's tokens
-        return {"json": {"type": "array", "minItems": 1, "items": {"anyOf": calls}}, "disable_any_whitespace": True}
+        return {"json": {"type": "array", "minItems": 1, "items": {"anyOf": calls}}}
     s = o.structured
     assert s is not None
     if s.kind == "json_schema":
