@@ -210,7 +210,8 @@ def output_lines(service: ApiService, record: BatchRecord, kind: str) -> Iterato
     with RunOutcomes(service.kafka, job.topics, record.run_id, OUTCOMES_READER) as outcomes:
         for result, lineage in outcomes.results():
             if kind == OUTPUT:
-                yield _line(openai_output(result, lineage, record.endpoint, record.model))
+                encoding = record.encoding_format or "float"
+                yield _line(openai_output(result, lineage, record.endpoint, record.model, encoding_format=encoding))
         if kind == ERRORS:
             for letter in outcomes.letters():
                 yield _line(openai_error(letter))
