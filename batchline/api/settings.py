@@ -20,10 +20,9 @@ from batchline.config import JobConfig
 from batchline.exceptions import ConfigError
 from batchline.kafka.topics import JobTopics
 from batchline.runs.identity import Fingerprint, fingerprint_of
+from batchline.runs.openai_lines import CHAT_ENDPOINT, COMPLETIONS_ENDPOINT, EMBEDDINGS_ENDPOINT
 
-CHAT = "/v1/chat/completions"
-COMPLETIONS = "/v1/completions"
-EMBEDDINGS = "/v1/embeddings"
+CHAT, COMPLETIONS, EMBEDDINGS = CHAT_ENDPOINT, COMPLETIONS_ENDPOINT, EMBEDDINGS_ENDPOINT
 ENDPOINTS_BY_TASK: dict[str, tuple[str, ...]] = {
     "generate": (CHAT, COMPLETIONS),
     "classify": (CHAT, COMPLETIONS),  # the label is the completion

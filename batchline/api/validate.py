@@ -2,11 +2,11 @@
 
 A file passes when every non-blank line is a JSON object with a ``custom_id`` (a string, unique in the file),
 ``method`` ``POST``, ``url`` equal to the batch's endpoint, and a ``body`` that converts to a Request for that
-endpoint (every field by its rule in :mod:`batchline.api.fields`: honoured, or the line fails naming it) with the
-same ``model`` as the other lines, a model this server routes. An embeddings batch has one ``encoding_format``, the
-first line's. Every failing line is named (``line``, 1-based, and the field as ``param``) as OpenAI names them; the
-first :data:`MAX_ERRORS` are kept. A file that passes is published
-whole; one that fails publishes nothing (the batch is ``failed``).
+endpoint (every field by its rule in :mod:`batchline.runs.openai_fields`: honoured, or the line fails naming it)
+with the same ``model`` as the other lines, a model this server routes. An embeddings batch has one
+``encoding_format``, the first line's. Every failing line is named (``line``, 1-based, and the field as ``param``)
+as OpenAI names them; the first :data:`MAX_ERRORS` are kept. A file that passes is published whole; one that fails
+publishes nothing (the batch is ``failed``).
 
 The custom ids seen are kept in a SQLite file in a temporary directory, so memory does not grow with the file.
 """
@@ -21,10 +21,10 @@ from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
 
-from batchline.api.convert import LineError
-from batchline.api.fields import convert
 from batchline.api.records import BatchError
 from batchline.api.settings import EMBEDDINGS, ModelRoute
+from batchline.runs.openai_convert import LineError
+from batchline.runs.openai_fields import convert
 
 MAX_ERRORS = 100
 DEFAULT_ENCODING = "float"  # an embeddings line without encoding_format, as OpenAI reads it

@@ -22,6 +22,7 @@ from schemas.models import Choice, Request, SamplingOverrides, StructuredOutput,
 
 CHAT_ENDPOINT = "/v1/chat/completions"
 COMPLETIONS_ENDPOINT = "/v1/completions"
+EMBEDDINGS_ENDPOINT = "/v1/embeddings"
 ENCODING_FORMATS = ("float", "base64")
 # The failure classes that are the caller's fault: a 400 (invalid_request_error), as OpenAI answers a request
 # it refuses. Every other class (retries exhausted, invalid output, poison, ...) is batchline's: a 500.

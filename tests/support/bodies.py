@@ -8,7 +8,7 @@ from typing import Any
 
 from hypothesis import strategies as st
 
-from batchline.api.fields import FIELDS
+from batchline.runs.openai_fields import FIELDS
 
 CHAT, COMPLETIONS, EMBEDDINGS = "/v1/chat/completions", "/v1/completions", "/v1/embeddings"
 ENDPOINTS = (CHAT, COMPLETIONS, EMBEDDINGS)

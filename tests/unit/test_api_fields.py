@@ -14,10 +14,10 @@ from hypothesis import strategies as st
 from openai.types import completion_create_params, embedding_create_params
 from openai.types.chat import completion_create_params as chat_create_params
 
-from batchline.api.fields import BEGIN, END, FIELDS, render
 from batchline.api.settings import ModelRoute
 from batchline.api.validate import requests, to_request, validate
 from batchline.config import load_job_config
+from batchline.runs.openai_fields import BEGIN, END, FIELDS, render
 from schemas import Request
 from schemas.models import MAX_TOKENS
 from tests.support.bodies import CHAT, COMPLETIONS, EMBEDDINGS, ENDPOINTS, base_body, bodies, line
@@ -243,7 +243,9 @@ def test_the_tables_hold_every_field_openai_documents() -> None:
 def test_docs_api_md_holds_the_rendered_table() -> None:
     text = DOC.read_text()
     start, end = text.index(BEGIN), text.index(END) + len(END)
-    assert text[start:end] == render(), "regenerate with `python -m batchline.api.fields` and paste into docs/api.md"
+    assert text[start:end] == render(), (
+        "regenerate with `python -m batchline.runs.openai_fields` and paste into docs/api.md"
+    )
 
 
 @settings(max_examples=400, deadline=None, suppress_health_check=[HealthCheck.too_slow])

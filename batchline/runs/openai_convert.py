@@ -1,4 +1,4 @@
-"""One batch line's ``body`` turned into Request fields, each body field by the rule :mod:`batchline.api.fields`
+"""One batch line's ``body`` turned into Request fields, each body field by the rule :mod:`batchline.runs.openai_fields`
 gives it; a field or value that cannot be honoured raises :class:`LineError` naming it (``body.<field>``).
 
 The conversions that read more than one field (``logprobs`` with ``top_logprobs``, ``max_tokens`` with
