@@ -196,6 +196,7 @@ def submit(
                 "invalid": report.invalid,
                 "value_total": report.value_total,
                 "existing": report.existing,
+                "refused": report.refusals,
             }
         )
         return
@@ -203,6 +204,8 @@ def submit(
         console.print(f"idempotency key {idempotency_key!r} already submitted as this run: nothing published")
     else:
         console.print(f"{report.records} records submitted ({report.invalid} unparseable, published for the DLQ)")
+        for refusal in report.refusals:
+            console.print(f"  refused: {refusal}")
     out.print(report.run_id)
 
 

@@ -27,11 +27,14 @@ from batchline.kafka.topics import JobTopics
 from batchline.runs.control import claim_idempotency
 from batchline.runs.identity import Fingerprint
 from batchline.runs.manifests import RunsView, manifest_for, write_manifest
+from batchline.runs.openai_convert import LineError
+from batchline.runs.openai_fields import FIELDS, convert
 from schemas import PartitionBoundary, Request, RunManifest, codec_for
 
 Format = Literal["jsonl", "openai", "parquet"]
 FLUSH_TIMEOUT_S = 60.0
 PARQUET_BATCH_ROWS = 4096
+MAX_REFUSALS = 20  # OpenAI lines whose refusal a report names (the others are counted in ``invalid``)
 
 
 @dataclass
@@ -43,6 +46,7 @@ class SubmitReport:
     boundaries: dict[int, tuple[int, int]] = field(default_factory=dict)
     manifest: RunManifest | None = None
     existing: bool = False  # the idempotency key was already claimed: this is that run's report, nothing published
+    refusals: list[str] = field(default_factory=list)  # the first OpenAI lines refused, each naming its field
 
 
 def new_run_id() -> str:
@@ -50,29 +54,23 @@ def new_run_id() -> str:
 
 
 def _openai_to_request(obj: dict[str, Any]) -> dict[str, Any]:
-    body = obj.get("body") or {}
+    """The Request fields of one OpenAI batch line: every body field by its rule (``batchline.runs.openai_fields``,
+    the table the API applies), or :class:`LineError` naming the field it cannot honour."""
+    url, body = obj.get("url"), obj.get("body")
+    if not isinstance(url, str) or url not in FIELDS:
+        raise LineError("url", f"is none of {', '.join(FIELDS)}")
     if not isinstance(body, dict):
-        raise ValueError("body must be an object")
-    out: dict[str, Any] = {"id": obj.get("custom_id")}
-    url = str(obj.get("url", ""))
-    if "messages" in body:
-        out["messages"] = body["messages"]
-    elif "embeddings" in url:
-        out["text"] = body.get("input")
-    else:
-        out["prompt"] = body.get("prompt")
-    sampling = {k: body[k] for k in ("temperature", "top_p", "max_tokens", "seed") if k in body}
-    if "max_completion_tokens" in body:
-        sampling["max_tokens"] = body["max_completion_tokens"]
-    if sampling:
-        out["sampling"] = sampling
-    return out
+        raise LineError("body", "must be an object")
+    return convert(str(obj.get("custom_id")), body, url).out
 
 
-def read_records(path: Path, fmt: Format, tag: str = "line") -> Iterator[tuple[str, dict[str, Any] | bytes]]:
+def read_records(
+    path: Path, fmt: Format, tag: str = "line", refusals: list[str] | None = None
+) -> Iterator[tuple[str, dict[str, Any] | bytes]]:
     """(fallback id, object) per record; raw bytes for a line that is not a JSON object (or an OpenAI line whose
-    body cannot be converted). The fallback id names a record that carries no id of its own: the line's
-    ``custom_id`` when an OpenAI line has one, else ``{tag}-{line number}``."""
+    body cannot be converted: why, naming the line and the field, is appended to ``refusals``). The fallback id
+    names a record that carries no id of its own: the line's ``custom_id`` when an OpenAI line has one, else
+    ``{tag}-{line number}``."""
     if not path.is_file():
         raise InputFileError(f"no such file: {path}")
     if fmt == "parquet":
@@ -95,9 +93,13 @@ def read_records(path: Path, fmt: Format, tag: str = "line") -> Iterator[tuple[s
                 custom_id = obj.get("custom_id")
                 fallback = custom_id if isinstance(custom_id, str) and custom_id else f"{tag}-{n}"
                 try:
-                    yield fallback, _openai_to_request(obj)
-                except ValueError:
+                    request = _openai_to_request(obj)
+                except LineError as exc:
+                    if refusals is not None and len(refusals) < MAX_REFUSALS:
+                        refusals.append(f"line {n}: {exc}")
                     yield fallback, line  # published as is under its custom_id: the worker dead-letters it
+                else:
+                    yield fallback, request
             else:
                 yield f"{tag}-{n}", obj
 
@@ -159,8 +161,9 @@ def submit_file(
     if not path.is_file():
         raise InputFileError(f"no such file: {path}")
     file_tag = _file_tag(path)
-    records = read_records(path, fmt, file_tag)
-    return publish_run(
+    refusals: list[str] = []
+    records = read_records(path, fmt, file_tag, refusals)
+    report = publish_run(
         kafka,
         topics,
         fp,
@@ -172,6 +175,8 @@ def submit_file(
         completion_window_s=completion_window_s,
         idempotency_key=idempotency_key,
     )
+    report.refusals = refusals
+    return report
 
 
 def existing_run(kafka: KafkaSettings, topics: JobTopics, run_id: str, view: RunsView | None = None) -> SubmitReport:

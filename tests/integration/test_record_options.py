@@ -17,9 +17,11 @@ from batchline.kafka.topics import JobTopics
 from consumers.engines.deterministic import token_id
 from consumers.worker import Worker
 from schemas import codec_for
+from schemas.codec import decode_request_model
 from schemas.models import Request
+from tests.support.cli import run_cli
 from tests.support.jobs import job_toml
-from tests.support.kafka import dead_letters, results
+from tests.support.kafka import dead_letters, read_topic, results
 from tests.support.oracle import assert_exactly_once
 
 SCHEMA = {"type": "object", "properties": {"n": {"type": "integer"}, "ok": {"type": "boolean"}}, "required": ["n"]}
@@ -103,3 +105,33 @@ def test_each_option_is_honoured_or_refused_by_name_and_the_worker_lives(
     assert view["penalties"].choices is None and view["penalties"].output
     avro = view[AVRO_ID].choices or []
     assert len(avro) == 2 and all(c.logprobs for c in avro)
+
+
+def test_submit_of_an_openai_file_honours_each_field_or_names_the_refused_one(
+    kafka: KafkaSettings, job_name: str, make_job: Callable[..., JobTopics], tmp_path: Path
+) -> None:
+    """``batchline submit --format openai`` converts lines by the API's own field table."""
+    topics = make_job(job_name, partitions=1, tiers=("1s",))
+    cfg = job_toml(tmp_path / "job.toml", tiers='"1s"')
+    url = "/v1/chat/completions"
+    bodies = {
+        "kept": {"messages": CHAT, "stop": "fox", "n": 2, "logprobs": True, "top_logprobs": 1, "seed": 3},
+        "streamed": {"messages": CHAT, "stream": True},
+        "unknown": {"messages": CHAT, "frobnicate": 1},
+    }
+    path = tmp_path / "batch.jsonl"
+    path.write_text(
+        "".join(
+            json.dumps({"custom_id": cid, "method": "POST", "url": url, "body": {"model": "m", **body}}) + "\n"
+            for cid, body in bodies.items()
+        )
+    )
+    done = run_cli(kafka.bootstrap, "submit", job_name, str(path), "--format", "openai", "--config", str(cfg), "--json")
+    report = json.loads(done.stdout)
+    assert report["records"] == 3 and report["invalid"] == 2
+    first, second = report["refused"]
+    assert first.startswith("line 2: body.stream: ") and second.startswith("line 3: body.frobnicate: ")
+    published = {r.key.decode(): r.value for r in read_topic(kafka, topics.requests) if r.key}
+    kept = decode_request_model(published["kept"])
+    assert kept.sampling is not None and kept.sampling.stop == ["fox"] and kept.sampling.n == 2
+    assert kept.sampling.logprobs == 1 and kept.sampling.seed == 3 and kept.messages is not None
