@@ -331,7 +331,6 @@ def test_parquet_rows_carry_choices_and_embeddings_as_nested_columns(tmp_path: P
 
 
 def test_pandas_reads_the_nested_columns(tmp_path: Path) -> None:
-    pytest.importorskip("pandas")
     path = tmp_path / "run.parquet"
     writer = _writer("parquet", path)
     for result in (CHOICES_RESULT, TOOL_RESULT, EMBEDDINGS_RESULT):
