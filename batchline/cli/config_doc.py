@@ -1,4 +1,4 @@
-"""Render the README's configuration table from the settings' own field descriptions."""
+"""Render the configuration table of docs/configuration.md from the settings' own field descriptions."""
 
 from __future__ import annotations
 
