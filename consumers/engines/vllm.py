@@ -28,6 +28,7 @@ import hashlib
 import itertools
 import json
 import logging
+import re
 import threading
 import time
 from collections.abc import Iterable, Iterator, Sequence
@@ -188,7 +189,7 @@ class VLLMEngine:
             params.output_kind = self._final_only  # only finished records come back from step()
             self._llm.llm_engine.add_request(request_id, self._vllm.TokensPrompt(prompt_token_ids=checked), params)
         except Exception as exc:  # vLLM refused this request alone (its SamplingParams, its structured output...)
-            return self._refused(exc)
+            return self._refused(exc, inp)
         self._keys[key] = request_id
         self._ids[request_id] = key
         self._inputs[key] = inp
@@ -270,7 +271,7 @@ class VLLMEngine:
                     params.output_kind = self._final_only
                     engine.add_request(request_id, self._vllm.TokensPrompt(prompt_token_ids=tokens), params)
                 except Exception as exc:  # this record's parameters alone
-                    outcomes[i] = self._refused(exc)
+                    outcomes[i] = self._refused(exc, inputs[i])
                     continue
                 waiting[request_id] = i
             while waiting:
@@ -285,34 +286,44 @@ class VLLMEngine:
 
     def _pooled(self, inputs: list[EngineInput], ids: list[list[int]]) -> list[Outcome]:
         """Embeddings (and classify by embedding): one vector per record, or per input of a record with several;
-        ``dimensions`` and ``normalize`` through vLLM's PoolingParams."""
+        ``dimensions`` and ``normalize`` through vLLM's PoolingParams, checked per record first (a model without
+        Matryoshka dimensions refuses that record, not the call)."""
+        outcomes: list[Outcome | None] = [None] * len(inputs)
         prompts: list[Any] = []
         params: list[Any] = []
-        spans: list[tuple[int, int]] = []
-        for inp, tokens in zip(inputs, ids, strict=True):
+        spans: dict[int, tuple[int, int]] = {}
+        for i, (inp, tokens) in enumerate(zip(inputs, ids, strict=True)):
             o = inp.options
             texts = [tokens] if o is None or o.inputs is None else [self.tokenizer.encode(x) for x in o.inputs]
-            pooling = self._vllm.PoolingParams(
-                dimensions=o.dimensions if o is not None else None,
-                use_activation=o.normalize if o is not None else None,
-            )
-            spans.append((len(prompts), len(prompts) + len(texts)))
+            pooling = self._vllm.PoolingParams()
+            if o is not None:
+                pooling = self._vllm.PoolingParams(dimensions=o.dimensions, use_activation=o.normalize)
+                try:
+                    checked = pooling.clone()
+                    checked.task = "embed"
+                    checked.verify(self._llm.llm_engine.model_config)
+                except Exception as exc:  # this record's parameters alone
+                    outcomes[i] = self._refused(exc, inputs[i])
+                    continue
+            spans[i] = (len(prompts), len(prompts) + len(texts))
             prompts += [self._vllm.TokensPrompt(prompt_token_ids=t) for t in texts]
             params += [pooling] * len(texts)
-        outs = self._llm.embed(prompts, pooling_params=params, use_tqdm=False)
+        outs = self._llm.embed(prompts, pooling_params=params, use_tqdm=False) if prompts else []
         if self.task == "classify":
-            return self._by_similarity([o.outputs.embedding for o in outs], [len(o.prompt_token_ids) for o in outs])
-        results: list[Outcome] = []
-        for inp, (start, end) in zip(inputs, spans, strict=True):
-            mine = outs[start:end]
-            used = sum(len(o.prompt_token_ids) for o in mine)
-            if inp.options is not None and inp.options.inputs is not None:
+            scored = self._by_similarity([o.outputs.embedding for o in outs], [len(o.prompt_token_ids) for o in outs])
+            for i, outcome in zip(spans, scored, strict=True):
+                outcomes[i] = outcome
+        else:
+            for i, (start, end) in spans.items():
+                mine = outs[start:end]
+                used = sum(len(o.prompt_token_ids) for o in mine)
                 vectors = [list(o.outputs.embedding) for o in mine]
-                results.append(EngineOutput(embeddings=vectors, prompt_tokens=used, finish_reason="stop"))
-            else:
-                embedding = list(mine[0].outputs.embedding)
-                results.append(EngineOutput(embedding=embedding, prompt_tokens=used, finish_reason="stop"))
-        return results
+                options = inputs[i].options
+                if options is not None and options.inputs is not None:
+                    outcomes[i] = EngineOutput(embeddings=vectors, prompt_tokens=used, finish_reason="stop")
+                else:
+                    outcomes[i] = EngineOutput(embedding=vectors[0], prompt_tokens=used, finish_reason="stop")
+        return [o for o in outcomes if o is not None]
 
     def _generated(self, o: Any, options: Options | None) -> EngineOutput:
         c = o.outputs[0]
@@ -433,13 +444,17 @@ class VLLMEngine:
             skip_special_tokens=not (o.tools and o.tool_choice == "auto"),
         )
 
-    def _refused(self, exc: Exception) -> Failure:
-        """A record vLLM refused alone: an ``invalid_input`` dead letter with vLLM's reason, or the engine-level
+    def _refused(self, exc: Exception, inp: EngineInput) -> Failure:
+        """A record vLLM refused alone: an ``invalid_input`` dead letter with vLLM's reason, prefixed with the
+        record's field it is about (``sampling.logit_bias: ...``) where that can be told; or the engine-level
         error it really was (a dead engine, OOM: raised)."""
         failure = self._failure_of(exc, 1)
         if failure is None:
             failure = Failure("invalid_input", type(exc).__name__, str(exc)[:500])
-        return failure
+        field = _field_of(exc, inp)
+        if field is None or failure.failure_class != "invalid_input":
+            return failure
+        return Failure("invalid_input", failure.error_type, f"{field}: {failure.message}"[:500])
 
     def _by_similarity(self, vectors: Sequence[Sequence[float]], tokens: Sequence[int]) -> list[Outcome]:
         """Each vector's softmaxed cosine similarity to each label's, as one matrix product per call."""
@@ -476,6 +491,36 @@ class VLLMEngine:
         if "EngineGenerateError" in names:
             raise EngineError(f"{type(exc).__name__}: {exc}") from exc
         return None
+
+
+# vLLM's parameter names -> a Request's field paths, for the dead letter of a record vLLM refuses
+_SAMPLING_NAMES = frozenset(
+    {"temperature", "top_p", "max_tokens", "seed", "stop", "stop_token_ids", "n", "logprobs", "presence_penalty",
+     "frequency_penalty", "repetition_penalty", "min_tokens", "top_k", "min_p", "logit_bias"}
+)  # fmt: skip
+_POOLING_NAMES = {"dimensions": "dimensions", "use_activation": "normalize", "normalize": "normalize"}
+
+
+def _field_of(exc: Exception, inp: EngineInput) -> str | None:
+    """The Request field a vLLM refusal is about: the parameter it names, else one its message names, else the
+    record's structured-output constraint (what vLLM compiles per request)."""
+    named = getattr(exc, "parameter", None)
+    text = str(exc)
+    candidates = [named] if isinstance(named, str) else []
+    # named in the text as a word ("n" alone is too common a word to be told from the message)
+    mentioned = (n for n in (*_SAMPLING_NAMES, *_POOLING_NAMES) if n != "n" and re.search(rf"\b{n}\b", text))
+    candidates += sorted(mentioned, key=len, reverse=True)
+    for name in candidates:
+        if name in _SAMPLING_NAMES:
+            return f"sampling.{name}"
+        if name in _POOLING_NAMES:
+            return _POOLING_NAMES[name]
+    o = inp.options
+    if o is not None and o.structured is not None:
+        return f"structured.{o.structured.kind}"
+    if o is not None and o.tools:
+        return "tools"
+    return None
 
 
 def _constraint(o: Options) -> dict[str, Any]:

@@ -103,3 +103,38 @@ def test_embed_gives_unit_vectors_of_the_model_dimension_and_dead_letters_an_ove
     assert set(letters) == {"too-long"}
     assert letters["too-long"][0].failure_class == "invalid_input"
     assert letters["too-long"][0].error_type == "PromptTooLong"
+
+
+def test_embed_options_several_inputs_normalisation_and_dimensions_refused_by_name(
+    kafka: KafkaSettings, job_name: str, make_job: Callable[..., JobTopics], tmp_path: Path
+) -> None:
+    """A record with several inputs gets one vector each, the same vectors as each text alone; ``normalize``
+    false gives the pooler's raw vector; ``dimensions`` on a model without Matryoshka embeddings (MiniLM) is that
+    record's dead letter naming the field, its neighbours unharmed."""
+    topics = make_job(job_name, partitions=1)
+    cfg = _config(job_name, "embed")
+    texts = ["my parcel never came", "refund my order", "the invoice is wrong"]
+    rows: list[dict[str, object]] = [{"id": f"one-{i}", "text": text} for i, text in enumerate(texts)]
+    rows += [
+        {"id": "many", "inputs": texts},
+        {"id": "raw", "text": texts[0], "normalize": False},
+        {"id": "short", "text": texts[0], "dimensions": 64},
+    ]
+    submit_file(kafka, topics, _write(tmp_path / "e.jsonl", rows), fingerprint_of(cfg))
+
+    run_worker(cfg, kafka)
+
+    view = {rid: copies[0][0] for rid, copies in results(kafka, topics).items()}
+    assert set(view) == {"one-0", "one-1", "one-2", "many", "raw"}, dead_letters(kafka, topics)
+    many = view["many"].embeddings or []
+    assert view["many"].embedding is None and len(many) == 3
+    for i, vector in enumerate(many):
+        alone = view[f"one-{i}"].embedding or []
+        assert len(vector) == DIM and max(abs(a - b) for a, b in zip(vector, alone, strict=True)) < 1e-4
+    raw = view["raw"].embedding or []
+    norm = math.sqrt(sum(x * x for x in raw))
+    assert abs(norm - 1) > 0.1, "normalize = false is the pooler's raw vector"
+    unit = view["one-0"].embedding or []
+    assert max(abs(x / norm - y) for x, y in zip(raw, unit, strict=True)) < 1e-3, "the same direction"
+    (letter,) = dead_letters(kafka, topics)["short"]
+    assert letter.failure_class == "invalid_input" and letter.error_message.startswith("dimensions:")
