@@ -1,6 +1,6 @@
 """Typed, frozen configuration: one model per concern, loaded from a job TOML file, flags and env.
 
-Every field documents the trade-off it controls; the README's configuration table is generated from these
+Every field documents the trade-off it controls; docs/configuration.md's table is generated from these
 descriptions (``batchline config-doc``). Errors are reported as one line by :func:`load_job_config`.
 """
 

@@ -1,6 +1,6 @@
 """The platform's exceptions. Every error batchline raises derives from :class:`BatchlineError`.
 
-Each class carries the process exit code the CLI ends with (:class:`ExitCode`, the README's table "Failures and
+Each class carries the process exit code the CLI ends with (:class:`ExitCode`, docs/cli.md's table "Failures and
 exit codes"), and its message is one line for the operator: what failed, where (the bootstrap address, the
 topic, the path), and what to check. The CLI prints ``error: <message>`` and exits with ``exit_code``.
 """

@@ -45,7 +45,7 @@ class BatchReport:
         and its results a traceparent, but without the links and attributes that sampler never reads; a span that
         does not record gets no children (they would not record either). With
         :func:`~batchline.telemetry.traceparent_of` written directly, a micro-batch's spans and traceparent cost 10 us
-        instead of 34 (one thread, no contention; README, "Benchmarks")."""
+        instead of 34 (one thread, no contention; docs/benchmarks.md)."""
         name = f"process {self.requests_topic}"
         if getattr(self.tracer, "sampler", None) is ALWAYS_OFF:
             return self.tracer.start_span(name, kind=SpanKind.CONSUMER, start_time=flight.started_ns)

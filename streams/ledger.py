@@ -23,7 +23,7 @@ the index finds them from the log's COMMIT/ABORT markers; it is asked about the 
 partition and then only past what it has cleared); an aborted one moves the checkpoint and counts nothing.
 
 ``J.requests`` is not read: results and dead letters carry the request's value, and a run's total comes from its
-manifest (README "Streams"). faust was not used, see ``retry_scheduler``.
+manifest (docs/streams.md). faust was not used, see ``retry_scheduler``.
 """
 
 from __future__ import annotations

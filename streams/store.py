@@ -7,7 +7,7 @@ flushed into the transaction first). A process killed at any point restarts from
 records after it changes nothing (folding is idempotent).
 
 Memory is bounded by SQLite's page cache (``CACHE_KIB``), the write buffer (``BUFFER_IDS``) and the counts of the
-runs of held slots, whatever the number of ids. Why SQLite (measured, README "Streams"): read-modify-write of 1M
+runs of held slots, whatever the number of ids. Why SQLite (measured, docs/streams.md): read-modify-write of 1M
 ids in batches of 1,000 ran at 155k records/s in 30 MB RSS; RocksDB (``rocksdict``) at 292k/s in 70 MB, but the
 ledger is bound by Kafka and Avro decoding well below either, SQLite needs no new native dependency, commits
 several tables atomically, and answers "top quarantined by value" from a partial index. LMDB maps the whole file:

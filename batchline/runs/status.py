@@ -16,7 +16,7 @@ an outcome count as ``expired`` (no worker starts them any more; they reach ``J.
 when a worker or the retry scheduler meets them, which changes no count). Only a record already inside an engine
 at the deadline may still finish: it then moves from ``expired`` to ``succeeded``. So succeeded + failed (the
 ``quarantined``) + cancelled + expired + pending = total, always.
-The ``--json`` shape is :meth:`RunStatus.as_json` and is stable (documented in the README).
+The ``--json`` shape is :meth:`RunStatus.as_json` and is stable (documented in docs/cli.md).
 """
 
 from __future__ import annotations

@@ -2,7 +2,8 @@
 
 - :func:`setup_telemetry`: the process's tracer and meter providers and their exporters (``setup``).
 - :class:`WorkerMetrics` (``metrics``), :func:`watch_streams` (``streams_metrics``): the instruments, names in the
-  README's table; ``feeds`` holds the observable instruments they share, ``lag`` reads consumer lag.
+  table in docs/operations.md ("Metrics and probes"); ``feeds`` holds the observable instruments they share, ``lag``
+  reads consumer lag.
 - :class:`Health`: liveness and readiness (``health``); :func:`serve_probes`: ``/metrics``, ``/healthz`` and
   ``/readyz`` on ``--metrics-port`` (``server``).
 - :func:`link_from_traceparent`, :func:`traceparent_of`: W3C trace context in Kafka headers (``traces``).

@@ -1,4 +1,4 @@
-"""The worker's instruments, named to the OpenTelemetry conventions (README "Telemetry").
+"""The worker's instruments, named to the OpenTelemetry conventions (docs/operations.md, "Metrics and probes").
 
 Synchronous instruments are recorded where things happen (:meth:`WorkerMetrics.batch_done`, once per committed
 batch, and :meth:`WorkerMetrics.committed`, once per transaction). Observable ones (:mod:`batchline.telemetry.feeds`)

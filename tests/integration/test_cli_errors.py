@@ -1,4 +1,4 @@
-"""Every failure of the README's table "Failures and exit codes" through the real CLI: one line on stderr, the
+"""Every failure of docs/cli.md's table "Failures and exit codes" through the real CLI: one line on stderr, the
 documented exit code, the address where the broker matters, never a traceback.
 
 The broker-loss and deleted-topic rows need a broker of their own: ``test_broker_loss.py``.

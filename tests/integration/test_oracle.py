@@ -60,5 +60,5 @@ def test_the_oracle_shows_committed_records_only_where_read_committed_shows_abor
         aborted = sorted([f"a-{i}" for i in range(4)] + [f"o-{i}" for i in range(3)])
         assert seen == sorted([f"c-{i}" for i in range(6)] + aborted), (
             "the embedded broker's read_committed shows aborted records (if this fails, the broker was fixed: "
-            "update docs/architecture.md#known-limits-of-the-embedded-broker and the README's Guarantees)"
+            "update docs/architecture.md#known-limits-of-the-embedded-broker and the README's guarantees)"
         )
