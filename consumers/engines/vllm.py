@@ -415,19 +415,11 @@ class VLLMEngine:
         elif self.config.engine.json_schema is not None:
             structured = self._structured(json=self.config.engine.json_schema)
         max_tokens = min(s.max_tokens, self.max_model_len - prompt_tokens)
+        basic = {"temperature": s.temperature, "top_p": s.top_p, "max_tokens": max_tokens, "seed": s.seed}
         if o is None:
-            return self._vllm.SamplingParams(
-                temperature=s.temperature,
-                top_p=s.top_p,
-                max_tokens=max_tokens,
-                seed=s.seed,
-                structured_outputs=structured,
-            )
+            return self._vllm.SamplingParams(**basic, structured_outputs=structured)
         return self._vllm.SamplingParams(
-            temperature=s.temperature,
-            top_p=s.top_p,
-            max_tokens=max_tokens,
-            seed=s.seed,
+            **basic,
             structured_outputs=structured,
             n=o.n,
             stop=list(o.stop) or None,

@@ -118,25 +118,29 @@ def test_generate_against_llm_generate(
     topics = make_job(job_name, partitions=4)
     publish(kafka, topics.requests, _rows("g", prompts, budgets))
     config = _generate_config(job_name, tiny_llama, max_records)
+    extra = {"max_records": max_records, "max_tokens": "8..160 long-tailed"}
+    _record_measured(f"generate_{n}_{max_records}", config, kafka, topics, n, alone_s, alone_tokens, extra)
+
+
+def _record_measured(
+    key: str, config: Any, kafka: KafkaSettings, topics: JobTopics, n: int, alone_s: float, alone_tokens: int,
+    extra: dict[str, Any],
+) -> None:  # fmt: skip
+    """Run a measured worker over the published records and record its rate beside the baseline's."""
     stats, first = run_measured_worker(config, kafka)
     out = outputs(kafka, topics)
     assert out.count == n == stats.results
     pipeline_rate = out.completion_tokens / ((out.last_ms - first) / 1000)
     alone_rate = alone_tokens / alone_s
-    record(
-        f"generate_{n}_{max_records}",
-        {
-            "device": _device(),
-            "prompts": n,
-            "max_records": max_records,
-            "max_tokens": "8..160 long-tailed",
-            "llm_generate_out_tokens_per_s": round(alone_rate),
-            "batchline_out_tokens_per_s": round(pipeline_rate),
-            "ratio": round(pipeline_rate / alone_rate, 3),
-            "tokens_alone": alone_tokens,
-            "tokens_batchline": out.completion_tokens,
-        },
-    )
+    figures = {"device": _device(), "prompts": n, **extra}
+    figures |= {
+        "llm_generate_out_tokens_per_s": round(alone_rate),
+        "batchline_out_tokens_per_s": round(pipeline_rate),
+        "ratio": round(pipeline_rate / alone_rate, 3),
+        "tokens_alone": alone_tokens,
+        "tokens_batchline": out.completion_tokens,
+    }
+    record(key, figures)
 
 
 def test_generate_end_to_end(
@@ -222,24 +226,8 @@ def test_generate_with_a_json_schema_per_record_against_llm_generate(
     publish(kafka, topics.requests, rows)
     config = _generate_config(job_name, tiny_llama, 64)
     config = config.model_copy(update={"engine": config.engine.model_copy(update={"engine_kwargs": STRUCTURED_KWARGS})})
-    stats, first = run_measured_worker(config, kafka)
-    out = outputs(kafka, topics)
-    assert out.count == n == stats.results
-    pipeline_rate = out.completion_tokens / ((out.last_ms - first) / 1000)
-    alone_rate = alone_tokens / alone_s
-    record(
-        f"generate_json_schema_per_record_{n}",
-        {
-            "device": _device(),
-            "prompts": n,
-            "schemas": len(SCHEMA_LABELS),
-            "llm_generate_out_tokens_per_s": round(alone_rate),
-            "batchline_out_tokens_per_s": round(pipeline_rate),
-            "ratio": round(pipeline_rate / alone_rate, 3),
-            "tokens_alone": alone_tokens,
-            "tokens_batchline": out.completion_tokens,
-        },
-    )
+    extra = {"schemas": len(SCHEMA_LABELS)}
+    _record_measured(f"generate_json_schema_per_record_{n}", config, kafka, topics, n, alone_s, alone_tokens, extra)
 
 
 def test_classify_by_embedding_against_llm_embed(
