@@ -16,12 +16,12 @@ import pytest
 from openai import OpenAI
 from openai.types import Completion, CreateEmbeddingResponse
 from openai.types.chat import ChatCompletion
-from pydantic import BaseModel
 
 from batchline.runs.export import _writer, openai_error, openai_output, openai_stopped, result_json
 from batchline.runs.openai_lines import COMPLETIONS_ENDPOINT, request_param
 from schemas import DeadLetter, Result
 from tests.support.records import CHOICES_RESULT, EMBEDDINGS_RESULT, NOW, SAMPLES, TOOL_RESULT, lineage
+from tests.support.sdk import no_unknown_fields
 
 LINEAGE = lineage(run_id="run-1", fingerprint="fp-1")
 
@@ -31,15 +31,6 @@ def _body(line: dict[str, Any]) -> dict[str, Any]:
     assert line["error"] is None and line["response"]["status_code"] == 200
     body: dict[str, Any] = line["response"]["body"]
     return body
-
-
-def _no_unknown_fields(model: BaseModel) -> None:
-    """Every key of the body is a field of the SDK's model, at every depth: a strict parser reads it too."""
-    assert not model.model_extra, model.model_extra
-    for value in model.__dict__.values():
-        for item in value if isinstance(value, list) else [value]:
-            if isinstance(item, BaseModel):
-                _no_unknown_fields(item)
 
 
 def test_chat_line_has_every_choice_with_logprobs_in_openais_chat_shape() -> None:
@@ -79,7 +70,7 @@ def test_chat_line_has_every_choice_with_logprobs_in_openais_chat_shape() -> Non
     }
     assert body["choices"][2]["logprobs"] == {"content": [], "refusal": None}  # asked for, no token came
     parsed = ChatCompletion.model_validate(body)
-    _no_unknown_fields(parsed)
+    no_unknown_fields(parsed)
     assert [c.message.content for c in parsed.choices] == ["Paris", "Lyon é", "Nice"]
     top = parsed.choices[1].logprobs.content[1].top_logprobs  # type: ignore[union-attr,index]
     assert [(t.token, t.logprob) for t in top] == [(" é", -3.0), (" e", -0.125)]
@@ -116,7 +107,7 @@ def test_completions_line_has_the_legacy_logprobs_shape() -> None:
     }
     assert body["choices"][2]["logprobs"] == {"tokens": [], "token_logprobs": [], "top_logprobs": [], "text_offset": []}
     parsed = Completion.model_validate(body)
-    _no_unknown_fields(parsed)
+    no_unknown_fields(parsed)
     assert [c.text for c in parsed.choices] == ["Paris", "Lyon é", "Nice"]
 
 
@@ -165,7 +156,7 @@ def test_several_embeddings_are_one_data_entry_each_as_floats() -> None:
         "model": "minilm",
         "usage": {"prompt_tokens": 7, "total_tokens": 7},
     }
-    _no_unknown_fields(CreateEmbeddingResponse.model_validate(body))
+    no_unknown_fields(CreateEmbeddingResponse.model_validate(body))
 
 
 def test_base64_embeddings_are_little_endian_float32_and_the_sdk_decodes_them_to_ours() -> None:
