@@ -24,7 +24,7 @@ from batchline.api.jobs import JobView
 from batchline.api.objects import ERRORS, OUTPUT, TERMINAL, batch_object
 from batchline.api.records import BatchRecord
 from batchline.api.service import ApiService
-from batchline.api.settings import CHAT, COMPLETIONS, EMBEDDINGS
+from batchline.api.settings import CHAT, COMPLETIONS, EMBEDDINGS, RESPONSES
 from batchline.api.validate import requests, validate
 from batchline.config import KafkaSettings
 from batchline.runs.control import cancel_run, claim_idempotency, parse_window
@@ -33,7 +33,7 @@ from batchline.runs.manifests import EXPIRED
 from batchline.runs.outcomes import RunOutcomes
 from batchline.runs.submit import publish_run
 
-ENDPOINTS = (CHAT, COMPLETIONS, EMBEDDINGS)
+ENDPOINTS = (CHAT, COMPLETIONS, EMBEDDINGS, RESPONSES)
 MAX_METADATA = 16
 WINNER_WAIT_S = 30.0
 # The publish producer's queue, bounded both ways: by bytes (librdkafka's default is 1 GB) and by records, because

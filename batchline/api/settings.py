@@ -20,11 +20,12 @@ from batchline.config import JobConfig
 from batchline.exceptions import ConfigError
 from batchline.kafka.topics import JobTopics
 from batchline.runs.identity import Fingerprint, fingerprint_of
-from batchline.runs.openai_lines import CHAT_ENDPOINT, COMPLETIONS_ENDPOINT, EMBEDDINGS_ENDPOINT
+from batchline.runs.openai_lines import CHAT_ENDPOINT, COMPLETIONS_ENDPOINT, EMBEDDINGS_ENDPOINT, RESPONSES_ENDPOINT
 
 CHAT, COMPLETIONS, EMBEDDINGS = CHAT_ENDPOINT, COMPLETIONS_ENDPOINT, EMBEDDINGS_ENDPOINT
+RESPONSES = RESPONSES_ENDPOINT
 ENDPOINTS_BY_TASK: dict[str, tuple[str, ...]] = {
-    "generate": (CHAT, COMPLETIONS),
+    "generate": (CHAT, COMPLETIONS, RESPONSES),
     "classify": (CHAT, COMPLETIONS),  # the label is the completion
     "embed": (EMBEDDINGS,),
 }

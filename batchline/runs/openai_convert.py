@@ -249,10 +249,10 @@ def response_format(value: Any, line: Line, param: str) -> None:
     if kind == "json_object":
         line.put("structured.json_object", True, param)
     elif kind == "json_schema":
-        line.put("structured.json_schema", _json_schema(value.get("json_schema"), f"{param}.json_schema"), param)
+        line.put("structured.json_schema", json_schema(value.get("json_schema"), f"{param}.json_schema"), param)
 
 
-def _json_schema(value: Any, param: str) -> str:
+def json_schema(value: Any, param: str) -> str:
     if not isinstance(value, dict):
         raise invalid(param, "must be an object with name and schema")
     for key, item in value.items():

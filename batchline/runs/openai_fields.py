@@ -1,6 +1,7 @@
 """The body fields of a batch line, one table per endpoint: what each becomes in the Request, or why it is refused.
 
-Every field OpenAI documents for ``/v1/chat/completions``, ``/v1/completions`` and ``/v1/embeddings`` is here
+Every field OpenAI documents for ``/v1/chat/completions``, ``/v1/completions``, ``/v1/embeddings`` and
+``/v1/responses`` is here
 (the lists of the ``openai`` SDK's request types, which are generated from OpenAI's API reference), and so are the
 extensions vLLM's OpenAI server takes in the same body (``vllm.entrypoints``' request models). A field is:
 
@@ -24,6 +25,8 @@ from batchline.runs.openai_convert import Line, LineError
 from batchline.runs.openai_lines import CHAT_ENDPOINT as CHAT
 from batchline.runs.openai_lines import COMPLETIONS_ENDPOINT as COMPLETIONS
 from batchline.runs.openai_lines import EMBEDDINGS_ENDPOINT as EMBEDDINGS
+from batchline.runs.openai_lines import RESPONSES_ENDPOINT as RESPONSES
+from batchline.runs.openai_responses import RESPONSES_FIELDS
 from batchline.runs.openai_rows import BodyField
 from batchline.runs.openai_tables import CHAT_FIELDS, COMPLETION_FIELDS, COMPLETIONS_MAX_TOKENS, EMBEDDING_FIELDS
 from schemas.models import MAX_TOKENS
@@ -33,7 +36,19 @@ END = "<!-- fields-table:end -->"
 
 FIELDS: dict[str, dict[str, BodyField]] = {
     endpoint: {f.name: f for f in table}
-    for endpoint, table in ((CHAT, CHAT_FIELDS), (COMPLETIONS, COMPLETION_FIELDS), (EMBEDDINGS, EMBEDDING_FIELDS))
+    for endpoint, table in (
+        (CHAT, CHAT_FIELDS),
+        (COMPLETIONS, COMPLETION_FIELDS),
+        (EMBEDDINGS, EMBEDDING_FIELDS),
+        (RESPONSES, RESPONSES_FIELDS),
+    )
+}
+# OpenAI's default output bound of each generating endpoint, and the field that sets it: chat and responses run to
+# the context (MAX_TOKENS: the worker cuts it to the job's limits and the context), completions stop at 16.
+DEFAULT_MAX_TOKENS = {
+    CHAT: (MAX_TOKENS, "body.max_tokens"),
+    COMPLETIONS: (COMPLETIONS_MAX_TOKENS, "body.max_tokens"),
+    RESPONSES: (MAX_TOKENS, "body.max_output_tokens"),
 }
 
 
@@ -57,8 +72,8 @@ def convert(custom_id: str, body: Mapping[str, Any], endpoint: str) -> Line:
             spec.convert(value, line, param)
         elif not _allowed(value, spec.allowed):
             raise c.unsupported(param, spec.rule)
-    if endpoint != EMBEDDINGS and "sampling.max_tokens" not in line.origin:
-        line.put("sampling.max_tokens", MAX_TOKENS if endpoint == CHAT else COMPLETIONS_MAX_TOKENS, "body.max_tokens")
+    if endpoint in DEFAULT_MAX_TOKENS and "sampling.max_tokens" not in line.origin:
+        line.put("sampling.max_tokens", *DEFAULT_MAX_TOKENS[endpoint])
     sampling = line.out.get("sampling", {})
     least, most = sampling.get("min_tokens"), sampling.get("max_tokens")
     if type(least) is int and type(most) is int and least > most:

@@ -1,10 +1,10 @@
 """The OpenAI Batch API's output and error lines, for ``export --format openai`` and the API server's files.
 
 A line is ``{id, custom_id, response, error}``, as OpenAI writes it, plus batchline's own ``batchline`` object.
-``response.body`` is exactly the body the endpoint answers (``chat.completion``, ``text_completion`` or an
-embedding ``list``), so a client reads it with the same parser it uses for the live endpoint. Shapes follow the
-OpenAI API reference and the official ``openai`` SDK's types (``ChatCompletion``, ``Completion``,
-``CreateEmbeddingResponse``).
+``response.body`` is exactly the body the endpoint answers (``chat.completion``, ``text_completion``, an embedding
+``list`` or a ``response``), so a client reads it with the same parser it uses for the live endpoint. Shapes follow
+the OpenAI API reference and the official ``openai`` SDK's types (``ChatCompletion``, ``Completion``,
+``CreateEmbeddingResponse``, ``Response``).
 """
 
 from __future__ import annotations
@@ -23,6 +23,7 @@ from schemas.models import Choice, Request, SamplingOverrides, StructuredOutput,
 CHAT_ENDPOINT = "/v1/chat/completions"
 COMPLETIONS_ENDPOINT = "/v1/completions"
 EMBEDDINGS_ENDPOINT = "/v1/embeddings"
+RESPONSES_ENDPOINT = "/v1/responses"
 ENCODING_FORMATS = ("float", "base64")
 # The failure classes that are the caller's fault: a 400 (invalid_request_error), as OpenAI answers a request
 # it refuses. Every other class (retries exhausted, invalid output, poison, ...) is batchline's: a 500.
@@ -52,9 +53,9 @@ def openai_output(
     encoding_format: str = "float",
 ) -> dict[str, Any]:
     """One line of an OpenAI batch output file for ``result``: the response body of ``endpoint`` (a
-    ``chat.completion``, a ``text_completion`` or an embedding ``list``); ``model``: the name the request asked
-    for (default: the lineage's model id); ``encoding_format``: ``float`` or ``base64`` (embeddings as base64 of
-    their little-endian float32 bytes, as OpenAI sends them).
+    ``chat.completion``, a ``text_completion``, an embedding ``list`` or a ``response``); ``model``: the name the
+    request asked for (default: the lineage's model id); ``encoding_format``: ``float`` or ``base64`` (embeddings as
+    base64 of their little-endian float32 bytes, as OpenAI sends them).
 
     batchline's extras (run id, task, label scores, attempt, latency, lineage) are the line's ``batchline``
     object, beside ``response``, not inside its body: the body is the endpoint's own shape, and clients hand it
@@ -66,6 +67,8 @@ def openai_output(
     ref, model = _ref(result.run_id, result.request_id), model or (lineage.model_id if lineage else None)
     if result.task == "embed":
         body = _embedding_list(result, model, encoding_format)
+    elif endpoint == RESPONSES_ENDPOINT:
+        body = _response(result, ref, model)
     else:
         body = _completion(result, lineage, ref, endpoint, model)
     response = {"status_code": 200, "request_id": f"req_{ref}", "body": body}
@@ -101,13 +104,18 @@ def _vector(vector: list[float] | None, encoding_format: str) -> list[float] | s
     return base64.b64encode(packed.tobytes()).decode("ascii")
 
 
+def _choices(result: Result) -> list[Choice]:
+    """Every choice of ``result``; one without choices is one choice (a classify result's text: its label)."""
+    if result.choices is not None:
+        return result.choices
+    text = result.output if result.output is not None else result.label
+    return [Choice(index=0, text=text, finish_reason=result.finish_reason)]
+
+
 def _completion(result: Result, lineage: Lineage | None, ref: str, endpoint: str, model: str | None) -> dict[str, Any]:
     """A ``chat.completion`` or ``text_completion`` with every choice of the result (a classify result: the label
     is the one choice's content)."""
-    choices = result.choices
-    if choices is None:  # one choice, no logprobs, no tool calls: output and finish_reason are that choice
-        text = result.output if result.output is not None else result.label
-        choices = [Choice(index=0, text=text, finish_reason=result.finish_reason)]
+    choices = _choices(result)
     created = int(result.produced_at.timestamp())
     body: dict[str, Any]
     if endpoint == COMPLETIONS_ENDPOINT:
@@ -169,6 +177,64 @@ def _text_choice(choice: Choice) -> dict[str, Any]:
         }
     finish = choice.finish_reason or "stop"
     return {"text": choice.text, "index": choice.index, "logprobs": logprobs, "finish_reason": finish}
+
+
+def _response(result: Result, ref: str, model: str | None) -> dict[str, Any]:
+    """A Responses API ``response``: each choice's text an ``output_text`` of one assistant ``message`` item, each
+    tool call a ``function_call`` item. A choice cut by ``max_tokens`` leaves the response ``incomplete``
+    (``max_output_tokens``), as OpenAI reports it.
+
+    The request's own settings are not echoed (``instructions``, ``temperature``, ``text`` ... are null): the
+    output is written from the result, and the request is the input file's line of the same ``custom_id``. The
+    three echoes ``Response`` requires hold OpenAI's defaults: ``tools`` empty, ``tool_choice`` auto,
+    ``parallel_tool_calls`` true."""
+    output: list[dict[str, Any]] = []
+    cut = False
+    for choice in _choices(result):
+        if choice.tool_calls:
+            output += [_function_call(ref, call) for call in choice.tool_calls]
+            continue
+        cut = cut or choice.finish_reason == "length"
+        text: dict[str, Any] = {"type": "output_text", "text": choice.text or "", "annotations": []}
+        if choice.logprobs is not None:  # asked for (include message.output_text.logprobs)
+            text["logprobs"] = [_token_logprob(t) for t in choice.logprobs]
+        output.append({
+            "type": "message",
+            "id": f"msg_{ref}_{choice.index}",
+            "status": "incomplete" if choice.finish_reason == "length" else "completed",
+            "role": "assistant",
+            "content": [text],
+        })  # fmt: skip
+    created = int(result.produced_at.timestamp())
+    prompt, completion = result.prompt_tokens, result.completion_tokens
+    return {
+        "id": f"resp_{ref}",
+        "object": "response",
+        "created_at": created,
+        "completed_at": created,
+        "status": "incomplete" if cut else "completed",
+        "incomplete_details": {"reason": "max_output_tokens"} if cut else None,
+        "error": None,
+        "model": model,
+        "output": output,
+        "instructions": None,
+        "tools": [],
+        "tool_choice": "auto",
+        "parallel_tool_calls": True,
+        "usage": {
+            "input_tokens": prompt,
+            # the engine reports no prefix-cache reads or writes per record: none are claimed
+            "input_tokens_details": {"cached_tokens": 0, "cache_write_tokens": 0},
+            "output_tokens": completion,
+            "output_tokens_details": {"reasoning_tokens": 0},
+            "total_tokens": prompt + completion,
+        },
+    }
+
+
+def _function_call(ref: str, call: ToolCall) -> dict[str, Any]:
+    return {"type": "function_call", "id": f"fc_{ref}_{call.id}", "call_id": call.id, "name": call.name,
+            "arguments": call.arguments, "status": "completed"}  # fmt: skip
 
 
 def openai_error(letter: DeadLetter) -> dict[str, Any]:

@@ -13,6 +13,7 @@ from hypothesis import HealthCheck, given, settings
 from hypothesis import strategies as st
 from openai.types import completion_create_params, embedding_create_params
 from openai.types.chat import completion_create_params as chat_create_params
+from openai.types.responses import response_create_params
 
 from batchline.api.settings import ModelRoute
 from batchline.api.validate import requests, to_request, validate
@@ -20,7 +21,7 @@ from batchline.config import load_job_config
 from batchline.runs.openai_fields import BEGIN, END, FIELDS, render
 from schemas import Request
 from schemas.models import MAX_TOKENS
-from tests.support.bodies import CHAT, COMPLETIONS, EMBEDDINGS, ENDPOINTS, base_body, bodies, line
+from tests.support.bodies import CHAT, COMPLETIONS, EMBEDDINGS, ENDPOINTS, RESPONSES, base_body, bodies, line
 
 EMBED_JOB = load_job_config("e", None, {"task": "embed"})
 ROUTES = {"m": ModelRoute.of("m", load_job_config("j")), "e": ModelRoute.of("e", EMBED_JOB)}
@@ -234,6 +235,7 @@ def test_the_tables_hold_every_field_openai_documents() -> None:
         CHAT: set(chat_create_params.CompletionCreateParamsBase.__annotations__) | {"stream"},
         COMPLETIONS: set(completion_create_params.CompletionCreateParamsBase.__annotations__) | {"stream"},
         EMBEDDINGS: set(embedding_create_params.EmbeddingCreateParams.__annotations__),
+        RESPONSES: set(response_create_params.ResponseCreateParamsBase.__annotations__) | {"stream"},
     }
     for endpoint, names in documented.items():
         assert names <= set(FIELDS[endpoint]), f"{endpoint}: {sorted(names - set(FIELDS[endpoint]))} not in the table"
