@@ -1,8 +1,9 @@
 """What a batch line asks for, end to end through ``batchline api`` with the official OpenAI SDK, the real broker,
 ``batchline streams`` and a deterministic worker: the output lines carry what each field asked (several choices,
 log-probabilities, schema-shaped content, tool calls, stop; embeddings per input, cut to ``dimensions``, in base64
-as the SDK decodes them), every body parses as the SDK's own type, and a line the worker refuses (over the job's
-limits) comes back in OpenAI's per-request error shape naming the field."""
+as the SDK decodes them; responses with instructions, a schema-shaped output_text and function_call items), every
+body parses as the SDK's own type, and a line the worker refuses (over the job's limits) comes back in OpenAI's
+per-request error shape naming the field."""
 
 from __future__ import annotations
 
@@ -16,6 +17,7 @@ import openai
 import pytest
 from openai.types import Completion, CreateEmbeddingResponse
 from openai.types.chat import ChatCompletion
+from openai.types.responses import Response, ResponseFunctionToolCall
 
 from batchline.config import KafkaSettings
 from batchline.kafka.topics import JobTopics
@@ -146,3 +148,41 @@ def test_embedding_lines_embed_each_input_in_base64_cut_to_dimensions(
             vector = struct.unpack(f"<{len(raw) // 4}f", raw)
             assert len(vector) == size and abs(sum(x * x for x in vector) - 1) < 1e-4
         CreateEmbeddingResponse.model_validate({**bodies[custom_id], "data": [{**d, "embedding": []} for d in data]})
+
+
+def test_responses_lines_get_what_their_fields_ask(
+    stack: Callable[[str], tuple[ApiServer, CliProcess]], tmp_path: Path
+) -> None:
+    api, worker = stack("generate")
+    client, text = api.client(), "the quick brown fox jumps over the lazy dog"
+    flat_tool = {"type": "function", "name": "track", "parameters": TOOL["function"]["parameters"]}  # type: ignore[index]
+    schema_format = {"type": "json_schema", "name": "n", "schema": SCHEMA, "strict": True}
+    refused = [_line("plain", "/v1/responses", {"input": text}),
+               _line("stored", "/v1/responses", {"input": text, "store": True})]  # fmt: skip
+    path = tmp_path / "refused.jsonl"
+    path.write_text("".join(line + "\n" for line in refused))
+    with path.open("rb") as fh:
+        file_id = client.files.create(file=fh, purpose="batch").id
+    failed = client.batches.create(input_file_id=file_id, endpoint="/v1/responses", completion_window="24h")
+    assert failed.status == "failed" and failed.errors is not None and failed.errors.data is not None
+    assert [(e.line, e.code, e.param) for e in failed.errors.data] == [(2, "unsupported_parameter", "body.store")]
+
+    lines = [
+        _line("plain", "/v1/responses", {"input": text, "max_output_tokens": 16}),
+        _line("schema", "/v1/responses", {"input": text, "text": {"format": schema_format}}),
+        _line("instructed", "/v1/responses", {"instructions": "answer briefly", "temperature": 0.5,
+                                              "input": [{"role": "user", "content": [{"type": "input_text",
+                                                                                      "text": text}]}]}),
+        _line("tools", "/v1/responses", {"input": text, "tools": [flat_tool], "tool_choice": "required"}),
+    ]  # fmt: skip
+    output, errors = _run(client, tmp_path, lines, "/v1/responses", worker)
+    assert errors == []
+    bodies = {line["custom_id"]: Response.model_validate(line["response"]["body"]) for line in output}
+    assert set(bodies) == {"plain", "schema", "instructed", "tools"}
+    assert all("batchline" not in line["response"]["body"] and line["batchline"]["run_id"] for line in output)
+    assert all(b.object == "response" and b.model == MODEL and b.usage is not None for b in bodies.values())
+    assert bodies["plain"].output_text and bodies["instructed"].output_text
+    assert isinstance(json.loads(bodies["schema"].output_text)["n"], int)
+    calls = [item for item in bodies["tools"].output if isinstance(item, ResponseFunctionToolCall)]
+    assert calls and calls[0].type == "function_call" and calls[0].name == "track" and calls[0].call_id
+    json.loads(calls[0].arguments)
