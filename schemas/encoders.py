@@ -198,15 +198,15 @@ class ResultEncoder:
                 _SMALL[attempt] if 0 <= attempt < 8192 else zigzag(attempt),
                 tail,
                 b"\x00" if value is None else b"\x02" + _DOUBLE.pack(value),
-                b"\x00" if choices is None else self._rare(self._choices, choices),
-                b"\x00" if embeddings is None else self._rare(self._embeddings, embeddings),
+                # choices and embeddings: both null for nearly every result, one join item
+                b"\x00\x00" if choices is None and embeddings is None else self._rare_pair(choices, embeddings),
             )
         )
 
-    @staticmethod
-    def _rare(schema: Any, value: Any) -> bytes:
+    def _rare_pair(self, choices: Any, embeddings: Any) -> bytes:
         buf = io.BytesIO()
-        fastavro.schemaless_writer(buf, schema, value)
+        fastavro.schemaless_writer(buf, self._choices, choices)
+        fastavro.schemaless_writer(buf, self._embeddings, embeddings)
         return buf.getvalue()
 
 
