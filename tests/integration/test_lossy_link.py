@@ -13,7 +13,6 @@ from __future__ import annotations
 
 import itertools
 import json
-import os
 import time
 from collections.abc import Iterator
 from pathlib import Path
@@ -73,10 +72,6 @@ def _longest_gap_s(stamps: list[int]) -> float:
     return max((b - a for a, b in itertools.pairwise(ordered)), default=0) / 1000
 
 
-@pytest.mark.skipif(
-    not os.environ.get("BATCHLINE_LOSSY_LINK"),
-    reason="opt-in: two runs cost about two minutes of CI; run with BATCHLINE_LOSSY_LINK=1",
-)
 @pytest.mark.parametrize(
     "schedule",
     [
