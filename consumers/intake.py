@@ -2,7 +2,7 @@
 
 Nothing raised here: a bad record becomes a WorkItem with an ``invalid_input`` failure, so it rides in its
 batch (its offset is committed with its neighbours') and leaves as a dead letter. That includes a record whose own
-options this job cannot honour (``consumers.options``): refused by name, never ignored.
+options this job cannot honour (``batchline.runs.request_options``): refused by name, never ignored.
 """
 
 from __future__ import annotations
@@ -14,7 +14,7 @@ from confluent_kafka import Message
 
 from batchline.config import JobConfig
 from batchline.kafka import headers as h
-from consumers.options import refusal
+from consumers.options import refused
 from consumers.work import Failure, Source, WorkItem
 from schemas.codec import DecodeError, decode_request, fallback_id
 
@@ -68,8 +68,8 @@ class Intake:
         if not self._generate and request.text is None and request.prompt is None and request.inputs is None:
             item.failure = Failure("invalid_input", "WrongInput", f"{self.config.task} jobs take text or prompt")
             return item
-        if not request.plain and (refused := refusal(request, self.config)) is not None:
-            item.failure = refused
+        if not request.plain and (failure := refused(request, self.config)) is not None:
+            item.failure = failure
             return item
         item.prompt = prompt = render_prompt(self._template, request.input_text)
         if request.inputs is None:

@@ -23,8 +23,10 @@ from typing import Any
 
 from batchline.api.records import BatchError
 from batchline.api.settings import EMBEDDINGS, ModelRoute
-from batchline.runs.openai_convert import LineError
+from batchline.runs.openai_convert import LineError, param_of
 from batchline.runs.openai_fields import convert
+from batchline.runs.request_options import refusal
+from schemas import Request
 
 MAX_ERRORS = 100
 DEFAULT_ENCODING = "float"  # an embeddings line without encoding_format, as OpenAI reads it
@@ -126,6 +128,13 @@ def _check_line(
         line = convert(custom_id, body, endpoint)
     except LineError as exc:
         result.fail(exc.code, f"Line {n}: {exc.param} {exc.reason}.", line=n, param=exc.param)
+        return
+    route = routes.get(result.model or "")
+    request = Request.model_validate(line.out)
+    if route is not None and not request.plain and (why := refusal(request, route.config)) is not None:
+        path, _, reason = why.partition(": ")  # what the job cannot honour (its limits, a tool parser...)
+        param = param_of(path, line.origin)
+        result.fail("invalid_body", f"Line {n}: {param} {reason}.", line=n, param=param)
         return
     if endpoint == EMBEDDINGS:
         fmt = line.encoding_format or DEFAULT_ENCODING

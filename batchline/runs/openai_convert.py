@@ -11,6 +11,7 @@ from.
 from __future__ import annotations
 
 import json
+import re
 from collections.abc import Callable, Mapping
 from dataclasses import dataclass, field
 from typing import Any
@@ -88,6 +89,14 @@ def check(line: Line) -> dict[str, Any]:
 
 
 Converter = Callable[[Any, "Line", str], None]  # (the field's non-null value, the line so far, its param)
+
+
+def param_of(path: str, origin: Mapping[str, str]) -> str:
+    """The body param a Request field path (``sampling.n``, ``tools[0].function.name``) came from."""
+    loc: list[int | str] = []
+    for name, index in re.findall(r"([^.\[\]]+)|\[(\d+)\]", path):
+        loc.append(int(index) if index else name)
+    return _param_of(tuple(loc), origin)
 
 
 def _param_of(loc: tuple[int | str, ...], origin: Mapping[str, str]) -> str:

@@ -91,7 +91,7 @@ def test_chat_lines_get_what_their_fields_ask(
         _line("schema", "/v1/chat/completions", {"messages": hi, "response_format": schema_format}),
         _line("stop", "/v1/chat/completions", {"messages": hi, "stop": ["fox"]}),
         _line("tools", "/v1/chat/completions", {"messages": hi, "tools": [TOOL], "tool_choice": "required"}),
-        _line("too-many", "/v1/chat/completions", {"messages": hi, "n": 17}),  # over the job's limits.max_n
+        _line("too-long", "/v1/chat/completions", {"messages": [{"role": "user", "content": "word " * 600}]}),
     ]
     output, errors = _run(api.client(), tmp_path, lines, "/v1/chat/completions", worker)
 
@@ -110,11 +110,32 @@ def test_chat_lines_get_what_their_fields_ask(
     assert tool_choice.finish_reason == "tool_calls" and tool_choice.message.tool_calls
     assert tool_choice.message.tool_calls[0].function.name == "track"  # type: ignore[union-attr]
 
-    (refused,) = errors
-    assert refused["custom_id"] == "too-many" and refused["error"] is None
+    (refused,) = errors  # over the context: the worker's refusal, in OpenAI's per-request error shape
+    assert refused["custom_id"] == "too-long" and refused["error"] is None
     assert refused["response"]["status_code"] == 400
     error = refused["response"]["body"]["error"]
-    assert error["type"] == "invalid_request_error" and error["param"] == "sampling.n" and "max_n" in error["message"]
+    assert error["type"] == "invalid_request_error" and error["code"] == "invalid_input"
+    assert "max_model_len" in error["message"]
+
+
+def test_a_line_over_the_jobs_limits_fails_its_batch_naming_line_and_field(
+    stack: Callable[[str], tuple[ApiServer, CliProcess]], tmp_path: Path
+) -> None:
+    api, _ = stack("generate")
+    hi = [{"role": "user", "content": "hi"}]
+    lines = [
+        _line("ok", "/v1/chat/completions", {"messages": hi, "n": 2}),
+        _line("too-many", "/v1/chat/completions", {"messages": hi, "n": 17}),  # over the job's limits.max_n (16)
+    ]
+    client = api.client()
+    path = tmp_path / "in.jsonl"
+    path.write_text("".join(line + "\n" for line in lines))
+    with path.open("rb") as fh:
+        file_id = client.files.create(file=fh, purpose="batch").id
+    batch = client.batches.create(input_file_id=file_id, endpoint="/v1/chat/completions", completion_window="24h")
+    assert batch.status == "failed" and batch.errors is not None
+    (error,) = batch.errors.data or []
+    assert error.line == 2 and error.param == "body.n" and "limits.max_n" in (error.message or "")
 
 
 def test_completions_lines_get_choices_and_logprobs(

@@ -26,7 +26,7 @@ from batchline.runs.identity import fingerprint_of
 from batchline.runs.submit import submit_file
 from consumers.engines.base import EngineInput, EngineOutput
 from consumers.infer import engine_input
-from consumers.options import refusal
+from consumers.options import refused
 from consumers.work import Failure, Source, WorkItem
 from schemas.codec import decode_request
 from tests.support.kafka import dead_letters, results
@@ -95,7 +95,7 @@ def engine(config: JobConfig) -> Iterator[Any]:
 def _input(config: JobConfig, record: dict[str, Any]) -> EngineInput:
     source = {} if "messages" in record else {"prompt": PROMPT}
     request = decode_request(json.dumps({"id": "r", **source, **record}).encode())
-    assert refusal(request, config) is None
+    assert refused(request, config) is None
     item = WorkItem(Source("t", 0, 0), b"r", b"", {}, request, request.id)
     item.prompt = request.input_text
     return engine_input(config, item)

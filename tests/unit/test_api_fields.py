@@ -206,6 +206,29 @@ def test_refused_fields_fail_their_line_by_name(endpoint: str, fields: dict[str,
     assert result.errors[0].message.startswith(f"Line 2: {param} ")
 
 
+def test_what_the_job_cannot_honour_fails_the_line_at_creation() -> None:
+    """The job's own limits and abilities (``batchline.runs.request_options``, which the worker's intake asks too)
+    are checked when the batch is created, named by body field."""
+    limited = load_job_config("j", None, {"limits.max_n": 4, "limits.max_logprobs": 2})
+    vllm = load_job_config("v", None, {"engine.name": "vllm", "engine.model": "/nowhere"})
+    routes = {"m": ModelRoute.of("m", limited), "v": ModelRoute.of("v", vllm)}
+    tool = {"type": "function", "function": {"name": "f", "parameters": {"type": "object"}}}
+    lines = [
+        line("ok", CHAT, _chat(n=4, logprobs=True, top_logprobs=2)),
+        line("n", CHAT, _chat(n=5)),
+        line("logprobs", CHAT, _chat(logprobs=True, top_logprobs=3)),
+    ]
+    result = validate(enumerate(lines, 1), CHAT, routes)
+    assert [(e.line, e.code, e.param) for e in result.errors] == [
+        (2, "invalid_body", "body.n"),
+        (3, "invalid_body", "body.top_logprobs"),
+    ]
+    assert "limits.max_n" in result.errors[0].message
+    tools = validate(enumerate([line("t", CHAT, _chat(model="v", tools=[tool]))], 1), CHAT, routes)
+    assert [(e.line, e.param) for e in tools.errors] == [(1, "body.tools")]
+    assert "engine.tool_parser" in tools.errors[0].message
+
+
 def test_an_embeddings_batch_has_the_first_lines_encoding_format() -> None:
     def emb(cid: str, **fields: Any) -> bytes:
         return line(cid, EMBEDDINGS, {"model": "e", "input": "x", **fields})

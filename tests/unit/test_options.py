@@ -12,7 +12,7 @@ from batchline.config import JobConfig, load_job_config
 from consumers.engines.base import EngineInput, EngineOutput, Options, Sampling
 from consumers.engines.deterministic import DeterministicEngine, token_id
 from consumers.infer import engine_input
-from consumers.options import options_of, refusal
+from consumers.options import options_of, refused
 from consumers.validate import OutputValidator
 from consumers.work import Failure, Source, WorkItem
 from schemas.codec import DecodeError, decode_request
@@ -41,7 +41,7 @@ def _request(**fields: Any) -> Any:
 
 
 def _refused(config: JobConfig, **fields: Any) -> str:
-    failure = refusal(_request(**fields), config)
+    failure = refused(_request(**fields), config)
     assert failure is not None and failure.failure_class == "invalid_input"
     return failure.message
 
@@ -102,7 +102,7 @@ def test_options_of_another_task_are_refused_by_name() -> None:
     assert _refused(embed, text="x", sampling={"n": 2}).startswith("sampling.n:")
     assert _refused(embed, text="x", structured={"json_object": True}).startswith("structured:")
     assert _refused(classify, text="x", sampling={"logprobs": 1}).startswith("sampling.logprobs:")
-    assert refusal(_request(inputs=["a", "b"], dimensions=8, normalize=False), embed) is None
+    assert refused(_request(inputs=["a", "b"], dimensions=8, normalize=False), embed) is None
 
 
 def test_the_jobs_limits_bound_n_logprobs_and_schema_size() -> None:
@@ -111,13 +111,13 @@ def test_the_jobs_limits_bound_n_logprobs_and_schema_size() -> None:
     assert "limits.max_logprobs" in _refused(config, sampling={"logprobs": 3})
     big = {"type": "object", "properties": {f"field{i}": {"type": "string"} for i in range(10)}}
     assert _refused(config, structured={"json_schema": big}).startswith("structured.json_schema:")
-    assert refusal(_request(sampling={"n": 4, "logprobs": 2}, structured={"json_schema": SCHEMA}), config) is None
+    assert refused(_request(sampling={"n": 4, "logprobs": 2}, structured={"json_schema": SCHEMA}), config) is None
 
 
 def test_min_tokens_above_the_jobs_default_max_tokens_is_refused() -> None:
     config = _config(**{"engine.sampling.max_tokens": 8})
     assert _refused(config, sampling={"min_tokens": 9}).startswith("sampling.min_tokens:")
-    assert refusal(_request(sampling={"min_tokens": 9, "max_tokens": 9}), config) is None
+    assert refused(_request(sampling={"min_tokens": 9, "max_tokens": 9}), config) is None
 
 
 def test_a_schema_that_is_no_schema_is_refused() -> None:
@@ -134,7 +134,7 @@ def test_tools_need_a_parser_on_vllm_and_a_choice_that_names_a_tool() -> None:
     assert _refused(deterministic, messages=CHAT, tools=[TOOL], tool_choice="sometimes").startswith("tool_choice:")
     assert _refused(deterministic, messages=CHAT, tool_choice="auto").startswith("tool_choice:")
     assert _refused(deterministic, messages=CHAT, tools=[{"type": "function"}]).startswith("tools[0]")
-    assert refusal(_request(messages=CHAT, tools=[TOOL], tool_choice="required"), deterministic) is None
+    assert refused(_request(messages=CHAT, tools=[TOOL], tool_choice="required"), deterministic) is None
 
 
 def test_a_plain_record_takes_the_fast_path_and_one_with_options_does_not() -> None:

@@ -14,7 +14,7 @@ from batchline.config import JobConfig, load_job_config
 from consumers.engines.base import EngineOutput
 from consumers.engines.deterministic import DeterministicEngine
 from consumers.infer import engine_input
-from consumers.options import refusal
+from consumers.options import refused
 from consumers.validate import OutputValidator
 from consumers.work import Failure, Source, WorkItem
 from schemas.codec import DecodeError, decode_request
@@ -113,8 +113,8 @@ def _outcome(config: JobConfig, record: dict[str, Any]) -> Failure | EngineOutpu
         request = decode_request(json.dumps(record).encode())
     except DecodeError as exc:
         return Failure("invalid_input", "DecodeError", exc.detail or exc.reason)
-    if not request.plain and (refused := refusal(request, config)) is not None:
-        return refused
+    if not request.plain and (failure := refused(request, config)) is not None:
+        return failure
     item = WorkItem(Source("t", 0, 0), b"fuzz", b"", {}, request, request.id)
     item.prompt = request.input_text
     inp = engine_input(config, item)
