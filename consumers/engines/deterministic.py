@@ -273,7 +273,7 @@ class DeterministicEngine:
         text = " ".join(tokens)
         if cut is None and not invalid and len(words) == 0:
             text += " "  # the plain path's spelling (tag, a space, no words): one output for one input
-        if options.stop and cut is None:
+        if options.stop:  # the earlier of the two ends the output: a stop string before a stop token's cut
             text, found = _cut_at_stop_string(text, options.stop, options.min_tokens)
             if found:
                 finish = "stop"

@@ -189,6 +189,8 @@ def test_stop_strings_and_stop_token_ids_end_the_output_after_min_tokens() -> No
     assert out.text == plain[: plain.index("fox")] and out.finish_reason == "stop"
     stopped = _run(Options(stop_token_ids=(token_id("lazy"),)))
     assert stopped.text.split() == plain.split()[:2] and stopped.finish_reason == "stop"
+    both = _run(Options(stop=("dog",), stop_token_ids=(token_id("lazy"),)))  # the string comes first
+    assert both.text == plain[: plain.index("dog")] and both.finish_reason == "stop"
     late = _run(Options(stop=("dog",), min_tokens=3))  # "dog" is the second word: too early to stop
     assert "dog" in late.text.split()[:2] and late.text == plain
 
