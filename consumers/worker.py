@@ -63,11 +63,12 @@ from confluent_kafka import Consumer, KafkaError, KafkaException, TopicPartition
 from batchline.config import JobConfig, KafkaSettings
 from batchline.exceptions import BatchlineError
 from batchline.kafka.aborted import AbortedIndex
-from batchline.kafka.client import bounded_prefetch, make_admin, make_consumer
+from batchline.kafka.client import bounded_prefetch, make_consumer
 from batchline.kafka.groups import close_member, watch_member
 from batchline.kafka.liveness import BrokerLiveness
 from batchline.kafka.ownership import STATS_EVERY_MS, Ownership
 from batchline.kafka.slots import SlotSweeper, claim_slot
+from batchline.kafka.takeover import TakeoverGate
 from batchline.kafka.topics import JobTopics, message_limits
 from batchline.kafka.transaction_errors import TransactionalIdTaken
 from batchline.runs.identity import Fingerprint, fingerprint_of
@@ -138,6 +139,10 @@ class Worker:
         # requests of aborted transactions (a scheduler's failed re-publish) are passed over: the embedded broker's
         # read_committed shows them (batchline/kafka/aborted.py); asked on this thread, in _poll
         self.aborted = AbortedIndex(kafka)
+        # the embedded broker's offset fetch does not wait for open transactions: a newly assigned partition waits
+        # until those open on this group's outputs have ended (batchline/kafka/takeover.py); in _on_assign
+        outputs = [self.topics.results, *self.topics.retries, self.topics.dlq]
+        self.takeover = TakeoverGate(kafka, outputs) if kafka.embedded else None
         limits = message_limits(kafka, self.topics, config.max_request_bytes)
         watched = [self.topics.requests, self.topics.results, self.topics.dlq]
         self.liveness = BrokerLiveness(kafka, config.job, watched)  # exits after broker_loss_timeout_s without one
@@ -244,7 +249,7 @@ class Worker:
         try:
             # Leave once the group is stable: a leader leaving a re-forming group jams the embedded broker
             # (batchline.kafka.groups). After an abandon (the broker is lost) there is nothing to wait for.
-            close_member(self.consumer, make_admin(self.kafka), self.group, 0.0 if self._abandoned else LEAVE_S)
+            close_member(self.consumer, self.kafka, self.group, 0.0 if self._abandoned else LEAVE_S)
         finally:
             self.sweeper.close()
             self.slot.release()
@@ -431,12 +436,20 @@ class Worker:
 
     # -- rebalance -------------------------------------------------------------------------------
     def _on_assign(self, consumer: Consumer, partitions: list[TopicPartition]) -> None:
+        if self.takeover is not None:  # before the assignment reads the committed offsets
+            self.takeover.wait(self._while_taking_over)
         consumer.incremental_assign(partitions)
         self.pauses.assigned_now(partitions)
         self._last_record = time.monotonic()
         self.health.set_assigned(len(self.pauses.assigned))  # readiness
         self.group_watch.assigned(len(self.pauses.assigned))
         log.info("assigned %s", [f"{p.topic}[{p.partition}]" for p in partitions])
+
+    def _while_taking_over(self) -> None:
+        """What the loop keeps doing while an assignment waits (TakeoverGate): alive, and still looking at the group
+        membership, so the claims of transactions in flight for the partitions it holds stay good."""
+        self.health.beat(waiting=True)
+        self.ownership.observe(OBSERVE_EVERY_S)
 
     def _on_revoke(self, consumer: Consumer, partitions: list[TopicPartition]) -> None:
         """Commit what is in flight while the partitions are still ours (for at most REVOKE_GRACE_S); buffered

@@ -38,7 +38,7 @@ from confluent_kafka import Consumer, KafkaError, KafkaException, Message, Topic
 
 from batchline.config import JobConfig, KafkaSettings, LedgerSettings
 from batchline.kafka.aborted import AbortedIndex
-from batchline.kafka.client import make_admin, make_consumer, make_producer, make_reader
+from batchline.kafka.client import make_consumer, make_producer, make_reader
 from batchline.kafka.groups import close_member, watch_member
 from batchline.kafka.liveness import BrokerDown, never_down
 from batchline.kafka.topics import JobTopics
@@ -367,7 +367,7 @@ class Ledger(SlotAssignment):
             try:
                 # leaves the group once it is stable (the others take over at once): a leader leaving a re-forming
                 # group jams the embedded broker (batchline.kafka.groups)
-                close_member(self.members, make_admin(self.kafka), self.group)
+                close_member(self.members, self.kafka, self.group)
             finally:
                 if self.store is not None:
                     self._checkpoint()

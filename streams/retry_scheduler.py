@@ -49,11 +49,12 @@ from confluent_kafka import OFFSET_BEGINNING, Consumer, KafkaError, KafkaExcepti
 from batchline.config import JobConfig, KafkaSettings
 from batchline.kafka import headers as h
 from batchline.kafka.aborted import AbortedIndex
-from batchline.kafka.client import make_admin, make_consumer
+from batchline.kafka.client import make_consumer
 from batchline.kafka.groups import close_member, watch_member
 from batchline.kafka.liveness import BrokerDown, never_down
 from batchline.kafka.ownership import STATS_EVERY_MS, Ownership
 from batchline.kafka.slots import SlotSweeper, claim_slot
+from batchline.kafka.takeover import TakeoverGate
 from batchline.kafka.topics import JobTopics, effective_max_message_bytes
 from batchline.kafka.transaction_errors import TransactionalIdTaken, TransactionFailed
 from batchline.runs.manifests import RunsView
@@ -116,6 +117,8 @@ class RetryScheduler:
         self.consumer: Consumer = make_consumer(kafka, self.group, **conf)
         self.ownership = Ownership(self.consumer, kafka.session_timeout_ms / 1000, broker_down)
         self.aborted = AbortedIndex(kafka)  # asked on the scheduler's thread, in step()
+        # a newly assigned partition waits for the transactions open on what this group writes (takeover.py)
+        self.takeover = TakeoverGate(kafka, [self.topics.requests, self.topics.dlq]) if kafka.embedded else None
         limits = effective_max_message_bytes(kafka, [self.topics.requests, self.topics.dlq])
         self.republisher = Republisher(kafka, self.topics, self.slot.transactional_id, limits, broker_down)
         self.runs = RunsView(kafka, self.topics)  # cancels and completion windows (RunsView.stops)
@@ -310,6 +313,8 @@ class RetryScheduler:
 
     # -- rebalances --------------------------------------------------------------------------------
     def _on_assign(self, consumer: Consumer, partitions: list[TopicPartition]) -> None:
+        if self.takeover is not None:  # before the assignment reads the committed offsets
+            self.takeover.wait()
         consumer.incremental_assign(partitions)
         # librdkafka keeps an application pause across a revoke and a re-assign: a partition this member paused
         # before it lost it would come back paused with nothing to resume it. It holds nothing yet: fetch it.
@@ -372,7 +377,7 @@ class RetryScheduler:
         self.aborted.close()
         try:
             # once the group is stable: a leader leaving a re-forming group jams the embedded broker
-            close_member(self.consumer, make_admin(self.kafka), self.group)
+            close_member(self.consumer, self.kafka, self.group)
         finally:
             self.runs.stop()
             self.republisher.close()

@@ -8,10 +8,11 @@ read_uncommitted, batch headers only - data is never decompressed) and settles e
 batches by its next control record, ABORT or COMMIT. A reader asks :meth:`AbortedIndex.aborted` about each
 record it got; the index reads ahead on that partition as far as the record.
 
-It speaks plaintext Kafka only. On a TLS or SASL connection (``security_protocol`` other than PLAINTEXT) it
-answers "not aborted" without reading: such a broker is Apache Kafka (batchline serves the embedded broker on
-plaintext only), whose read_committed already leaves aborted records out. On a plaintext Apache Kafka it reads
-the batch headers a second time and finds nothing the broker did not hide: correct, at that cost.
+It speaks plaintext Kafka only, and reads only where the embedded broker's workarounds are built
+(:attr:`~batchline.kafka.settings.KafkaSettings.embedded`: ``BATCHLINE_BROKER``, by default a PLAINTEXT
+connection); elsewhere it answers "not aborted" without reading: Apache Kafka's read_committed already leaves
+aborted records out. On a plaintext Apache Kafka left at ``auto`` it reads the batch headers a second time and
+finds nothing the broker did not hide: correct, at that cost.
 
 When a raw read fails, the index tries once more on a new connection, then raises :class:`Unsettled` - and goes
 on raising it for :data:`UNREACHABLE_S` without reading: the reader must not use the record yet. The worker and the
@@ -127,7 +128,7 @@ class AbortedIndex:
     """Answers whether a record a read_committed reader got belongs to an aborted transaction."""
 
     def __init__(self, kafka: KafkaSettings) -> None:
-        self.enabled = kafka.security_protocol == "PLAINTEXT"
+        self.enabled = kafka.embedded and kafka.security_protocol == "PLAINTEXT"  # it speaks plaintext only
         host, _, port = kafka.bootstrap.split(",")[0].strip().rpartition(":")
         self.bootstrap = (host.strip("[]"), int(port))
         self.parts: dict[TP, _Partition] = {}

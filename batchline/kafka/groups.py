@@ -136,21 +136,25 @@ class UnstableSince:
 
 def close_member(
     consumer: Consumer,
-    admin: Any,
+    kafka: KafkaSettings,
     group: str,
     leave_timeout_s: float = LEAVE_TIMEOUT_S,
     clock: Callable[[], float] = time.monotonic,
+    admin: Any = None,
 ) -> bool:
     """Close ``consumer`` once its group has stayed stable for :data:`STABLE_LOOKS` looks :data:`LOOK_EVERY_S`
-    apart (see the module docstring), at most ``leave_timeout_s`` later. True if it left a stable group.
+    apart (see the module docstring), at most ``leave_timeout_s`` later; at once where the embedded broker's
+    workarounds are not built (:attr:`KafkaSettings.embedded`: Apache Kafka has no ghost leader). True if it left a
+    stable group. ``admin``: the client that describes the group (made from ``kafka`` when not given).
 
     One look is not enough: a cooperative rebalance has two rounds, and between them the group reads Stable while
     the members that gave partitions up are about to rejoin (a chaos run left it that way and jammed). Polling
     between the looks lets this member take part in the second round. A broker that answers no DescribeGroups
     :data:`STABLE_LOOKS` times in a row is not waited for."""
-    if leave_timeout_s <= 0:
+    if leave_timeout_s <= 0 or not kafka.embedded:
         consumer.close()
         return False
+    admin = admin if admin is not None else make_admin(kafka)
     deadline = clock() + leave_timeout_s
     streak = silent = 0
     while streak < STABLE_LOOKS and silent < STABLE_LOOKS and clock() < deadline:

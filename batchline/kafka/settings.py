@@ -23,6 +23,7 @@ from batchline.exceptions import ConfigError
 
 DEFAULT_BOOTSTRAP = "127.0.0.1:9092"
 SecurityProtocol = Literal["PLAINTEXT", "SSL", "SASL_PLAINTEXT", "SASL_SSL"]
+BrokerKind = Literal["auto", "apache", "embedded"]
 SaslMechanism = Literal["PLAIN", "SCRAM-SHA-256", "SCRAM-SHA-512", "OAUTHBEARER", "GSSAPI"]
 ENV_PREFIX = "BATCHLINE_"
 PASSTHROUGH_PREFIX = "BATCHLINE_KAFKA__"
@@ -113,6 +114,14 @@ class KafkaSettings(BaseSettings):
         6000,
         description="Consumer session timeout. Lower detects dead workers sooner; the embedded broker's "
         "first group join takes about half of it.",
+    )
+    broker: BrokerKind = Field(
+        "auto",
+        description="Which broker this is: `embedded` builds the embedded broker's workarounds (raw reads of aborted "
+        "records, a takeover that waits for open transactions), `apache` builds none of them. `auto` treats a "
+        "PLAINTEXT connection as embedded (a plaintext Apache Kafka then pays for workarounds it does not need: "
+        "set `apache`) and a TLS or SASL one as Apache Kafka. Setting `apache` on the embedded broker gives up "
+        "exactly-once there.",
     )
     security_protocol: SecurityProtocol = Field(
         "PLAINTEXT",
@@ -245,6 +254,11 @@ class KafkaSettings(BaseSettings):
                 "BATCHLINE_SASL_OAUTHBEARER_CLIENT_SECRET"
             )
         return self
+
+    @property
+    def embedded(self) -> bool:
+        """Whether the embedded broker's workarounds are built (``broker``; ``auto``: a PLAINTEXT connection)."""
+        return self.broker == "embedded" or (self.broker == "auto" and self.security_protocol == "PLAINTEXT")
 
     def librdkafka(self) -> dict[str, Any]:
         """The librdkafka ``dotted.keys`` shared by every client: the passthrough, then the typed settings."""

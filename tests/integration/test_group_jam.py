@@ -106,7 +106,7 @@ def test_close_member_leaves_a_reforming_group_without_jamming_it(
     topic = make_job(job_name, partitions=PARTITIONS).requests
     group = f"{job_name}.members"
     c1, c2 = _c1_owns_all_then_c2_joins(kafka, group, topic)
-    leaving = threading.Thread(target=close_member, args=(c1.consumer, make_admin(kafka), group))
+    leaving = threading.Thread(target=close_member, args=(c1.consumer, kafka, group))
     leaving.start()  # c1 keeps serving the rebalance on its own thread while c2 polls here
     try:
         assert _serve([c2], TAKE_OVER_TIMEOUT_S, lambda: len(c2.held) == PARTITIONS and not leaving.is_alive()), (

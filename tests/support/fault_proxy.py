@@ -11,7 +11,8 @@ bytes both ways (an asyncio loop on a thread of its own) and, on demand,
 
 The broker must advertise the proxy (tansu's ``--advertised-listener-url``, :class:`EmbeddedBroker`'s
 ``advertised``): every connection a client makes after bootstrap then goes through it too. Frame-aware proxies
-build on it (:meth:`FaultProxy.client_frame`: tests/integration/size_limit_proxy.py answers some requests itself).
+build on it (:meth:`FaultProxy.client_frame`: tests/integration/size_limit_proxy.py answers some requests itself;
+:meth:`FaultProxy.hold` keeps one back: tests/integration/test_takeover.py).
 """
 
 from __future__ import annotations
@@ -73,6 +74,10 @@ class FaultProxy:
         """A reply to send the client instead of passing ``frame`` (a request without its size prefix) on; None
         passes it. Here: always None. Only called when a subclass sets ``frames``."""
         return None
+
+    async def hold(self, frame: bytes) -> None:
+        """Awaited before ``frame`` (a request without its size prefix) is passed on: a subclass may keep it back
+        (a request held in the network) while the link's other connections go on. Here: returns at once."""
 
     def passed_frame(self, frame: bytes) -> None:
         """Called once ``frame`` (a request without its size prefix) was written to the broker, before the next
@@ -179,6 +184,7 @@ class FaultProxy:
             reply = self.client_frame(frame)
             await self._when_open(time.monotonic() + self.latency_s)
             if reply is None:
+                await self.hold(frame)
                 dst.write(struct.pack(">i", size) + frame)
                 await dst.drain()
                 self.passed_frame(frame)
