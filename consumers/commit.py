@@ -152,6 +152,7 @@ class CommitLine:
         self._busy = False
         self._stopping = False
         self._abandoned = False  # under _cond: the worker gave up (the commit thread stops settling)
+        self._fence = False  # under _cond: fence_left_open() asked the commit thread to fence what we left open
         self._thread = threading.Thread(target=self._run, name="commit", daemon=True)
 
     # -- the worker's side -------------------------------------------------------------------------
@@ -233,6 +234,14 @@ class CommitLine:
         self._held = 0
         return flights
 
+    def fence_left_open(self) -> None:
+        """Ask the commit thread to fence a transaction this worker left open, and return at once. After a call that
+        hung, the producer is retired with its transaction open and replaced only by the next commit; a partition
+        being taken over waits for every transaction open on the outputs (batchline/kafka/takeover.py), ours too."""
+        with self._cond:
+            self._fence = True
+            self._cond.notify_all()
+
     def abandon(self) -> list[Flight]:
         """Stop committing (the broker is lost): the transactions not yet started are dropped (the one committing
         finishes) and every micro-batch not committed is forgotten and returned."""
@@ -287,12 +296,17 @@ class CommitLine:
     def _run(self) -> None:
         while True:
             with self._cond:
-                while not self._queue and not self._stopping:
+                while not self._queue and not self._stopping and not self._fence:
                     self._cond.wait()
-                if not self._queue:
+                fence, self._fence = self._fence, False
+                if not self._queue and not fence:
                     return
-                txn = self._queue[0]
-                self._busy = True
+                txn = self._queue[0] if self._queue else None
+                self._busy = txn is not None
+            if fence:
+                self._fence_left_open()
+            if txn is None:
+                continue
             txn.started_ns = time.time_ns()
             error = self._commit(txn)
             txn.ended_ns = time.time_ns()
@@ -346,6 +360,12 @@ class CommitLine:
                 replaced.error.reason,
             )
         return None
+
+    def _fence_left_open(self) -> None:
+        try:
+            self.producer.settle()  # makes the producer a hung call retired: its epoch aborts what that one left open
+        except TransactionFailed as exc:
+            log.warning("could not fence the transaction left open yet (%s): the next commit does", exc)
 
     def _settle(self, exc: TransactionFailed) -> None:
         """A commit whose outcome is unknown (``exc.ambiguous``) is made final before the worker learns of it: the

@@ -314,6 +314,10 @@ class RetryScheduler:
     # -- rebalances --------------------------------------------------------------------------------
     def _on_assign(self, consumer: Consumer, partitions: list[TopicPartition]) -> None:
         if self.takeover is not None:  # before the assignment reads the committed offsets
+            try:  # a transaction of ours retired open (a hung call) would hold the takeover up: fence it first
+                self.republisher.settle()
+            except TransactionFailed as exc:
+                log.warning("could not fence the transaction left open yet: %s", exc)
             self.takeover.wait()
         consumer.incremental_assign(partitions)
         # librdkafka keeps an application pause across a revoke and a re-assign: a partition this member paused

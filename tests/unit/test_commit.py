@@ -266,3 +266,20 @@ def test_settling_stops_when_the_worker_abandons_the_line(monkeypatch: pytest.Mo
         assert made.txn.lifecycle._replace, "the next owner's producer fences"
     finally:
         made.close()
+
+
+def test_asked_to_fence_what_it_left_open_the_commit_thread_makes_the_retired_producers_replacement(
+    line: Line,
+) -> None:
+    """A producer retired after a hung call is replaced by the next commit; a takeover cannot wait for that (it
+    waits for every open transaction, the retired one's too), so the worker asks the commit thread to do it now."""
+    line.txn.lifecycle._replace = True  # as recreate() leaves it after a hung call
+    line.line.start()
+    line.line.fence_left_open()
+    deadline = time.monotonic() + SETTLE_TIMEOUT_S
+    while line.txn.lifecycle._replace and time.monotonic() < deadline:
+        time.sleep(0.01)
+    assert not line.txn.lifecycle._replace and line.calls == ["init"], "the fencing producer was made, nothing else"
+    line.launch([0])
+    line.line.queue()
+    assert line.settle() is None and line.stats.results == 1, "and the line goes on committing"
