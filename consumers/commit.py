@@ -298,8 +298,9 @@ class CommitLine:
             with self._cond:
                 while not self._queue and not self._stopping and not self._fence:
                     self._cond.wait()
-                fence, self._fence = self._fence, False
-                if not self._queue and not fence:
+                fence = self._fence and not (self._stopping or self._abandoned)  # closing: close() fences it
+                self._fence = False
+                if not self._queue and self._stopping:
                     return
                 txn = self._queue[0] if self._queue else None
                 self._busy = txn is not None
@@ -320,6 +321,9 @@ class CommitLine:
                         dropped.done = True
                     self._queue.clear()
                 txn.error = error
+                # a producer retired by the failure (a hung call) left its transaction open: fence it once the
+                # failure is reported, not at the next commit - another member's takeover waits for it meanwhile
+                self._fence = self._fence or (error is not None and error.fatal)
                 txn.done = True
                 self._busy = False
                 self._cond.notify_all()

@@ -126,6 +126,7 @@ class RetryScheduler:
         self.paused: set[TP] = set()  # what this member asked librdkafka to pause: partitions with a held head
         self.assigned: set[TP] = set()
         self.unsettled: set[TP] = set()  # partitions of a commit whose outcome is unknown: no re-publish until read
+        self._left_open = False  # a failed commit retired its producer with the transaction open: fence it
         self.stats = SchedulerStats()
         self.last_activity = time.monotonic()
         self._backoff_until = 0.0
@@ -222,6 +223,7 @@ class RetryScheduler:
             self._backoff_until = time.monotonic() + FAILURE_BACKOFF_S
             if exc.ambiguous or exc.fatal:  # the broker may have committed: learn it before re-publishing
                 self.unsettled |= set(taken)
+            self._left_open = self._left_open or exc.fatal  # a retired producer's transaction: fence it (_settle)
             log.error("%s; held for another try in %.0fs (outcome unknown: %s)", exc, FAILURE_BACKOFF_S, exc.ambiguous)
             return
         self._backoff_until = 0.0
@@ -245,14 +247,19 @@ class RetryScheduler:
         released meanwhile)."""
         unsettled = sorted(tp for tp in self.unsettled if tp in self.assigned)
         self.unsettled = set(unsettled)
-        if not unsettled:
+        if not unsettled and not self._left_open:
             return True
-        try:  # the failed transaction is final only once a new producer fenced it: a late commit cannot land after
+        # The failed transaction is final only once a new producer fenced it: a late commit cannot land after. Also
+        # when its partitions went elsewhere: their new owner's takeover waits for it (batchline/kafka/takeover.py).
+        try:
             self.republisher.settle()
         except TransactionFailed as exc:
-            log.warning("cannot settle the ambiguous commit yet (%s): retrying", exc)
+            log.warning("cannot settle the failed commit yet (%s): retrying", exc)
             self._backoff_until = time.monotonic() + FAILURE_BACKOFF_S
             return False
+        self._left_open = False
+        if not unsettled:
+            return True
         try:
             committed = self.consumer.committed([TopicPartition(t, p) for t, p in unsettled], COMMITTED_TIMEOUT_S)
         except KafkaException as exc:
