@@ -237,7 +237,8 @@ class CommitLine:
     def fence_left_open(self) -> None:
         """Ask the commit thread to fence a transaction this worker left open, and return at once. After a call that
         hung, the producer is retired with its transaction open and replaced only by the next commit; a partition
-        being taken over waits for every transaction open on the outputs (batchline/kafka/takeover.py), ours too."""
+        being taken over waits for every transaction open on the outputs (batchline/kafka/embedded/takeover.py),
+        ours too."""
         with self._cond:
             self._fence = True
             self._cond.notify_all()

@@ -62,13 +62,13 @@ from confluent_kafka import Consumer, KafkaError, KafkaException, TopicPartition
 
 from batchline.config import JobConfig, KafkaSettings
 from batchline.exceptions import BatchlineError
-from batchline.kafka.aborted import AbortedIndex
 from batchline.kafka.client import bounded_prefetch, make_consumer
+from batchline.kafka.embedded.aborted import AbortedIndex
+from batchline.kafka.embedded.takeover import TakeoverGate
 from batchline.kafka.groups import close_member, watch_member
 from batchline.kafka.liveness import BrokerLiveness
 from batchline.kafka.ownership import STATS_EVERY_MS, Ownership
 from batchline.kafka.slots import SlotSweeper, claim_slot
-from batchline.kafka.takeover import TakeoverGate
 from batchline.kafka.topics import JobTopics, message_limits
 from batchline.kafka.transaction_errors import TransactionalIdTaken
 from batchline.runs.identity import Fingerprint, fingerprint_of
@@ -137,10 +137,10 @@ class Worker:
         self.feeder = Feeder(self.engine, config, self.wake.set, self.pinning.view.stops)
         self.router = Router(config, self.fingerprint, self.topics, self.worker_id)
         # requests of aborted transactions (a scheduler's failed re-publish) are passed over: the embedded broker's
-        # read_committed shows them (batchline/kafka/aborted.py); asked on this thread, in _poll
+        # read_committed shows them (batchline/kafka/embedded/aborted.py); asked on this thread, in _poll
         self.aborted = AbortedIndex(kafka)
         # the embedded broker's offset fetch does not wait for open transactions: a newly assigned partition waits
-        # until those open on this group's outputs have ended (batchline/kafka/takeover.py); in _on_assign
+        # until those open on this group's outputs have ended (batchline/kafka/embedded/takeover.py); in _on_assign
         outputs = [self.topics.results, *self.topics.retries, self.topics.dlq]
         self.takeover = TakeoverGate(kafka, outputs) if kafka.embedded else None
         limits = message_limits(kafka, self.topics, config.max_request_bytes)

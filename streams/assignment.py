@@ -14,7 +14,7 @@ from dataclasses import dataclass, field
 
 from confluent_kafka import OFFSET_BEGINNING, Consumer, KafkaException, TopicPartition
 
-from batchline.kafka.aborted import AbortedIndex
+from batchline.kafka.embedded.aborted import AbortedIndex
 from batchline.kafka.groups import AssignmentWatch
 from batchline.kafka.topics import JobTopics
 from streams.exceptions import StreamsError

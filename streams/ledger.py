@@ -18,9 +18,9 @@ and re-reads the last record of each partition to check the store matches the to
 without the data): a mismatch rebuilds the slot from the beginning, as does a lost or unreadable store.
 
 Committed records only: every record the reader gets is checked against an
-:class:`~batchline.kafka.aborted.AbortedIndex` (the embedded broker's read_committed shows aborted transactions;
-the index finds them from the log's COMMIT/ABORT markers; it is asked about the first record of a run of one
-partition and then only past what it has cleared); an aborted one moves the checkpoint and counts nothing.
+:class:`~batchline.kafka.embedded.aborted.AbortedIndex` (the embedded broker's read_committed shows aborted
+transactions; the index finds them from the log's COMMIT/ABORT markers; it is asked about the first record of a run
+of one partition and then only past what it has cleared); an aborted one moves the checkpoint and counts nothing.
 
 ``J.requests`` is not read: results and dead letters carry the request's value, and a run's total comes from its
 manifest (docs/streams.md). faust was not used, see ``retry_scheduler``.
@@ -37,8 +37,8 @@ from datetime import UTC, datetime
 from confluent_kafka import Consumer, KafkaError, KafkaException, Message, TopicPartition
 
 from batchline.config import JobConfig, KafkaSettings, LedgerSettings
-from batchline.kafka.aborted import AbortedIndex
 from batchline.kafka.client import make_consumer, make_producer, make_reader
+from batchline.kafka.embedded.aborted import AbortedIndex
 from batchline.kafka.groups import close_member, watch_member
 from batchline.kafka.liveness import BrokerDown, never_down
 from batchline.kafka.topics import JobTopics

@@ -48,13 +48,13 @@ from confluent_kafka import OFFSET_BEGINNING, Consumer, KafkaError, KafkaExcepti
 
 from batchline.config import JobConfig, KafkaSettings
 from batchline.kafka import headers as h
-from batchline.kafka.aborted import AbortedIndex
 from batchline.kafka.client import make_consumer
+from batchline.kafka.embedded.aborted import AbortedIndex
+from batchline.kafka.embedded.takeover import TakeoverGate
 from batchline.kafka.groups import close_member, watch_member
 from batchline.kafka.liveness import BrokerDown, never_down
 from batchline.kafka.ownership import STATS_EVERY_MS, Ownership
 from batchline.kafka.slots import SlotSweeper, claim_slot
-from batchline.kafka.takeover import TakeoverGate
 from batchline.kafka.topics import JobTopics, effective_max_message_bytes
 from batchline.kafka.transaction_errors import TransactionalIdTaken, TransactionFailed
 from batchline.runs.manifests import RunsView
@@ -250,7 +250,7 @@ class RetryScheduler:
         if not unsettled and not self._left_open:
             return True
         # The failed transaction is final only once a new producer fenced it: a late commit cannot land after. Also
-        # when its partitions went elsewhere: their new owner's takeover waits for it (batchline/kafka/takeover.py).
+        # when its partitions went elsewhere: their new owner's takeover waits for it (kafka/embedded/takeover.py).
         try:
             self.republisher.settle()
         except TransactionFailed as exc:

@@ -15,4 +15,4 @@ class SchedulerStats:
     duplicates_ignored: int = 0
     already_committed: int = 0  # held records dropped after an ambiguous commit: the broker had committed them
     stopped: int = 0  # held records of cancelled or expired runs, dead-lettered instead of re-published
-    aborted: int = 0  # retries of aborted transactions, never held (batchline/kafka/aborted.py)
+    aborted: int = 0  # retries of aborted transactions, never held (batchline/kafka/embedded/aborted.py)

@@ -13,7 +13,7 @@ Rules (docs/architecture.md#streams), all per run and per distinct request id:
 - The final outcome of an id is *succeeded* if it has any result, else the class of its latest dead letter
   (*quarantined*), else it is *pending*. So duplicates (a redelivery) never count twice, and the order in which
   topics are read does not matter. Records of aborted transactions never reach the fold: the ledger leaves them
-  out (``batchline.kafka.aborted``), on the embedded broker too.
+  out (``batchline.kafka.embedded.aborted``), on the embedded broker too.
 - ``retried`` counts distinct ids seen on retry topics, ``retries`` distinct (id, attempt) retry events
   (attempts above :data:`MAX_ATTEMPT_BIT` count as that one); ``in_flight`` the retried ids with no terminal
   outcome yet (waiting in a tier or being re-processed).

@@ -1,8 +1,8 @@
 """Read a topic (or per-partition offset ranges of it) from the beginning to its end, without a group.
 
 Only committed records: on a broker that does not hide aborted transactions from read_committed readers (the
-embedded one), each record is checked against :class:`batchline.kafka.aborted.AbortedIndex` and aborted ones are
-left out (``committed_only=False`` reads what the broker gives).
+embedded one), each record is checked against :class:`batchline.kafka.embedded.aborted.AbortedIndex` and
+aborted ones are left out (``committed_only=False`` reads what the broker gives).
 
 "The end" is not the reported high watermark alone: the embedded broker reports, for a log whose last write
 was a multi-record batch, the batch's first offset + 1. So a read to the end continues past the watermark
@@ -19,8 +19,8 @@ from typing import Any
 from confluent_kafka import TopicPartition
 
 from batchline.config import KafkaSettings
-from batchline.kafka.aborted import AbortedIndex
 from batchline.kafka.client import make_reader
+from batchline.kafka.embedded.aborted import AbortedIndex
 
 READ_TIMEOUT_S = 30.0
 SCAN_IDLE_S = 0.6

@@ -37,7 +37,7 @@ HOLD_TIMEOUT_S = 60.0  # the frozen worker's first commit is held within this
 TAKEOVER_TIMEOUT_S = 60.0  # its session times out (6 s) and its partition moves
 HELD_AFTER_TAKEOVER_S = 8.0  # the commit stays held this long after the newcomer got the partition
 COMPLETION_BOUND_S = 90.0
-TAKEOVER = "taking partitions over once they end"  # batchline.kafka.takeover's line while it waits
+TAKEOVER = "taking partitions over once they end"  # batchline.kafka.embedded.takeover's line while it waits
 
 
 class HoldingProxy(FaultProxy):

@@ -1,4 +1,4 @@
-"""The product's aborted-transaction index (batchline/kafka/aborted.py) on hand-built logs, checked against the
+"""The product's aborted-transaction index (batchline/kafka/embedded/aborted.py) on hand-built logs, checked against the
 tests' oracle: both settle the same log, by different code, to the same aborted records."""
 
 from __future__ import annotations
@@ -10,8 +10,8 @@ from kafka.record.default_records import DefaultRecordBatch
 from kafka.record.memory_records import MemoryRecords
 
 from batchline.config import KafkaSettings
-from batchline.kafka.aborted import SETTLE_TRIES, AbortedIndex, Unsettled, _Partition
 from batchline.kafka.broker import free_port
+from batchline.kafka.embedded.aborted import SETTLE_TRIES, AbortedIndex, Unsettled, _Partition
 from tests.support.oracle import settle
 from tests.unit.test_oracle import ABORT, COMMIT, STEPS, data, log, marker
 

@@ -7,7 +7,7 @@ from typing import Any
 import pytest
 
 from batchline.config import KafkaSettings
-from batchline.kafka.aborted import AbortedIndex
+from batchline.kafka.embedded.aborted import AbortedIndex
 from batchline.kafka.groups import close_member
 
 
