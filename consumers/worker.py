@@ -147,8 +147,9 @@ class Worker:
         watched = [self.topics.requests, self.topics.results, self.topics.dlq]
         self.liveness = BrokerLiveness(kafka, config.job, watched)  # exits after broker_loss_timeout_s without one
         prefetch = bounded_prefetch(config.batching.max_in_flight_records)
-        # librdkafka's join state, for the ownership's rejoin rule (batchline/kafka/ownership.py)
-        stats = {"statistics.interval.ms": STATS_EVERY_MS, "stats_cb": self._on_stats}
+        # librdkafka's join state, for the ownership's rejoin rule (batchline/kafka/ownership.py): the embedded broker
+        # hands a late rejoiner its partitions back without a word; Apache Kafka fences it by generation
+        stats = {"statistics.interval.ms": STATS_EVERY_MS, "stats_cb": self._on_stats} if kafka.embedded else {}
         self.consumer: Consumer = make_consumer(kafka, self.group, **prefetch, **stats)
         self.pauses = PauseBook(self.consumer)
         # subscribed without partitions past the rebalance timeout while the group re-forms: not ready, one line

@@ -111,8 +111,8 @@ class RetryScheduler:
         self.sweeper = SlotSweeper(kafka, self.group, self.slot.slot)
         self.group_watch, self.group_sampler = watch_member(kafka, self.group, broker_down)  # stuck unassigned?
         # A small prefetch: paused partitions are not fetched, but a due tier should not flood memory.
-        # (librdkafka's statistics give its join state to the ownership's rejoin rule: batchline/kafka/ownership.py)
-        stats = {"statistics.interval.ms": STATS_EVERY_MS, "stats_cb": self._on_stats}
+        # (librdkafka's statistics give its join state to the ownership's rejoin rule, in embedded mode: ownership.py)
+        stats = {"statistics.interval.ms": STATS_EVERY_MS, "stats_cb": self._on_stats} if kafka.embedded else {}
         conf = {"queued.max.messages.kbytes": 16384, **stats}
         self.consumer: Consumer = make_consumer(kafka, self.group, **conf)
         self.ownership = Ownership(self.consumer, kafka.session_timeout_ms / 1000, broker_down)

@@ -242,9 +242,12 @@ def rebalance_timeout_s(kafka: KafkaSettings) -> float:
 
 
 def watch_member(kafka: KafkaSettings, group: str, broker_down: BrokerDown) -> tuple[AssignmentWatch, GroupSampler]:
-    """A member's watch and the sampler that feeds it (start the sampler once subscribed, close it on close)."""
+    """A member's watch and the sampler that feeds it (start the sampler once subscribed, close it on close). The
+    sampler describes the group only where the embedded broker's workarounds are built (its ghost leader is what it
+    looks for); elsewhere it starts no thread and the watch gives no verdict."""
     watch = AssignmentWatch(group, rebalance_timeout_s(kafka))
-    return watch, GroupSampler(make_admin(kafka), watch, broker_down)
+    admin = make_admin(kafka) if kafka.embedded else None
+    return watch, GroupSampler(admin, watch, broker_down)
 
 
 class GroupSampler:
@@ -263,8 +266,10 @@ class GroupSampler:
         self._thread = threading.Thread(target=self._loop, name=f"group-sampler-{watch.group}", daemon=True)
 
     def start(self) -> GroupSampler:
+        """Start sampling on a thread of its own; none without an admin client (off embedded mode)."""
         self.watch.restart()
-        self._thread.start()
+        if self.admin is not None:
+            self._thread.start()
         return self
 
     def close(self) -> None:

@@ -2,13 +2,15 @@
 
 from __future__ import annotations
 
+import threading
 from typing import Any
 
 import pytest
 
 from batchline.config import KafkaSettings
 from batchline.kafka.embedded.aborted import AbortedIndex
-from batchline.kafka.groups import close_member
+from batchline.kafka.groups import close_member, watch_member
+from batchline.kafka.liveness import never_down
 
 
 @pytest.mark.parametrize(
@@ -70,3 +72,17 @@ def test_in_embedded_mode_a_member_waits_for_a_stable_group_before_it_leaves() -
 
     close_member(consumer, KafkaSettings(broker="embedded"), "g", leave_timeout_s=5, admin=_Admin())
     assert consumer.closed == 1 and looks, "the group was never described"
+
+
+@pytest.mark.parametrize("broker", ["apache", "embedded"])
+def test_the_group_sampler_runs_a_thread_in_embedded_mode_only(broker: str) -> None:
+    kafka = KafkaSettings(broker=broker, bootstrap="127.0.0.1:9")  # nothing listens: the sampler never describes
+    watch, sampler = watch_member(kafka, "unit-group", never_down)
+    sampler.start()
+    try:
+        running = {t.name for t in threading.enumerate()}
+        assert ("group-sampler-unit-group" in running) is kafka.embedded
+        assert (sampler.admin is not None) is kafka.embedded, "no admin client (no connection) off embedded mode"
+        assert watch.stuck() is None
+    finally:
+        sampler.close()

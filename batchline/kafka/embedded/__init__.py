@@ -5,7 +5,7 @@
 - :mod:`.takeover`: a newly assigned partition waits for the transactions open on the group's outputs (its offset
   fetch does not).
 
-Still outside this package (correct on Apache Kafka, at a cost; docs/brokers.md lists them): the stable leave in
-:mod:`batchline.kafka.groups` (skipped off embedded mode), the quiet end of reads in :mod:`batchline.kafka.scan`
-and the rejoin rule of :mod:`batchline.kafka.ownership`.
+Still outside this package: the stable leave and the group sampler in :mod:`batchline.kafka.groups` and the
+statistics that feed the rejoin rule of :mod:`batchline.kafka.ownership` (each skipped off embedded mode), and the
+quiet end of reads in :mod:`batchline.kafka.scan` (run on either broker: correct on Apache Kafka, at a cost).
 """
