@@ -251,11 +251,11 @@ class CommitLine:
             self._cond.notify_all()
             started = [self._queue[0]] if self._busy and self._queue else []
             for txn in list(self._queue)[len(started) :]:
-                txn.error = CommitFailed("discarded: the worker is stopping", txn.batch_id, True, False)
+                txn.error = CommitFailed("discarded: the worker is stopping", txn.batch_id, fatal=False)
                 txn.done = True
             self._queue = deque(started)
         for txn in self._line:
-            self.report.close(txn.spans, 0, 0, CommitFailed("abandoned", txn.batch_id, True, False))
+            self.report.close(txn.spans, 0, 0, CommitFailed("abandoned", txn.batch_id, fatal=False))
         self._line.clear()
         self._committing = 0
         flights = list(self._flights)
@@ -317,7 +317,7 @@ class CommitLine:
                 if error is not None:  # the queued ones were routed on top of it: drop them unstarted
                     for dropped in self._queue:
                         dropped.error = CommitFailed(
-                            "dropped after a failed transaction", dropped.batch_id, True, False
+                            "dropped after a failed transaction", dropped.batch_id, fatal=False
                         )
                         dropped.done = True
                     self._queue.clear()
@@ -347,14 +347,14 @@ class CommitLine:
         except TransactionFenced as exc:
             log.warning("batch %s: not committed, %s", txn.batch_id, exc)
             self._settle(exc)
-            return _failed(exc, txn, abortable=not exc.fatal, fatal=exc.fatal, fenced=True, ambiguous=exc.ambiguous)
+            return _failed(exc, txn, fatal=exc.fatal, fenced=True, ambiguous=exc.ambiguous)
         except TransactionFailed as exc:
             log.error("batch %s: transaction failed (%s); fatal=%s", txn.batch_id, exc, exc.fatal)
             self._settle(exc)
-            return _failed(exc, txn, abortable=not exc.fatal, fatal=exc.fatal, ambiguous=exc.ambiguous)
+            return _failed(exc, txn, fatal=exc.fatal, ambiguous=exc.ambiguous)
         except BaseException as exc:  # a bug or an unexpected client error: reported like a failed commit
             log.exception("transaction of batch %s failed unexpectedly", txn.batch_id)
-            return _failed(exc, txn, abortable=False, fatal=True, message=f"{type(exc).__name__}: {exc}")
+            return _failed(exc, txn, fatal=True, message=f"{type(exc).__name__}: {exc}")
         for index, replaced in report.replaced.items():
             original = txn.messages[index]
             log.warning(
@@ -393,15 +393,12 @@ class CommitLine:
 def _failed(
     exc: BaseException,
     txn: _Txn,
-    abortable: bool,
     fatal: bool,
     fenced: bool = False,
     message: str | None = None,
     ambiguous: bool = False,
 ) -> CommitFailed:
-    error = CommitFailed(
-        message or str(exc), txn.batch_id, abortable=abortable, fatal=fatal, fenced=fenced, ambiguous=ambiguous
-    )
+    error = CommitFailed(message or str(exc), txn.batch_id, fatal=fatal, fenced=fenced, ambiguous=ambiguous)
     error.__cause__ = exc
     return error
 

@@ -33,12 +33,9 @@ class CommitFailed(WorkerError):
     final before reporting it; the group's committed offsets say which). ``fenced``: not a failure of the broker -
     the batch's partitions were no longer this worker's, so it was aborted on purpose."""
 
-    def __init__(
-        self, message: str, batch_id: str, abortable: bool, fatal: bool, fenced: bool = False, ambiguous: bool = False
-    ) -> None:
+    def __init__(self, message: str, batch_id: str, fatal: bool, fenced: bool = False, ambiguous: bool = False) -> None:
         super().__init__(f"batch {batch_id}: {message}")
         self.batch_id = batch_id
-        self.abortable = abortable
         self.fatal = fatal
         self.fenced = fenced
         self.ambiguous = ambiguous

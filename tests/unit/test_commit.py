@@ -139,7 +139,7 @@ def test_a_failed_transaction_drops_those_queued_after_it_and_hands_back_every_u
             mp.setattr(commit, "COMMIT_GROUP_RECORDS", 2)
             made.line.queue()  # two transactions queued before the commit thread starts
         error = made.settle()
-        assert error is not None and error.abortable and not error.fatal and not error.fenced
+        assert error is not None and not error.fatal and not error.fenced
         assert made.calls.count("begin") == 1 and made.calls[-1] == "abort"  # the second never began
         assert made.stats.sink_failures == 1 and made.stats.transactions == 0
         assert made.line.drop() == flights and len(made.line) == 0  # everything uncommitted, to re-read
@@ -188,7 +188,7 @@ def test_a_failure_keeps_its_meaning_across_the_line() -> None:
         made.launch([0])
         made.line.queue()
         error = made.settle()
-        assert error is not None and error.fatal and not error.abortable and "RuntimeError: a bug" in str(error)
+        assert error is not None and error.fatal and "RuntimeError: a bug" in str(error)
     finally:
         made.close()
 
