@@ -65,10 +65,8 @@ class Transactions(Protocol):
         self,
         messages: Iterable[Outgoing],
         offsets: list[TopicPartition],
-        group_metadata: Any,
-        before_commit: Callable[[], None] | None = None,
+        guard: Guard,
         fit: Fit | None = None,
-        guard: Guard | None = None,
         sizes: Sequence[int] | None = None,
     ) -> CommitReport: ...
 
@@ -343,7 +341,7 @@ class CommitLine:
         outgoing: list[Outgoing] = [m[:4] for m in txn.messages]  # _outgoing, without a call a message
         try:
             sizes = [m.size for m in txn.messages]
-            report = self.producer.commit(outgoing, txn.offsets, None, fit=fit, guard=txn.claim, sizes=sizes)
+            report = self.producer.commit(outgoing, txn.offsets, txn.claim, fit=fit, sizes=sizes)
         except TransactionFenced as exc:
             log.warning("batch %s: not committed, %s", txn.batch_id, exc)
             self._settle(exc)

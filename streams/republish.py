@@ -128,7 +128,7 @@ class Republisher:
             return self.dead_letter(batch[index], error)
 
         try:
-            report = self.txn.commit(outgoing, offsets, None, fit=fit, guard=claim)
+            report = self.txn.commit(outgoing, offsets, claim, fit=fit)
         except TransactionFailed as exc:
             raise RepublishError(str(exc), len(batch), exc.fatal, exc.ambiguous) from exc
         for i, replaced in report.replaced.items():

@@ -8,11 +8,11 @@ called in bounded slices, aborted, retired and remade - is its
 :class:`~batchline.kafka.producer_lifecycle.ProducerLifecycle`'s (``lifecycle``); this module decides what a
 transaction does with it.
 
-A transaction may carry a :class:`Guard` (its claim on the partitions whose offsets it sends,
-:class:`~batchline.kafka.ownership.Claim`). Before it begins, before the offsets are sent, before the commit, and
-between the slices of every blocking call (each waits at most
-:data:`~batchline.kafka.producer_lifecycle.CALL_SLICE_S`, shorter than a session timeout, and is resumed while the
-whole call's :data:`~batchline.kafka.producer_lifecycle.CALL_TIMEOUT_S` lasts), the guard is asked whether the
+A transaction carries a :class:`Guard` (its claim on the partitions whose offsets it sends,
+:class:`~batchline.kafka.ownership.Claim`, which also gives the group metadata they are sent with). Before it
+begins, before the offsets are sent, before the commit, and between the slices of every blocking call (each waits at
+most :data:`~batchline.kafka.producer_lifecycle.CALL_SLICE_S`, shorter than a session timeout, and is resumed while
+the whole call's :data:`~batchline.kafka.producer_lifecycle.CALL_TIMEOUT_S` lasts), the guard is asked whether the
 partitions are still ours; once they are not, the transaction is aborted - or, when its commit was already under way
 (librdkafka cannot abort that), the producer is recreated, which fences its epoch - and :class:`TransactionFenced`
 is raised. A transaction not yet begun costs nothing.
@@ -121,20 +121,18 @@ class TransactionalProducer:
         self,
         messages: Iterable[Outgoing],
         offsets: list[TopicPartition],
-        group_metadata: Any,
-        before_commit: Callable[[], None] | None = None,
+        guard: Guard,
         fit: Fit | None = None,
-        guard: Guard | None = None,
         sizes: Sequence[int] | None = None,
     ) -> CommitReport:
         """Produce ``messages`` and commit ``offsets`` atomically, or raise TransactionFailed.
 
         With ``fit``, a message rejected on its own is replaced by ``fit(index, message, error)`` in the same
         transaction (see the module docstring); without it, such a rejection fails the transaction as any error.
-        ``before_commit`` runs inside each real transaction, after the messages are produced. With ``guard`` the
-        transaction commits only while its partitions are ours (else TransactionFenced), and the offsets go with
-        ``guard.group_metadata()`` instead of ``group_metadata``. ``sizes``: each message's :func:`wire_size` where
-        its maker knew it (0 where not), so the size check before producing need not compute it.
+        The transaction commits only while ``guard`` says its partitions are ours (else TransactionFenced), and the
+        offsets go with ``guard.group_metadata()``, read when they are sent. ``sizes``: each message's
+        :func:`wire_size` where its maker knew it (0 where not), so the size check before producing need not compute
+        it.
         """
         outgoing = list(messages)
         report = CommitReport()
@@ -150,7 +148,7 @@ class TransactionalProducer:
                     outgoing[i] = self._fit(fit, i, message, error, "precheck", report)
         for _ in range(MAX_ROUNDS):
             report.transactions += 1
-            rejected = self._transact(outgoing, offsets, group_metadata, before_commit, fit, report, guard)
+            rejected = self._transact(outgoing, offsets, fit, report, guard)
             if not rejected:
                 return report
             assert fit is not None  # without fit a rejection raises inside _transact
@@ -191,11 +189,9 @@ class TransactionalProducer:
         self,
         outgoing: list[Outgoing],
         offsets: list[TopicPartition],
-        group_metadata: Any,
-        before_commit: Callable[[], None] | None,
         fit: Fit | None,
         report: CommitReport,
-        guard: Guard | None = None,
+        guard: Guard,
     ) -> dict[int, RecordError]:
         """One real transaction. Returns {} once committed, or the messages the broker rejected on their own
         (the transaction was aborted). Raises TransactionFailed for everything else."""
@@ -219,8 +215,6 @@ class TransactionalProducer:
                 stopped = self._produce_tracked(outgoing, i, delivery, fit, report, refused)
                 if stopped is not None:
                     break  # the transaction already failed (a delivery was rejected): no point producing more
-            if stopped is None and before_commit is not None:
-                before_commit()
             self._flush(guard)
             failed = [e for e in delivery.values() if e is not None]
             if failed or stopped is not None:
@@ -231,7 +225,7 @@ class TransactionalProducer:
                 first = failed[0] if failed else stopped
                 assert first is not None
                 raise TransactionFailed(f"{len(failed)} messages not delivered: {first.str()}", False)
-            metadata = group_metadata if guard is None else guard.group_metadata()
+            metadata = guard.group_metadata()
             self.lifecycle.call(
                 lambda t: self.lifecycle.producer.send_offsets_to_transaction(offsets, metadata, t), guard
             )

@@ -31,6 +31,7 @@ from batchline.runs.identity import fingerprint_of
 from batchline.runs.submit import submit_file
 from tests.support.jobs import job_toml, requests_file
 from tests.support.oracle import assert_exactly_once, open_transactions, settle_topics
+from tests.support.transactions import Sent
 
 OPEN_TIMEOUT_S = 30.0
 ZOMBIES = 3
@@ -171,9 +172,9 @@ def test_a_producer_whose_id_a_newer_one_took_stops_instead_of_fencing_back(
     try:
         metadata = consumer.consumer_group_metadata()
         with pytest.raises(TransactionalIdTaken, match="taken by a newer producer"):
-            older.commit([(topics.results, b"stale", b"a", [])], [], metadata)
+            older.commit([(topics.results, b"stale", b"a", [])], [], Sent(metadata))
         assert older.recreated == 0  # it did not fence back
-        newer.commit([(topics.results, b"fresh", b"b", [])], [], metadata)
+        newer.commit([(topics.results, b"fresh", b"b", [])], [], Sent(metadata))
     finally:
         consumer.close()
         older.close(5)

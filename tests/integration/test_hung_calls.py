@@ -36,6 +36,7 @@ from batchline.kafka.transactions import TransactionalProducer
 from tests.support.fault_proxy import FaultProxy
 from tests.support.kafka import wait_for
 from tests.support.oracle import committed, open_transactions
+from tests.support.transactions import Sent
 
 WATCHDOG_S = HANG_GRACE_S + 50.0  # lifts the blackhole if the commit is still blocked: the test then fails
 RECORDS = 5
@@ -92,7 +93,7 @@ def test_a_send_offsets_call_that_never_returns_is_abandoned_and_its_transaction
     cutting = _BlackholeBeforeOffsets(proxy, consumer, cut=True)
     try:
         with pytest.raises(TransactionFailed, match="still blocked") as failed:
-            txn.commit(messages, offsets, None, guard=cutting)
+            txn.commit(messages, offsets, cutting)
         still_cut = cutting.watchdog is not None and cutting.watchdog.is_alive()
         assert cutting.watchdog is not None
         cutting.watchdog.cancel()
@@ -102,7 +103,7 @@ def test_a_send_offsets_call_that_never_returns_is_abandoned_and_its_transaction
         assert txn.hung == 1
 
         # After the heal the next commit makes a new producer, whose epoch aborts the abandoned transaction.
-        txn.commit(messages, offsets, None, guard=_BlackholeBeforeOffsets(proxy, consumer, cut=False))
+        txn.commit(messages, offsets, _BlackholeBeforeOffsets(proxy, consumer, cut=False))
         wait_for(
             lambda: open_transactions(kafka.bootstrap, [topics.results]) == [],
             10,
@@ -163,7 +164,7 @@ def test_a_commit_whose_answer_is_lost_is_reported_ambiguous_and_settled_before_
         cut.set()  # the liveness detector's view during the cut: one slice per call, no retries
         watchdog.start()
         with pytest.raises(TransactionFailed) as failed:
-            txn.commit(messages, offsets, consumer.consumer_group_metadata())
+            txn.commit(messages, offsets, Sent(consumer.consumer_group_metadata()))
         assert not proxy.armed, "the commit's EndTxn reached the broker"
         assert failed.value.ambiguous, f"the outcome of a commit whose answer was lost is unknown: {failed.value}"
         still_cut = watchdog.is_alive()

@@ -32,6 +32,7 @@ from batchline.kafka.transaction_errors import ReplacementTooLarge, TransactionF
 from batchline.kafka.transactions import TransactionalProducer
 from tests.integration.size_limit_proxy import SizeLimitProxy, size_limited_broker
 from tests.support.oracle import Rec, committed, open_transactions
+from tests.support.transactions import Sent
 
 OFFSET = 42
 
@@ -84,7 +85,7 @@ def _commit(
     txn = TransactionalProducer(kafka, f"t-{uuid.uuid4().hex[:6]}", **kw)  # type: ignore[arg-type]
     try:
         offsets = [TopicPartition(topics.requests, 0, OFFSET)]
-        report = txn.commit(messages, offsets, consumer.consumer_group_metadata(), fit=fit)  # type: ignore[arg-type]
+        report = txn.commit(messages, offsets, Sent(consumer.consumer_group_metadata()), fit=fit)  # type: ignore[arg-type]
     finally:
         consumer.close()
         txn.close()
@@ -129,7 +130,7 @@ def test_a_message_rejected_by_produce_is_replaced_in_the_open_transaction(
         report = txn.commit(
             messages,
             [TopicPartition(topics.requests, 0, OFFSET)],
-            consumer.consumer_group_metadata(),
+            Sent(consumer.consumer_group_metadata()),
             fit=_fit_to_dlq(topics, calls),
         )
     finally:
@@ -169,7 +170,7 @@ def test_without_fit_an_oversize_message_fails_the_transaction_and_commits_nothi
             txn.commit(
                 _messages(topics, big_at={3}),
                 [TopicPartition(topics.requests, 0, OFFSET)],
-                consumer.consumer_group_metadata(),
+                Sent(consumer.consumer_group_metadata()),
             )
     finally:
         consumer.close()
@@ -190,7 +191,7 @@ def test_a_replacement_that_does_not_fit_is_refused_before_anything_is_produced(
             txn.commit(
                 _messages(topics, big_at={0}),
                 [TopicPartition(topics.requests, 0, OFFSET)],
-                consumer.consumer_group_metadata(),
+                Sent(consumer.consumer_group_metadata()),
                 fit=lambda i, m, e: m,  # "replaces" the message with itself
             )
     finally:
@@ -246,7 +247,7 @@ def _broker_commit(kafka: KafkaSettings, messages: list[Outgoing], calls: list[t
     fit = _fit_to_dlq(topics, calls)
     try:
         report = txn.commit(
-            messages, [TopicPartition("limited.in", 0, OFFSET)], consumer.consumer_group_metadata(), fit=fit
+            messages, [TopicPartition("limited.in", 0, OFFSET)], Sent(consumer.consumer_group_metadata()), fit=fit
         )
     finally:
         consumer.close()

@@ -40,18 +40,15 @@ class FailingTransactions:
         self,
         messages: Iterable[Outgoing],
         offsets: list[TopicPartition],
-        group_metadata: Any,
-        before_commit: Callable[[], None] | None = None,
+        guard: Guard,
         fit: Fit | None = None,
-        guard: Guard | None = None,
         sizes: Sequence[int] | None = None,
     ) -> CommitReport:
         self.calls += 1
         n = self.calls
         outgoing = list(messages)
-        hook = _abort if n in self.fail else before_commit
         try:
-            report = self.inner.commit(outgoing, offsets, group_metadata, hook, fit, guard, sizes)
+            report = self.inner.commit(outgoing, offsets, _Failing(guard) if n in self.fail else guard, fit, sizes)
         except TransactionFailed:
             self.failed[n] = outgoing
             if self.on_failure is not None:
@@ -70,8 +67,19 @@ class FailingTransactions:
         self.inner.close(timeout)
 
 
-def _abort() -> None:
-    raise KafkaException(KafkaError(KafkaError._STATE, "injected transaction fault", txn_requires_abort=True))
+class _Failing:
+    """A claim that holds, and whose group metadata, asked for once the messages are produced and flushed, is an
+    abortable error instead (librdkafka's ``txn_requires_abort``): the producer's error handling aborts the
+    transaction."""
+
+    def __init__(self, claim: Guard) -> None:
+        self.claim = claim
+
+    def stale(self) -> str | None:
+        return self.claim.stale()
+
+    def group_metadata(self) -> Any:
+        raise KafkaException(KafkaError(KafkaError._STATE, "injected transaction fault", txn_requires_abort=True))
 
 
 class LateCommit:
@@ -94,25 +102,23 @@ class LateCommit:
         self,
         messages: Iterable[Outgoing],
         offsets: list[TopicPartition],
-        group_metadata: Any,
-        before_commit: Callable[[], None] | None = None,
+        guard: Guard,
         fit: Fit | None = None,
-        guard: Guard | None = None,
         sizes: Sequence[int] | None = None,
     ) -> CommitReport:
         self._land("commit")
         self.calls += 1
         outgoing = list(messages)
         if self.calls == self.lose:
-            self.held = (outgoing, offsets, guard.group_metadata() if guard is not None else group_metadata)
+            self.held = (outgoing, offsets, guard.group_metadata())
             raise TransactionFailed("commit_transaction: answer lost (injected)", True, ambiguous=True)
-        return self.inner.commit(outgoing, offsets, group_metadata, before_commit, fit, guard, sizes)
+        return self.inner.commit(outgoing, offsets, guard, fit, sizes)
 
     def _land(self, by: str) -> None:
         if self.held is not None:
             outgoing, offsets, metadata = self.held
             self.held = None
-            self.inner.commit(outgoing, offsets, None, guard=_Sent(metadata))
+            self.inner.commit(outgoing, offsets, Sent(metadata))
             self.landed, self.landed_at = outgoing, by
 
     def oversize(self, message: Outgoing) -> RecordError | None:
@@ -126,9 +132,9 @@ class LateCommit:
         self.inner.close(timeout)
 
 
-class _Sent:
-    """The claim of a commit already sent: the group's metadata of then, and no second check of the partitions
-    (the broker carries out what it was sent)."""
+class Sent:
+    """A claim that always holds, with the group metadata it was given: a commit already sent (the broker carries out
+    what it was sent, so the partitions are not checked again), or a test's transaction over its own consumer."""
 
     def __init__(self, metadata: Any) -> None:
         self.metadata = metadata

@@ -113,10 +113,10 @@ MESSAGES: list[Outgoing] = [("unit.results", b"v", b"k", [])]
 OFFSETS = [TopicPartition(T, 0, 10)]
 
 
-def test_a_fresh_claim_commits_with_the_live_group_metadata() -> None:
+def test_a_claim_commits_with_the_group_metadata_it_reads_when_the_offsets_are_sent() -> None:
     calls: list[str] = []
     txn, producer = stand_in_txn(calls)
-    txn.commit(MESSAGES, OFFSETS, b"queued metadata", guard=Guard())
+    txn.commit(MESSAGES, OFFSETS, Guard())
     assert calls == ["begin", "produce", "flush", "offsets", "commit"]
     assert producer.sent_metadata == b"live metadata"
 
@@ -127,7 +127,7 @@ def test_a_transaction_stale_before_it_begins_makes_no_call() -> None:
     guard = Guard()
     guard.why = "partitions unit.requests[0] were lost or revoked"
     with pytest.raises(TransactionFenced) as exc:
-        txn.commit(MESSAGES, OFFSETS, None, guard=guard)
+        txn.commit(MESSAGES, OFFSETS, guard)
     assert calls == [] and not exc.value.fatal and not exc.value.ambiguous
 
 
@@ -137,7 +137,7 @@ def test_a_flush_blocked_by_a_cut_link_aborts_once_the_claim_goes_stale() -> Non
     guard = Guard()
     producer.on_call["flush"] = lambda: setattr(guard, "why", "lost") if calls.count("flush") == 2 else None
     with pytest.raises(TransactionFenced) as exc:
-        txn.commit(MESSAGES, OFFSETS, None, guard=guard)
+        txn.commit(MESSAGES, OFFSETS, guard)
     assert calls == ["begin", "produce", "flush", "flush", "abort"]  # asked between the slices: no offsets sent
     assert "aborted" in str(exc.value) and not exc.value.ambiguous and txn.recreated == 0
 
@@ -148,7 +148,7 @@ def test_offsets_are_not_sent_when_the_claim_went_stale_during_the_flush() -> No
     guard = Guard()
     producer.on_call["flush"] = lambda: setattr(guard, "why", "lost")
     with pytest.raises(TransactionFenced):
-        txn.commit(MESSAGES, OFFSETS, None, guard=guard)
+        txn.commit(MESSAGES, OFFSETS, guard)
     assert "offsets" not in calls and "commit" not in calls and calls[-1] == "abort"
 
 
@@ -160,7 +160,7 @@ def test_a_commit_under_way_when_the_claim_goes_stale_recreates_the_producer() -
     guard = Guard()
     producer.on_call["commit"] = lambda: setattr(guard, "why", "lost")
     with pytest.raises(TransactionFenced) as exc:
-        txn.commit(MESSAGES, OFFSETS, None, guard=guard)
+        txn.commit(MESSAGES, OFFSETS, guard)
     assert calls == ["begin", "produce", "flush", "offsets", "commit", "purge", "init"]  # the commit not resumed
     assert exc.value.ambiguous and exc.value.fatal and txn.recreated == 1
     # its commit is still pending inside librdkafka: destroying it would abort the process, so it is kept
@@ -175,7 +175,7 @@ def test_a_call_that_timed_out_is_resumed_to_its_end_before_the_fenced_abort() -
     guard = Guard()
     producer.on_call["offsets"] = lambda: setattr(guard, "why", "lost")
     with pytest.raises(TransactionFenced) as exc:
-        txn.commit(MESSAGES, OFFSETS, None, guard=guard)
+        txn.commit(MESSAGES, OFFSETS, guard)
     assert calls == ["begin", "produce", "flush", "offsets", "offsets", "abort"]
     assert not exc.value.fatal and txn.recreated == 0 and txn.lifecycle._retired == []
 
@@ -187,7 +187,7 @@ def test_a_fenced_transaction_whose_abort_fails_recreates_the_producer() -> None
     guard = Guard()
     producer.on_call["flush"] = lambda: setattr(guard, "why", "lost")
     with pytest.raises(TransactionFenced) as exc:
-        txn.commit(MESSAGES, OFFSETS, None, guard=guard)
+        txn.commit(MESSAGES, OFFSETS, guard)
     assert calls[-3:] == ["abort", "purge", "init"]
     assert exc.value.fatal and not exc.value.ambiguous and "producer recreated" in str(exc.value)
 
@@ -195,7 +195,7 @@ def test_a_fenced_transaction_whose_abort_fails_recreates_the_producer() -> None
 def test_a_slice_that_times_out_is_resumed_while_the_claim_holds() -> None:
     calls: list[str] = []
     txn, _ = stand_in_txn(calls, {"offsets": [timed_out(), timed_out()]})
-    txn.commit(MESSAGES, OFFSETS, None, guard=Guard())
+    txn.commit(MESSAGES, OFFSETS, Guard())
     assert calls == ["begin", "produce", "flush", "offsets", "offsets", "offsets", "commit"]
 
 
