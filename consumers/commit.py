@@ -41,7 +41,7 @@ from batchline.kafka.liveness import BrokerDown
 from batchline.kafka.ownership import Claim, Ownership
 from batchline.kafka.record_size import Outgoing, RecordError
 from batchline.kafka.replacements import CommitReport, Fit
-from batchline.kafka.transaction_errors import TransactionFailed, TransactionFenced
+from batchline.kafka.transaction_errors import ClaimLapsed, TransactionFailed
 from batchline.kafka.transactions import Guard, TransactionalProducer
 from batchline.telemetry import Health, WorkerMetrics, traceparent_of
 from consumers.batch_report import BatchReport
@@ -215,7 +215,7 @@ class CommitLine:
             self.report.committed(txn.flights, txn.produced())
         return None
 
-    def settle(self) -> CommitFailed | None:
+    def drain(self) -> CommitFailed | None:
         """Wait for every queued transaction to finish, then harvest (before a rewind): what committed is counted
         and leaves the line, the first failure is returned."""
         with self._cond:
@@ -224,9 +224,9 @@ class CommitLine:
         return self.harvest()
 
     def drop(self) -> list[Flight]:
-        """Forget every micro-batch not committed (a rewind re-reads them); call after :meth:`settle`. Returns them,
+        """Forget every micro-batch not committed (a rewind re-reads them); call after :meth:`drain`. Returns them,
         to be cancelled on the engine and sought back to."""
-        assert not self._line, "drop() after settle(): nothing may be committing"
+        assert not self._line, "drop() after drain(): nothing may be committing"
         flights = list(self._flights)
         self._flights.clear()
         self._held = 0
@@ -342,10 +342,10 @@ class CommitLine:
         try:
             sizes = [m.size for m in txn.messages]
             report = self.producer.commit(outgoing, txn.offsets, txn.claim, fit=fit, sizes=sizes)
-        except TransactionFenced as exc:
+        except ClaimLapsed as exc:
             log.warning("batch %s: not committed, %s", txn.batch_id, exc)
             self._settle(exc)
-            return _failed(exc, txn, fatal=exc.fatal, fenced=True, ambiguous=exc.ambiguous)
+            return _failed(exc, txn, fatal=exc.fatal, lapsed=True, ambiguous=exc.ambiguous)
         except TransactionFailed as exc:
             log.error("batch %s: transaction failed (%s); fatal=%s", txn.batch_id, exc, exc.fatal)
             self._settle(exc)
@@ -392,11 +392,11 @@ def _failed(
     exc: BaseException,
     txn: _Txn,
     fatal: bool,
-    fenced: bool = False,
+    lapsed: bool = False,
     message: str | None = None,
     ambiguous: bool = False,
 ) -> CommitFailed:
-    error = CommitFailed(message or str(exc), txn.batch_id, fatal=fatal, fenced=fenced, ambiguous=ambiguous)
+    error = CommitFailed(message or str(exc), txn.batch_id, fatal=fatal, lapsed=lapsed, ambiguous=ambiguous)
     error.__cause__ = exc
     return error
 

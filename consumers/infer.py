@@ -16,7 +16,7 @@ Only the engine thread touches the engine. The worker's thread hands flights ove
 and is woken (``wake``) when one is done.
 
 Run control: right before a record joins the engine (the last moment it has not started), a record of a run that
-was cancelled, or is past its completion window, settles as a ``cancelled`` / ``expired`` failure instead
+was cancelled, or is past its completion window, ends as a ``cancelled`` / ``expired`` failure instead
 (``stops``: the worker's :attr:`RunsView.stops <batchline.runs.manifests.RunsView.stops>`, read-only here). With no
 such run the check is one falsy test per record.
 """
@@ -123,7 +123,7 @@ class Flight:
     pending: int = 0
     runnable: int = 0  # records handed to the engine (the others ride along: invalid, passed over, aborted)
     passed_over: int = 0  # records this worker does not run (another run's pin, an aborted transaction's)
-    prompt_tokens: int = 0  # of its outcomes, as they settle (counted by the engine thread, read once done)
+    prompt_tokens: int = 0  # of its outcomes, as they end (counted by the engine thread, read once done)
     completion_tokens: int = 0
     started_ns: int = 0
     ended_ns: int = 0
@@ -288,11 +288,11 @@ class Feeder:
             if slot is None:
                 continue
             if self._stops and (stopped := self._stopped(slot, now)) is not None:
-                self._settle(key, stopped)
+                self._end_record(key, stopped)
                 continue
             failure = engine.add(key, slot.inp)
             if failure is not None:
-                self._settle(key, failure)
+                self._end_record(key, failure)
             else:
                 self._running.add(key)
 
@@ -314,7 +314,7 @@ class Feeder:
         self.limit.succeeded()
         for key, outcome in finished:
             self._running.discard(key)
-            self._settle(key, outcome)
+            self._end_record(key, outcome)
 
     def _isolate(self, keys: list[int], exc: Exception) -> None:
         """The running batch failed as a whole: shrink it after OOM, else isolate its records call by call."""
@@ -329,7 +329,7 @@ class Feeder:
         log.warning("engine step failed with %d records running (%s); isolating them", len(keys), exc)
         outcomes = self.runner.run([self._slots[k].inp for k in keys])
         for key, outcome in zip(keys, outcomes, strict=True):
-            self._settle(key, outcome)
+            self._end_record(key, outcome)
 
     # -- call by call -------------------------------------------------------------------------------
     def _call(self) -> None:
@@ -339,15 +339,15 @@ class Feeder:
             now = time.time()
             for key in keys:
                 if (stopped := self._stopped(self._slots[key], now)) is not None:
-                    self._settle(key, stopped)
+                    self._end_record(key, stopped)
             keys = [k for k in keys if k in self._slots]
         if keys:
             outcomes = self.runner.run([self._slots[k].inp for k in keys])
             for key, outcome in zip(keys, outcomes, strict=True):
-                self._settle(key, outcome)
+                self._end_record(key, outcome)
 
     # -- outcomes -----------------------------------------------------------------------------------
-    def _settle(self, key: int, outcome: Outcome) -> None:
+    def _end_record(self, key: int, outcome: Outcome) -> None:
         slot = self._slots.pop(key, None)
         if slot is None or slot.flight.cancelled:
             return

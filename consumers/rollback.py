@@ -3,7 +3,7 @@
 What triggers it is the worker's (a failed transaction, a lost partition, a revocation that outlasts its grace
 period, a late rejoin); how far back each partition is read is :class:`~consumers.rewind.Rewinder`'s. A rollback
 lets the transactions already queued finish first (what they committed is not re-read), except those holding
-fenced partitions: the commit thread aborts them (or drops them unbegun), so it waits for an abort, never for a
+released partitions: the commit thread aborts them (or drops them unbegun), so it waits for an abort, never for a
 stale commit. From a rebalance callback the seeks wait until ``consume()`` has returned (:meth:`seek_pending`):
 Kafka calls nested inside a callback would break the client's call state.
 
@@ -57,7 +57,7 @@ class Rollback:
         offsets and nothing else - the first record held may have been committed already (CommittedUnknown if the
         broker will not tell)."""
         self.stats.rewinds += 1
-        failure = self.commits.settle()  # a failure here drops the transactions queued after it: all re-read below
+        failure = self.commits.drain()  # a failure here drops the transactions queued after it: all re-read below
         exact = exact or (failure is not None and failure.ambiguous)
         flights = self.commits.drop()
         held = first_offsets([i for f in flights for i in f.items] + list(self.batcher.items()))

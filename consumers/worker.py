@@ -13,7 +13,7 @@ above ``max_in_flight_records``, outside a time window, yielding to another job:
 polling goes on, so a long inference never costs group membership, and the book survives rebalances. A failed
 transaction, a lost partition or a revocation that outlasts its grace period rewinds: everything uncommitted is
 dropped and re-read from the committed offsets (or, if the broker cannot say, from the first record still held: a
-duplicate, never a loss). Partitions lost, or revoked past their grace, are fenced first
+duplicate, never a loss). Partitions lost, or revoked past their grace, are released first
 (:class:`~batchline.kafka.ownership.Ownership`, written only here, in the rebalance callbacks): every transaction
 that holds their records is aborted by the commit thread, never committed, whatever the broker would accept.
 
@@ -27,7 +27,7 @@ Who owns what, and how work crosses (docs/architecture.md#threads counts them in
   :class:`~consumers.work.WorkerStats`, and every public call of the :class:`~consumers.commit.CommitLine` (its
   flights, its transactions not yet harvested, spans, counts). It alone reads the consumer; it refreshes the group
   membership for the commit thread (``Ownership.observe``) every turn and fences partitions in the callbacks
-  (``Ownership.fence``).
+  (``Ownership.release``).
 - **engine** (:class:`~consumers.infer.Feeder`): the engine (the only thread that calls it) and the feeder's
   slots and backlog. Hand-off: the worker submits a flight (``Feeder.submit``, a condition-guarded queue); the
   engine thread fills in ``Flight.outcomes`` and the flight's counts (runnable, passed over, tokens), sets
@@ -36,7 +36,7 @@ Who owns what, and how work crosses (docs/architecture.md#threads counts them in
 - **commit** (:class:`~consumers.commit.CommitLine`): the transactional producer (the only thread that calls
   it). Hand-off: the worker queues a routed transaction (condition-guarded); the commit thread writes its outcome
   (replacements, error), sets ``done`` last, then ``wake``. It checks each transaction's claim against what the
-  worker last observed and fenced (:class:`~batchline.kafka.ownership.Claim`), and calls
+  worker last observed and released (:class:`~batchline.kafka.ownership.Claim`), and calls
   ``Router.replacement``, which reads only configuration. Its blocking librdkafka calls run on the producer's
   **txn-calls** thread (:mod:`batchline.kafka.bounded_calls`), which it waits on; one that never returns is given
   up and the thread abandoned with its producer.
@@ -155,7 +155,7 @@ class Worker:
         # subscribed without partitions past the rebalance timeout while the group re-forms: not ready, one line
         self.group_watch, self.group_sampler = watch_member(kafka, self.group, self.liveness.is_down)
         self.health.watch_problem("group", self.group_watch.stuck)
-        # fenced by the rebalance callbacks, read by the commit thread; a look older than the session proves nothing
+        # released by the rebalance callbacks, read by the commit thread; a look older than the session proves nothing
         self.ownership = Ownership(self.consumer, kafka.session_timeout_ms / 1000, self.liveness.is_down)
         self.rewinder = Rewinder(self.consumer)
         self.metrics = WorkerMetrics(config.job, self.topics.requests, self.group)
@@ -395,12 +395,12 @@ class Worker:
         if error is not None:
             if isinstance(error.__cause__, TransactionalIdTaken):
                 raise error.__cause__  # another live process holds our slot: stop, never fence it back
-            if not error.fenced:  # a fenced transaction was aborted on purpose, the broker is fine
+            if not error.lapsed:  # a lapsed claim's transaction was aborted on purpose, the broker is fine
                 self.liveness.failed(str(error))
             log.warning(
-                "rewinding after a failed transaction (fatal=%s, fenced=%s, ambiguous=%s)",
+                "rewinding after a failed transaction (fatal=%s, lapsed=%s, ambiguous=%s)",
                 error.fatal,
-                error.fenced,
+                error.lapsed,
                 error.ambiguous,
             )
             self.rollback.rewind(in_callback=in_callback, exact=error.ambiguous)
@@ -466,7 +466,7 @@ class Worker:
                 self._check_engine()
                 self.wake.wait(min(WAIT_PAUSED_S, max(0.0, deadline - time.monotonic())))
                 self.wake.clear()
-        self.ownership.fence(revoked)  # no longer ours once this returns: nothing may commit for them after it
+        self.ownership.release(revoked)  # no longer ours once this returns: nothing may commit for them after it
         if self.commits:  # out of time: give everything uncommitted back
             self.rollback.rewind(self.pauses.assigned - revoked, in_callback=True)
         dropped = self.batcher.drop(revoked)
@@ -492,7 +492,7 @@ class Worker:
         lost = {(p.topic, p.partition) for p in partitions}
         held = self._held()
         log.warning("lost %s: dropping uncommitted work (%d records held)", sorted(lost), held)
-        self.ownership.fence(lost)  # the commit thread aborts what holds their records: their new owner re-reads them
+        self.ownership.release(lost)  # the commit thread aborts what holds their records: their new owner re-reads them
         self.rollback.rewind(self.pauses.assigned - lost, in_callback=True)
         self.pauses.gone(partitions)
         self.health.set_assigned(len(self.pauses.assigned))

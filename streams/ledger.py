@@ -54,7 +54,7 @@ from streams.store import LedgerStore
 from streams.tally import Sighting
 
 log = logging.getLogger(__name__)
-UNSETTLED_WAIT_S = 60.0  # how long the fold waits for a record's transaction to be told committed or aborted
+UNDECIDED_WAIT_S = 60.0  # how long the fold waits for a record's transaction to be told committed or aborted
 POLL_BATCH = 1000
 POLL_TIMEOUT_S = 0.2
 REFRESH_S = 10.0  # how often partition counts are checked (a grown topic changes the layout)
@@ -217,7 +217,7 @@ class Ledger(SlotAssignment):
             prev = msg  # an aborted record moves the checkpoint too
             offset = msg.offset()
             if offset >= clear:
-                if aborted(topic, partition, offset, UNSETTLED_WAIT_S):
+                if aborted(topic, partition, offset, UNDECIDED_WAIT_S):
                     continue
                 clear = clear_to(topic, partition, offset)
             if fast is None:  # a retry tier

@@ -375,7 +375,7 @@ class RetryScheduler:
                 self._seek(tp.topic, tp.partition, tp.offset if tp.offset >= 0 else OFFSET_BEGINNING)
 
     def _forget(self, partitions: list[TopicPartition]) -> None:
-        self.ownership.fence((tp.topic, tp.partition) for tp in partitions)
+        self.ownership.release((tp.topic, tp.partition) for tp in partitions)
         for tp in partitions:
             key = (tp.topic, tp.partition)
             self.queues.pop(key, None)

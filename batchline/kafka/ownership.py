@@ -1,4 +1,4 @@
-"""Which partitions a group member still owns, as the commit path sees it: the fence between the thread that serves
+"""Which partitions a group member still owns, as the commit path sees it: the line between the thread that serves
 a consumer's rebalance callbacks and the thread that commits its transactions.
 
 A transaction carrying a partition's results and offsets may commit only while this member still owns that
@@ -8,7 +8,7 @@ records its partitions' new owner commits too. So batchline decides itself, what
 
 - :meth:`Ownership.claim` (the thread that builds the transaction, when it builds it) records the epoch of each
   partition whose offsets the transaction carries, and the group member id the consumer had then;
-- :meth:`Ownership.fence` (the thread that serves the rebalance callbacks, its only writer) bumps the epochs of
+- :meth:`Ownership.release` (the thread that serves the rebalance callbacks, its only writer) bumps the epochs of
   partitions this member no longer owns: lost (its session timed out), or revoked past their grace period;
 - :meth:`Claim.stale` (the committing thread, before it begins the transaction, before it sends the offsets,
   before it commits, and between the bounded slices of each blocking call) names why the claim no longer holds: a
@@ -123,7 +123,7 @@ class Ownership:
         self._previous = 0.0  # the look before it
         self._rejoining_since: float | None = None  # when (monotonic) librdkafka left the steady join state
         self._disrupted = float("-inf")  # when (monotonic) the broker was last out of reach, or this process frozen
-        self.fenced = 0  # partitions fenced so far (a counter for logs and tests)
+        self.released = 0  # partitions released so far (a counter for logs and tests)
         self.late_rejoins = 0  # rejoins that outlasted the claim TTL (a counter for logs and tests)
 
     def observe(self, max_age_s: float = 0.0) -> Any:
@@ -158,14 +158,14 @@ class Ownership:
 
     def rejoined_late(self, stats: str, held: set[TP]) -> bool:
         """One of librdkafka's statistics documents (its ``stats_cb``, on the consumer's thread), with the partitions
-        the member holds: True when a rejoin left behind has just completed - ``held`` is fenced then, and the
+        the member holds: True when a rejoin left behind has just completed - ``held`` is released then, and the
         caller must drop what it holds of them and read them again from the committed offsets."""
         if self.broker_down():
             self.disrupted()
         state = join_state_of(stats)
         if state is None or not self.joining(state, bool(held)):
             return False
-        self.fence(held)  # what was claimed before, or during the rejoin, never commits
+        self.release(held)  # what was claimed before, or during the rejoin, never commits
         return True
 
     def joining(self, join_state: str, holding: bool, now: float | None = None) -> bool:
@@ -212,12 +212,12 @@ class Ownership:
             epochs = tuple(sorted((tp, self._epochs.get(tp, 0)) for tp in set(partitions)))
         return Claim(self, epochs, None if found is None else found[1], time.monotonic())
 
-    def fence(self, partitions: Iterable[TP]) -> None:
+    def release(self, partitions: Iterable[TP]) -> None:
         """``partitions`` are no longer ours: every claim on them is stale from now on."""
         with self._lock:
             for tp in partitions:
                 self._epochs[tp] = self._epochs.get(tp, 0) + 1
-                self.fenced += 1
+                self.released += 1
 
     def why_stale(self, claim: Claim) -> str | None:
         with self._lock:

@@ -25,7 +25,7 @@ from batchline.config import KafkaSettings
 from batchline.kafka.bounded_calls import BoundedCalls, CallHung
 from batchline.kafka.client import make_producer
 from batchline.kafka.liveness import BrokerDown
-from batchline.kafka.transaction_errors import TransactionFailed, TransactionFenced
+from batchline.kafka.transaction_errors import ClaimLapsed, TransactionFailed
 
 log = logging.getLogger(__name__)
 T = TypeVar("T")
@@ -144,7 +144,7 @@ class ProducerLifecycle:
         """The commit, the one call an abort never resumes (:meth:`abort`): pass this, not the producer's own."""
         self.producer.commit_transaction(timeout)
 
-    def end_fenced(self, committing: bool) -> bool:
+    def end_lapsed(self, committing: bool) -> bool:
         """End a transaction whose partitions are no longer ours without committing it: abort it, or recreate the
         producer when its commit is under way (librdkafka refuses to abort that) or the abort fails - the new
         producer's epoch fences the old one, whose unsent requests are purged. True if recreated."""
@@ -222,10 +222,10 @@ class ProducerLifecycle:
 
 
 def check_guard(guard: Guard | None) -> None:
-    """TransactionFenced once ``guard`` says the transaction's partitions are no longer ours."""
+    """ClaimLapsed once ``guard`` says the transaction's partitions are no longer ours."""
     why = None if guard is None else guard.stale()
     if why is not None:
-        raise TransactionFenced(f"fenced: {why}", fatal=False)
+        raise ClaimLapsed(f"claim lapsed: {why}", fatal=False)
 
 
 def next_slice(deadline: float) -> float:

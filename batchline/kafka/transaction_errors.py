@@ -1,6 +1,6 @@
 """How a transaction of :class:`~batchline.kafka.transactions.TransactionalProducer` fails: the errors it raises
-(nothing committed, or the outcome unknown; fenced; our transactional id taken by a newer producer; a replacement
-that does not fit) and the Kafka error codes that say a newer producer holds our id."""
+(nothing committed, or the outcome unknown; our claim lapsed; our transactional id taken by a newer producer; a
+replacement that does not fit) and the Kafka error codes that say a newer producer holds our id."""
 
 from __future__ import annotations
 
@@ -20,7 +20,7 @@ class TransactionFailed(BatchlineError):
         self.ambiguous = ambiguous
 
 
-class TransactionFenced(TransactionFailed):
+class ClaimLapsed(TransactionFailed):
     """The transaction's partitions are no longer ours (:class:`~batchline.kafka.producer_lifecycle.Guard`): it was
     aborted, or, when ``ambiguous`` (its commit was under way), its producer recreated."""
 

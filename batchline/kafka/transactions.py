@@ -14,7 +14,7 @@ begins, before the offsets are sent, before the commit, and between the slices o
 most :data:`~batchline.kafka.producer_lifecycle.CALL_SLICE_S`, shorter than a session timeout, and is resumed while
 the whole call's :data:`~batchline.kafka.producer_lifecycle.CALL_TIMEOUT_S` lasts), the guard is asked whether the
 partitions are still ours; once they are not, the transaction is aborted - or, when its commit was already under way
-(librdkafka cannot abort that), the producer is recreated, which fences its epoch - and :class:`TransactionFenced`
+(librdkafka cannot abort that), the producer is recreated, which fences its epoch - and :class:`ClaimLapsed`
 is raised. A transaction not yet begun costs nothing.
 
 A produce error that belongs to one message (too large for librdkafka's ``message.max.bytes`` or a topic's
@@ -62,10 +62,10 @@ from batchline.kafka.record_size import (
 from batchline.kafka.replacements import CommitReport, Fit, FoundBy, Replacement
 from batchline.kafka.transaction_errors import (
     FENCED_CODES,
+    ClaimLapsed,
     ReplacementTooLarge,
     TransactionalIdTaken,
     TransactionFailed,
-    TransactionFenced,
 )
 
 log = logging.getLogger(__name__)
@@ -129,7 +129,7 @@ class TransactionalProducer:
 
         With ``fit``, a message rejected on its own is replaced by ``fit(index, message, error)`` in the same
         transaction (see the module docstring); without it, such a rejection fails the transaction as any error.
-        The transaction commits only while ``guard`` says its partitions are ours (else TransactionFenced), and the
+        The transaction commits only while ``guard`` says its partitions are ours (else ClaimLapsed), and the
         offsets go with ``guard.group_metadata()``, read when they are sent. ``sizes``: each message's
         :func:`wire_size` where its maker knew it (0 where not), so the size check before producing need not compute
         it.
@@ -239,13 +239,13 @@ class TransactionalProducer:
             log.error("transaction of %s: %s; recreating its producer", self.transactional_id, exc)
             self.lifecycle.recreate()
             raise TransactionFailed(str(exc), True, ambiguous=committing) from None
-        except TransactionFenced as exc:
+        except ClaimLapsed as exc:
             if not began:  # never begun (a queued transaction whose partitions moved on): nothing to undo
                 raise
-            recreated = self.lifecycle.end_fenced(committing)
+            recreated = self.lifecycle.end_lapsed(committing)
             how = "its commit was under way" if committing else "its abort failed" if recreated else "aborted"
             how += ": producer recreated" if recreated else ""
-            raise TransactionFenced(f"{exc}; {how}", recreated, ambiguous=committing) from None
+            raise ClaimLapsed(f"{exc}; {how}", recreated, ambiguous=committing) from None
         except KafkaException as exc:
             err: KafkaError = exc.args[0]
             if err.code() in FENCED_CODES:  # a newer producer holds our id: never fence it back

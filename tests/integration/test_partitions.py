@@ -50,7 +50,7 @@ PROGRESS_EVERY_S = 1.0
 ASSIGNED = r"\bassigned \["
 FAULT_SIGNALS = {"sigstop": signal.SIGSTOP, "sigterm": signal.SIGTERM, "sigkill": signal.SIGKILL}
 CUT_TRIES = 3  # cuts made until one lands while the cut scheduler has a transaction open
-FENCED = "fenced: "  # how the worker's sink and the scheduler log a transaction they aborted as stale
+LAPSED = "claim lapsed: "  # how the worker's sink and the scheduler log a transaction they aborted as stale
 
 
 @pytest.fixture(scope="module")
@@ -183,13 +183,13 @@ def test_a_worker_lost_mid_transaction_never_commits_it(
     log = zombie.log()
     if fault == "cut":  # the fence was exercised - unless the zombie held nothing when it lost its partitions
         held_nothing = "(0 records held)" in log
-        assert FENCED in log or held_nothing, f"a transaction in flight at the cut was not fenced:\n{log[-3000:]}"
+        assert LAPSED in log or held_nothing, f"a transaction in flight at the cut was not fenced:\n{log[-3000:]}"
         if held_nothing:
             print("\nthe cut came while the worker held no records: no transaction to fence this run")
     print(
         f"\n{fault}: worker hit {cut:.1f}s, its partitions taken over after {taken:.1f}s; every id committed "
         f"{finished:.1f}s after; longest stall of committed outcomes {progress.longest_stall(len(ids)):.1f}s; "
-        f"{outcomes.aborted} records aborted, {log.count(FENCED)} transactions fenced"
+        f"{outcomes.aborted} records aborted, {log.count(LAPSED)} claims lapsed"
     )
 
 
@@ -237,7 +237,7 @@ def test_a_retry_scheduler_cut_off_mid_transaction_never_commits_it(
             for _ in range(CUT_TRIES):
                 rejoins = _assigned(zombie, pattern)
                 taken, cut = _cut_until_taken_over(ns, other, pattern)
-                if FENCED in zombie.log():
+                if LAPSED in zombie.log():
                     break
                 # A cut may leave the zombie aborting a transaction whose messages timed out: librdkafka must bump
                 # its epoch for that (KIP-360), the embedded broker refuses it ("Unknown broker error"), and the abort
@@ -258,7 +258,7 @@ def test_a_retry_scheduler_cut_off_mid_transaction_never_commits_it(
     still_open = settle_topics(kafka.bootstrap, [topics.requests, *topics.retries]).open
     assert not still_open, [str(t) for t in still_open]
     log = zombie.log()
-    assert FENCED in log, f"in {CUT_TRIES} cuts the cut scheduler never had a transaction to fence:\n{log[-3000:]}"
+    assert LAPSED in log, f"in {CUT_TRIES} cuts the cut scheduler never had a transaction to fence:\n{log[-3000:]}"
     print(
         f"\npartition: scheduler cut {cut:.1f}s, its partitions taken over after {taken:.1f}s; {len(written)} retries "
         f"re-published once each, the last {finished:.1f}s after the heal"

@@ -11,7 +11,7 @@ from kafka.record.memory_records import MemoryRecords
 
 from batchline.config import KafkaSettings
 from batchline.kafka.broker import free_port
-from batchline.kafka.embedded.aborted import SETTLE_TRIES, AbortedIndex, Unsettled, _Partition
+from batchline.kafka.embedded.aborted import DECIDE_TRIES, AbortedIndex, Undecided, _Partition
 from tests.support.oracle import settle
 from tests.unit.test_oracle import ABORT, COMMIT, STEPS, data, log, marker
 
@@ -82,14 +82,14 @@ def test_the_index_finds_the_records_the_oracle_settles_as_aborted(steps: list[t
 
 def test_an_unreachable_broker_leaves_records_unsettled_not_trusted(caplog: pytest.LogCaptureFixture) -> None:
     """No broker at the address: the index never answers 'not aborted' (the embedded broker's read_committed serves
-    aborted records): it raises Unsettled, says so once, and does not read again on every record for a moment;
+    aborted records): it raises Undecided, says so once, and does not read again on every record for a moment;
     aborted_waiting asks again until its wait is over."""
     index_ = AbortedIndex(KafkaSettings(bootstrap=f"127.0.0.1:{free_port()}"))
     try:
         for offset in range(3):
-            with pytest.raises(Unsettled):
+            with pytest.raises(Undecided):
                 index_.aborted("t", 0, offset)
-        with pytest.raises(Unsettled):
+        with pytest.raises(Undecided):
             index_.aborted_waiting("t", 0, 3, wait_s=1.5)
     finally:
         index_.close()
@@ -121,10 +121,10 @@ def test_asking_once_a_run_up_to_clear_to_finds_the_aborted_records_asking_each_
     def fed() -> AbortedIndex:
         """An index whose raw reads return the log's next batches, as fetches from the broker would."""
         index_, unread = AbortedIndex(KafkaSettings(bootstrap="127.0.0.1:1")), list(chunks)
-        # The index gives up on a marker after SETTLE_TRIES reads and counts the record committed (with a warning):
+        # The index gives up on a marker after DECIDE_TRIES reads and counts the record committed (with a warning):
         # a fetch returns up to 1 MiB, so that takes a transaction left open across ~20 MiB of other records. Here
-        # a read returns at least a SETTLE_TRIES-th of the log, so the marker is always within reach.
-        per_read = max(batches_a_read, -(-len(chunks) // SETTLE_TRIES))
+        # a read returns at least a DECIDE_TRIES-th of the log, so the marker is always within reach.
+        per_read = max(batches_a_read, -(-len(chunks) // DECIDE_TRIES))
 
         def read(tp: tuple[str, int], part: _Partition) -> None:
             for chunk in unread[:per_read]:

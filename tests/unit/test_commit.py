@@ -29,7 +29,7 @@ from tests.unit.helpers import config, item
 from tests.unit.stand_ins import Member, stand_in_txn, timed_out
 
 T = "unit.requests"
-SETTLE_TIMEOUT_S = 10.0
+DRAIN_TIMEOUT_S = 10.0
 
 
 class Line:
@@ -65,15 +65,15 @@ class Line:
         self.line.launch(flight)
         return flight
 
-    def settle(self) -> Any:
+    def drain(self) -> Any:
         """Start the commit thread if need be and wait until everything queued has finished."""
         if not self.line._thread.is_alive():
             self.line.start()
         result: list[Any] = []
-        waiter = threading.Thread(target=lambda: result.append(self.line.settle()))
+        waiter = threading.Thread(target=lambda: result.append(self.line.drain()))
         waiter.start()
-        waiter.join(SETTLE_TIMEOUT_S)
-        assert result, "the commit line did not settle"
+        waiter.join(DRAIN_TIMEOUT_S)
+        assert result, "the commit line did not drain"
         return result[0]
 
     def close(self) -> None:
@@ -99,7 +99,7 @@ def test_finished_micro_batches_at_the_head_commit_together_with_each_partitions
     unfinished = line.launch([4], partition=0, done=False)
 
     line.line.queue()
-    assert line.settle() is None
+    assert line.drain() is None
 
     assert line.calls == ["begin", *["produce"] * 5, "flush", "offsets", "commit"]
     assert {(tp.topic, tp.partition, tp.offset) for tp in line.producer.sent_offsets} == {(T, 0, 4), (T, 1, 6)}
@@ -114,7 +114,7 @@ def test_an_unfinished_micro_batch_holds_back_the_finished_ones_behind_it(line: 
     line.launch([0], done=False)
     line.launch([1])
     line.line.queue()
-    assert line.settle() is None
+    assert line.drain() is None
     assert line.calls == [] and line.stats.transactions == 0 and not line.line.ready()
 
 
@@ -123,9 +123,9 @@ def test_a_transaction_closes_at_commit_group_records(line: Line, monkeypatch: p
     for first in (0, 2, 4, 6):
         line.launch([first, first + 1])
     line.line.queue()  # two transactions queued (the line's depth), the rest waits for room
-    assert line.settle() is None
+    assert line.drain() is None
     line.line.queue()
-    assert line.settle() is None
+    assert line.drain() is None
     assert line.calls.count("commit") == 2 and line.stats.batches == 4 and len(line.line) == 0
     assert [tp.offset for tp in line.producer.sent_offsets] == [8]
 
@@ -138,8 +138,8 @@ def test_a_failed_transaction_drops_those_queued_after_it_and_hands_back_every_u
         with pytest.MonkeyPatch.context() as mp:
             mp.setattr(commit, "COMMIT_GROUP_RECORDS", 2)
             made.line.queue()  # two transactions queued before the commit thread starts
-        error = made.settle()
-        assert error is not None and not error.fatal and not error.fenced
+        error = made.drain()
+        assert error is not None and not error.fatal and not error.lapsed
         assert made.calls.count("begin") == 1 and made.calls[-1] == "abort"  # the second never began
         assert made.stats.sink_failures == 1 and made.stats.transactions == 0
         assert made.line.drop() == flights and len(made.line) == 0  # everything uncommitted, to re-read
@@ -150,9 +150,9 @@ def test_a_failed_transaction_drops_those_queued_after_it_and_hands_back_every_u
 def test_a_transaction_whose_partitions_were_fenced_while_queued_is_never_begun(line: Line) -> None:
     line.launch([0])
     line.line.queue()
-    line.ownership.fence([(T, 0)])  # lost while queued: the rebalance callback ran before the commit thread
-    error = line.settle()
-    assert error is not None and error.fenced and not error.fatal
+    line.ownership.release([(T, 0)])  # lost while queued: the rebalance callback ran before the commit thread
+    error = line.drain()
+    assert error is not None and error.lapsed and not error.fatal
     assert line.calls == [] and line.stats.transactions == 0 and len(line.line) == 1
 
 
@@ -160,7 +160,7 @@ def test_a_result_too_large_for_its_topic_is_counted_as_the_dead_letter_that_rep
     line.txn.topic_limits = {"unit.results": 100}  # a result with its lineage headers does not fit
     line.launch([0, 1])
     line.line.queue()
-    assert line.settle() is None
+    assert line.drain() is None
     assert line.producer.produced == [("unit.dlq", b"r0-0"), ("unit.dlq", b"r0-1")]
     assert (line.stats.results, line.stats.dead_letters) == (0, 2)
 
@@ -173,7 +173,7 @@ def test_a_failure_keeps_its_meaning_across_the_line() -> None:
     try:
         made.launch([0])
         made.line.queue()
-        error = made.settle()
+        error = made.drain()
         assert error is not None and isinstance(error.__cause__, TransactionalIdTaken)
     finally:
         made.close()
@@ -187,7 +187,7 @@ def test_a_failure_keeps_its_meaning_across_the_line() -> None:
         made.producer.on_call["begin"] = bug
         made.launch([0])
         made.line.queue()
-        error = made.settle()
+        error = made.drain()
         assert error is not None and error.fatal and "RuntimeError: a bug" in str(error)
     finally:
         made.close()
@@ -197,7 +197,7 @@ def test_abandon_drops_what_has_not_started_and_forgets_every_flight(line: Line)
     flights = [line.launch([0]), line.launch([1], done=False), line.launch([2], partition=1)]
     line.line.queue()  # queued, the commit thread not started
     assert line.line.abandon() == flights
-    assert line.settle() is None
+    assert line.drain() is None
     assert line.calls == [] and len(line.line) == 0 and line.line.held() == 0
 
 
@@ -205,7 +205,7 @@ def test_the_commit_thread_wakes_the_worker_when_a_transaction_finishes(line: Li
     line.launch([0])
     line.line.queue()
     line.line.start()
-    assert line.woken.wait(SETTLE_TIMEOUT_S)
+    assert line.woken.wait(DRAIN_TIMEOUT_S)
     assert line.line.ready() and line.line.harvest() is None and line.stats.results == 1
 
 
@@ -239,7 +239,7 @@ def test_a_commit_whose_answer_was_lost_is_made_final_before_the_worker_hears_of
     try:
         made.launch([0, 1])
         made.line.queue()
-        error = made.settle()
+        error = made.drain()
         assert error is not None and error.ambiguous and error.fatal
         assert tries == [1, 2, 3], "made in recreate (failed), then by the line's settling: failed, made"
         assert not made.txn.lifecycle._replace and made.calls[-1] == "init", "reported only after the fencing producer"
@@ -257,12 +257,12 @@ def test_settling_stops_when_the_worker_abandons_the_line(monkeypatch: pytest.Mo
         flights = [made.launch([0])]
         made.line.queue()
         made.line.start()
-        deadline = time.monotonic() + SETTLE_TIMEOUT_S
+        deadline = time.monotonic() + DRAIN_TIMEOUT_S
         while len(tries) < 3 and time.monotonic() < deadline:
             time.sleep(0.01)
         assert len(tries) >= 3, "the line keeps trying to settle while the worker waits"
         assert made.line.abandon() == flights  # BrokerLost: the worker gives up
-        assert made.settle() is None, "the thread stopped"
+        assert made.drain() is None, "the thread stopped"
         assert made.txn.lifecycle._replace, "the next owner's producer fences"
     finally:
         made.close()
@@ -276,10 +276,10 @@ def test_asked_to_fence_what_it_left_open_the_commit_thread_makes_the_retired_pr
     line.txn.lifecycle._replace = True  # as recreate() leaves it after a hung call
     line.line.start()
     line.line.fence_left_open()
-    deadline = time.monotonic() + SETTLE_TIMEOUT_S
+    deadline = time.monotonic() + DRAIN_TIMEOUT_S
     while line.txn.lifecycle._replace and time.monotonic() < deadline:
         time.sleep(0.01)
     assert not line.txn.lifecycle._replace and line.calls == ["init"], "the fencing producer was made, nothing else"
     line.launch([0])
     line.line.queue()
-    assert line.settle() is None and line.stats.results == 1, "and the line goes on committing"
+    assert line.drain() is None and line.stats.results == 1, "and the line goes on committing"

@@ -1,4 +1,4 @@
-"""The fence between the rebalance callbacks and the commit path, decided without a broker.
+"""The line between the rebalance callbacks and the commit path, decided without a broker.
 
 :class:`Ownership` is driven through a stand-in consumer whose group metadata is scripted (librdkafka's serialized
 form, as confluent-kafka returns it); :class:`TransactionalProducer` through a stand-in producer whose calls are
@@ -19,7 +19,7 @@ from confluent_kafka import KafkaError, KafkaException, TopicPartition
 
 from batchline.kafka.ownership import Ownership, member_of
 from batchline.kafka.record_size import Outgoing
-from batchline.kafka.transaction_errors import TransactionFenced
+from batchline.kafka.transaction_errors import ClaimLapsed
 from tests.unit.stand_ins import Member, metadata, stand_in_txn, timed_out
 
 T = "unit.requests"
@@ -39,11 +39,11 @@ def test_member_of_reads_librdkafkas_serialized_group_metadata() -> None:
     assert member_of(b"something else") is None and member_of(object()) is None
 
 
-def test_a_claim_holds_until_one_of_its_partitions_is_fenced() -> None:
+def test_a_claim_holds_until_one_of_its_partitions_is_released() -> None:
     own = Ownership(Member())
     claim, other = own.claim([(T, 0), (T, 1)]), own.claim([(T, 2)])
     assert claim.stale() is None
-    own.fence([(T, 1)])
+    own.release([(T, 1)])
     assert claim.stale() == f"partitions {T}[1] were lost or revoked"
     assert other.stale() is None  # a partition still ours commits on
     assert own.claim([(T, 1)]).stale() is None  # re-assigned later: a new claim holds
@@ -126,7 +126,7 @@ def test_a_transaction_stale_before_it_begins_makes_no_call() -> None:
     txn, _ = stand_in_txn(calls)
     guard = Guard()
     guard.why = "partitions unit.requests[0] were lost or revoked"
-    with pytest.raises(TransactionFenced) as exc:
+    with pytest.raises(ClaimLapsed) as exc:
         txn.commit(MESSAGES, OFFSETS, guard)
     assert calls == [] and not exc.value.fatal and not exc.value.ambiguous
 
@@ -136,7 +136,7 @@ def test_a_flush_blocked_by_a_cut_link_aborts_once_the_claim_goes_stale() -> Non
     txn, producer = stand_in_txn(calls, {"flush-left": [KafkaException(1), KafkaException(1)]})
     guard = Guard()
     producer.on_call["flush"] = lambda: setattr(guard, "why", "lost") if calls.count("flush") == 2 else None
-    with pytest.raises(TransactionFenced) as exc:
+    with pytest.raises(ClaimLapsed) as exc:
         txn.commit(MESSAGES, OFFSETS, guard)
     assert calls == ["begin", "produce", "flush", "flush", "abort"]  # asked between the slices: no offsets sent
     assert "aborted" in str(exc.value) and not exc.value.ambiguous and txn.recreated == 0
@@ -147,7 +147,7 @@ def test_offsets_are_not_sent_when_the_claim_went_stale_during_the_flush() -> No
     txn, producer = stand_in_txn(calls)
     guard = Guard()
     producer.on_call["flush"] = lambda: setattr(guard, "why", "lost")
-    with pytest.raises(TransactionFenced):
+    with pytest.raises(ClaimLapsed):
         txn.commit(MESSAGES, OFFSETS, guard)
     assert "offsets" not in calls and "commit" not in calls and calls[-1] == "abort"
 
@@ -159,7 +159,7 @@ def test_a_commit_under_way_when_the_claim_goes_stale_recreates_the_producer() -
     txn, producer = stand_in_txn(calls, {"commit": [timed_out(), timed_out()]})
     guard = Guard()
     producer.on_call["commit"] = lambda: setattr(guard, "why", "lost")
-    with pytest.raises(TransactionFenced) as exc:
+    with pytest.raises(ClaimLapsed) as exc:
         txn.commit(MESSAGES, OFFSETS, guard)
     assert calls == ["begin", "produce", "flush", "offsets", "commit", "purge", "init"]  # the commit not resumed
     assert exc.value.ambiguous and exc.value.fatal and txn.recreated == 1
@@ -167,26 +167,26 @@ def test_a_commit_under_way_when_the_claim_goes_stale_recreates_the_producer() -
     assert [p for p, _ in txn.lifecycle._retired] == [producer] and txn.lifecycle._pending is None
 
 
-def test_a_call_that_timed_out_is_resumed_to_its_end_before_the_fenced_abort() -> None:
+def test_a_call_that_timed_out_is_resumed_to_its_end_before_the_abort_of_a_lapsed_claim() -> None:
     """librdkafka takes only the timed-out call next (another one, or destroying the producer, aborts the process
     in librdkafka 2.16): the offsets are sent to the end, then the transaction is aborted, never committed."""
     calls: list[str] = []
     txn, producer = stand_in_txn(calls, {"offsets": [timed_out()]})
     guard = Guard()
     producer.on_call["offsets"] = lambda: setattr(guard, "why", "lost")
-    with pytest.raises(TransactionFenced) as exc:
+    with pytest.raises(ClaimLapsed) as exc:
         txn.commit(MESSAGES, OFFSETS, guard)
     assert calls == ["begin", "produce", "flush", "offsets", "offsets", "abort"]
     assert not exc.value.fatal and txn.recreated == 0 and txn.lifecycle._retired == []
 
 
-def test_a_fenced_transaction_whose_abort_fails_recreates_the_producer() -> None:
+def test_a_lapsed_claims_transaction_whose_abort_fails_recreates_the_producer() -> None:
     calls: list[str] = []
     fail = KafkaException(KafkaError(KafkaError._STATE, "abort refused"))
     txn, producer = stand_in_txn(calls, {"abort": [fail]})
     guard = Guard()
     producer.on_call["flush"] = lambda: setattr(guard, "why", "lost")
-    with pytest.raises(TransactionFenced) as exc:
+    with pytest.raises(ClaimLapsed) as exc:
         txn.commit(MESSAGES, OFFSETS, guard)
     assert calls[-3:] == ["abort", "purge", "init"]
     assert exc.value.fatal and not exc.value.ambiguous and "producer recreated" in str(exc.value)

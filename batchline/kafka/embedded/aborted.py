@@ -4,7 +4,7 @@ A read_committed consumer relies on the broker to list a fetch's aborted transac
 embedded broker (tansu 0.6) never does, so there its read_committed readers get aborted records too (they do stop
 at the last stable offset: an open transaction's records are not delivered). :class:`AbortedIndex` finds the
 aborted records the way a broker does: it reads a partition's record batches raw (kafka-python's Fetch at
-read_uncommitted, batch headers only - data is never decompressed) and settles each producer's transactional
+read_uncommitted, batch headers only - data is never decompressed) and decides each producer's transactional
 batches by its next control record, ABORT or COMMIT. A reader asks :meth:`AbortedIndex.aborted` about each
 record it got; the index reads ahead on that partition as far as the record.
 
@@ -14,7 +14,7 @@ connection); elsewhere it answers "not aborted" without reading: Apache Kafka's 
 aborted records out. On a plaintext Apache Kafka left at ``auto`` it reads the batch headers a second time and
 finds nothing the broker did not hide: correct, at that cost.
 
-When a raw read fails, the index tries once more on a new connection, then raises :class:`Unsettled` - and goes
+When a raw read fails, the index tries once more on a new connection, then raises :class:`Undecided` - and goes
 on raising it for :data:`UNREACHABLE_S` without reading: the reader must not use the record yet. The worker and the
 retry scheduler seek the partition back to it and ask again when it comes back; one-shot readers wait
 (:meth:`AbortedIndex.aborted_waiting`). Answering "not aborted" instead - the broker's read_committed - let aborted
@@ -48,11 +48,11 @@ from batchline.kafka.settings import KafkaSettings
 
 log = logging.getLogger(__name__)
 IO_TIMEOUT_S = 5.0  # a raw read must not hold a worker's loop for long
-UNREACHABLE_S = 1.0  # after a raw read failed twice, Unsettled is raised this long without reading
+UNREACHABLE_S = 1.0  # after a raw read failed twice, Undecided is raised this long without reading
 WAIT_POLL_S = 0.5  # aborted_waiting's pause between tries
 FETCH_WAIT_MS = 100
 PARTITION_MAX_BYTES = 1 << 20  # one fetch's bytes: the index holds no records, only their batches' offsets
-SETTLE_TRIES = 20  # fetches that may pass before a record's transaction shows its marker
+DECIDE_TRIES = 20  # fetches that may pass before a record's transaction shows its marker
 FETCH_MAX, METADATA_MAX = 11, 8  # highest versions asked for (non-flexible; Fetch names topics up to v12)
 NOT_LEADER = {3, 5, 6}  # unknown topic or partition, leader not available, not leader: ask metadata again
 TP = tuple[str, int]
@@ -71,7 +71,7 @@ class _Partition:
     def add(self, batch: DefaultRecordBatch) -> None:
         first, last = batch.base_offset, batch.last_offset
         if last < self.read_to:
-            return  # a fetch starts at the batch holding the offset asked for: already settled
+            return  # a fetch starts at the batch holding the offset asked for: already decided
         self.read_to = last + 1
         if batch.is_control_batch:
             ranges = self.pending.pop(batch.producer_id, [])
@@ -119,7 +119,7 @@ class _Conn:
         self.sock.close()
 
 
-class Unsettled(BatchlineError):
+class Undecided(BatchlineError):
     """Whether a record belongs to an aborted transaction cannot be told now (raw reads of its partition fail): the
     record must not be used yet."""
 
@@ -138,22 +138,22 @@ class AbortedIndex:
         self.unreachable_until = 0.0
 
     def aborted(self, topic: str, partition: int, offset: int) -> bool:
-        """Whether the record at ``offset`` belongs to an aborted transaction, or :class:`Unsettled`."""
+        """Whether the record at ``offset`` belongs to an aborted transaction, or :class:`Undecided`."""
         if not self.enabled:
             return False
         if time.monotonic() < self.unreachable_until:
-            raise Unsettled(f"{topic}[{partition}]@{offset}: raw reads of the log failed a moment ago")
+            raise Undecided(f"{topic}[{partition}]@{offset}: raw reads of the log failed a moment ago")
         tp = (topic, partition)
         part = self.parts.get(tp)
         if part is not None and part.asked <= offset < part.read_to and not part.pending and not part.aborted:
             part.asked = offset  # read past already, no transaction open or aborted in reach: the common case
             return False
         if part is None or offset < part.asked:
-            # (re)start here - a first read, or a reader that sought back (a rewind): settling from any offset is
+            # (re)start here - a first read, or a reader that sought back (a rewind): deciding from any offset is
             # exact for the records after it, and ranges already passed were let go
             part = self.parts[tp] = _Partition(offset, offset)
         part.asked = offset
-        for _ in range(SETTLE_TRIES):
+        for _ in range(DECIDE_TRIES):
             if offset < part.read_to and not part.open_at(offset):
                 break
             try:
@@ -165,7 +165,7 @@ class AbortedIndex:
                     self._read(tp, part)
                 except (OSError, ValueError) as exc:
                     self._unreachable(tp, exc)
-                    raise Unsettled(f"{topic}[{partition}]@{offset}: raw read failed: {exc}") from None
+                    raise Undecided(f"{topic}[{partition}]@{offset}: raw read failed: {exc}") from None
         else:
             log.warning("%s[%d]@%d: no transaction marker found after it; counted as committed", *tp, offset)
             return False
@@ -174,12 +174,12 @@ class AbortedIndex:
         return hit
 
     def aborted_waiting(self, topic: str, partition: int, offset: int, wait_s: float) -> bool:
-        """:meth:`aborted`, asked again while it is :class:`Unsettled`, for up to ``wait_s`` (one-shot readers)."""
+        """:meth:`aborted`, asked again while it is :class:`Undecided`, for up to ``wait_s`` (one-shot readers)."""
         deadline = time.monotonic() + wait_s
         while True:
             try:
                 return self.aborted(topic, partition, offset)
-            except Unsettled:
+            except Undecided:
                 if time.monotonic() >= deadline:
                     raise
                 time.sleep(WAIT_POLL_S)
@@ -188,14 +188,14 @@ class AbortedIndex:
         self, topic: str, partition: int, offset: int, held_back: set[TP], seek: Callable[[str, int, int], None]
     ) -> bool | None:
         """:meth:`aborted` for a reader that polls on (the worker, the retry scheduler), or None: the record must
-        wait - it is :class:`Unsettled` (its partition is sought back to it with ``seek`` and put in ``held_back``),
+        wait - it is :class:`Undecided` (its partition is sought back to it with ``seek`` and put in ``held_back``),
         or its partition was sought back earlier in the same poll (in ``held_back``). A None record is skipped: it
         is read again."""
         if (topic, partition) in held_back:
             return None
         try:
             return self.aborted(topic, partition, offset)
-        except Unsettled:
+        except Undecided:
             held_back.add((topic, partition))
             seek(topic, partition, offset)
             return None
@@ -230,7 +230,7 @@ class AbortedIndex:
         self.close()
 
     def _read(self, tp: TP, part: _Partition) -> None:
-        """One fetch from ``part.read_to``; its batches' headers settle what they can."""
+        """One fetch from ``part.read_to``; its batches' headers decide what they can."""
         conn = self._conn(tp)
         partition = FetchRequest.FetchTopic.FetchPartition(
             partition=tp[1], fetch_offset=part.read_to, partition_max_bytes=PARTITION_MAX_BYTES
