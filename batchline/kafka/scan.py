@@ -4,10 +4,12 @@ Only committed records: on a broker that does not hide aborted transactions from
 embedded one), each record is checked against :class:`batchline.kafka.embedded.aborted.AbortedIndex` and
 aborted ones are left out (``committed_only=False`` reads what the broker gives).
 
-"The end" is not the reported high watermark alone: the embedded broker reports, for a log whose last write
-was a multi-record batch, the batch's first offset + 1. So a read to the end continues past the watermark
-until the partitions have been quiet for ``idle_s``. Ranges with explicit ends (from delivery reports) are
-exact and need no idle wait.
+"The end" is each partition's last stable offset when the read starts - what a read_committed reader can read
+then - and the read is exact: a partition is done when the reader's position reaches it. On Apache Kafka that is
+the read_committed ListOffsets answer. The embedded broker answers 0 there while any transaction is open on the
+partition (a scan then skipped the partition's committed records: a download missed half its lines) and at most
+the last batch's base offset + 1 otherwise, so in embedded mode the end is read from the log itself
+(:meth:`AbortedIndex.stable_end`). Ranges with explicit ends (from delivery reports) are read to those ends.
 """
 
 from __future__ import annotations
@@ -19,73 +21,88 @@ from typing import Any
 from confluent_kafka import TopicPartition
 
 from batchline.config import KafkaSettings
+from batchline.exceptions import KafkaOperationError
 from batchline.kafka.client import make_reader
-from batchline.kafka.embedded.aborted import AbortedIndex
+from batchline.kafka.embedded.aborted import AbortedIndex, Undecided
 
 READ_TIMEOUT_S = 30.0
-SCAN_IDLE_S = 0.6
 
 
 def scan(
     kafka: KafkaSettings,
     topic: str,
     ranges: dict[int, tuple[int, int]] | None = None,
-    idle_s: float = SCAN_IDLE_S,
     committed_only: bool = True,
     **overrides: Any,
 ) -> Iterator[Any]:
     """Every committed message of ``topic``, or of the given per-partition ``[start, end)`` ranges, in partition
     order. ``overrides``: librdkafka settings of the reader (e.g. smaller prefetch queues for a long read)."""
-    reader = make_reader(kafka, **({"group.id": f"batchline-scan-{time.monotonic_ns()}"} | overrides))
-    index = AbortedIndex(kafka) if committed_only else None
+    index = AbortedIndex(kafka)  # reads nothing off embedded mode
+    # In embedded mode the index decides every record up to the stable end, so the reader reads uncommitted: the
+    # embedded broker's read_committed fetches hold back committed records of a transaction that also wrote to a
+    # partition where an older transaction is open, on every partition it wrote to.
+    isolation = {"isolation.level": "read_uncommitted"} if index.enabled else {}
+    group = {"group.id": f"batchline-scan-{time.monotonic_ns()}"}
+    reader = make_reader(kafka, **(group | isolation | overrides))
     try:
         meta = reader.list_topics(topic, timeout=READ_TIMEOUT_S).topics.get(topic)
         if meta is None or meta.error is not None:
             return
         starts: dict[int, int] = {}
-        ends: dict[int, int] = {}  # exact ends (ranges) or reported watermarks (a lower bound of the end)
+        ends: dict[int, int] = {}
         for p in meta.partitions:
-            lo, hi = reader.get_watermark_offsets(TopicPartition(topic, p), READ_TIMEOUT_S, cached=False)
             if ranges is not None and p not in ranges:
                 continue
-            start, end = ranges[p] if ranges is not None else (lo, hi)
-            if min(end, hi) > max(start, lo) or (ranges is not None and end > max(start, lo)):
-                starts[p], ends[p] = max(start, lo), end
+            lo, hi = reader.get_watermark_offsets(TopicPartition(topic, p), READ_TIMEOUT_S, cached=False)
+            start = max(ranges[p][0], lo) if ranges is not None else lo
+            if ranges is not None:
+                end = ranges[p][1]
+            elif index.enabled:
+                end = _stable_end(index, topic, p, start)
+            else:
+                end = hi  # read_committed: the last stable offset
+            if end > start:
+                starts[p], ends[p] = start, end
         if not starts:
             return
-        for msg in _read(reader, topic, starts, ends, exact=ranges is not None, idle_s=idle_s):
-            if index is None or not index.aborted_waiting(topic, msg.partition(), msg.offset(), READ_TIMEOUT_S):
+        for msg in _read(reader, kafka, topic, starts, ends):
+            if not committed_only or not index.aborted_waiting(topic, msg.partition(), msg.offset(), READ_TIMEOUT_S):
                 yield msg
     finally:
         reader.close()
-        if index is not None:
-            index.close()
+        index.close()
 
 
-def _read(
-    reader: Any, topic: str, starts: dict[int, int], ends: dict[int, int], exact: bool, idle_s: float
-) -> Iterator[Any]:
+def _stable_end(index: AbortedIndex, topic: str, partition: int, start: int) -> int:
+    deadline = time.monotonic() + READ_TIMEOUT_S
+    while True:
+        try:
+            return index.stable_end(topic, partition, start)
+        except Undecided:
+            if time.monotonic() >= deadline:
+                raise
+            time.sleep(0.5)
+
+
+def _read(reader: Any, kafka: KafkaSettings, topic: str, starts: dict[int, int], ends: dict[int, int]) -> Iterator[Any]:
     reader.assign([TopicPartition(topic, p, s) for p, s in starts.items()])
     left = set(starts)
-    last_message = time.monotonic()
-    deadline = last_message + READ_TIMEOUT_S * 10
+    deadline = time.monotonic() + READ_TIMEOUT_S * 10
     while left and time.monotonic() < deadline:
         for msg in reader.consume(1000, 0.2):
             if msg.error() or msg.partition() not in left:
                 continue
-            last_message = time.monotonic()
-            if exact and msg.offset() >= ends[msg.partition()]:
+            if msg.offset() >= ends[msg.partition()]:
                 left.discard(msg.partition())
                 continue
             yield msg
-            if exact and msg.offset() + 1 >= ends[msg.partition()]:
+            if msg.offset() + 1 >= ends[msg.partition()]:
                 left.discard(msg.partition())
-        positions = {tp.partition: tp.offset for tp in reader.position([TopicPartition(topic, p) for p in left])}
-        reached = [p for p in left if positions.get(p, -1) >= ends[p]]
-        if exact:
-            left -= set(reached)
-        elif len(reached) == len(left) and time.monotonic() - last_message >= idle_s:
-            return
+        positions = reader.position([TopicPartition(topic, p) for p in left])
+        left -= {tp.partition for tp in positions if tp.offset >= ends[tp.partition]}
+    if left:  # never a silently short read
+        where = ", ".join(f"[{p}] to {ends[p]}" for p in sorted(left))
+        raise KafkaOperationError(kafka.bootstrap, f"reading {topic}", f"partitions {where} not reached in time")
 
 
 def end_offsets(reader: Any, topic: str, partitions: list[int], timeout: float = READ_TIMEOUT_S) -> dict[int, int]:

@@ -1,11 +1,11 @@
 """What exists only because of the embedded broker (tansu 0.6, docs/brokers.md): built where
 :attr:`batchline.kafka.settings.KafkaSettings.embedded` says so (``BATCHLINE_BROKER``), and nowhere else.
 
-- :mod:`.aborted`: aborted records read from the log itself (its read_committed delivers them);
+- :mod:`.aborted`: aborted records, and each partition's last stable offset, read from the log itself (its
+  read_committed delivers aborted records and answers a wrong end while a transaction is open);
 - :mod:`.takeover`: a newly assigned partition waits for the transactions open on the group's outputs (its offset
   fetch does not).
 
 Still outside this package: the stable leave and the group sampler in :mod:`batchline.kafka.groups` and the
-statistics that feed the rejoin rule of :mod:`batchline.kafka.ownership` (each skipped off embedded mode), and the
-quiet end of reads in :mod:`batchline.kafka.scan` (run on either broker: correct on Apache Kafka, at a cost).
+statistics that feed the rejoin rule of :mod:`batchline.kafka.ownership` (each skipped off embedded mode).
 """

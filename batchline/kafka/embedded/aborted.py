@@ -156,16 +156,7 @@ class AbortedIndex:
         for _ in range(DECIDE_TRIES):
             if offset < part.read_to and not part.open_at(offset):
                 break
-            try:
-                self._read(tp, part)
-            except (OSError, ValueError):  # socket errors, a response that does not parse: once more, anew
-                self.leaders.clear()
-                self.close()
-                try:
-                    self._read(tp, part)
-                except (OSError, ValueError) as exc:
-                    self._unreachable(tp, exc)
-                    raise Undecided(f"{topic}[{partition}]@{offset}: raw read failed: {exc}") from None
+            self._read_or_undecided(tp, part, f"@{offset}")
         else:
             log.warning("%s[%d]@%d: no transaction marker found after it; counted as committed", *tp, offset)
             return False
@@ -200,6 +191,33 @@ class AbortedIndex:
             seek(topic, partition, offset)
             return None
 
+    def stable_end(self, topic: str, partition: int, start: int) -> int:
+        """The partition's last stable offset, read from the log from ``start`` on: the first offset of a
+        transaction still open, or the end of the log (past its control records). What Apache Kafka's
+        read_committed ListOffsets answers, and the embedded broker does not: it answers 0 while any transaction is
+        open on the partition, and at most the last batch's base offset + 1 otherwise. Its read_committed fetches do
+        stop here, and a reader's position reaches it (control records included). Raises :class:`Undecided` when
+        the log cannot be read; the partition's batches read here answer :meth:`aborted` later without reading."""
+        if not self.enabled:
+            raise BatchlineError("stable_end reads the embedded broker's log; elsewhere ask the broker (ListOffsets)")
+        tp = (topic, partition)
+        part = self.parts[tp] = _Partition(start, start)
+        refused, end = 0, None  # end: the first answer's high watermark, where the log ended when we asked
+        while end is None or part.read_to < end:
+            before = part.read_to
+            high = self._read_or_undecided(tp, part, " (to its end)")
+            if high is None:
+                refused += 1  # not its leader, or an error: the fetch said nothing of where the log ends
+                if refused >= DECIDE_TRIES:
+                    raise Undecided(f"{topic}[{partition}]: raw fetches to the log's end refused {refused} times")
+                time.sleep(WAIT_POLL_S / 5)
+                continue
+            end = high if end is None else end
+            if part.read_to == before:  # answered, nothing past read_to: the end of the log
+                break
+        opened = [ranges[0][0] for ranges in part.pending.values() if ranges]
+        return max(start, min([part.read_to, *opened]))
+
     def clear_to(self, topic: str, partition: int, offset: int) -> int:
         """After :meth:`aborted` answered ``offset``: the offset below which the records after it are known not to be
         aborted, so that a reader going through them in order need not ask (``offset + 1``: ask about the next one).
@@ -229,8 +247,23 @@ class AbortedIndex:
         self.leaders.clear()
         self.close()
 
-    def _read(self, tp: TP, part: _Partition) -> None:
-        """One fetch from ``part.read_to``; its batches' headers decide what they can."""
+    def _read_or_undecided(self, tp: TP, part: _Partition, where: str) -> int | None:
+        """:meth:`_read`, once more on a new connection if it fails; :class:`Undecided` if that fails too."""
+        try:
+            return self._read(tp, part)
+        except (OSError, ValueError):  # socket errors, a response that does not parse: once more, anew
+            self.leaders.clear()
+            self.close()
+            try:
+                return self._read(tp, part)
+            except (OSError, ValueError) as exc:
+                self._unreachable(tp, exc)
+                raise Undecided(f"{tp[0]}[{tp[1]}]{where}: raw read failed: {exc}") from None
+
+    def _read(self, tp: TP, part: _Partition) -> int | None:
+        """One fetch from ``part.read_to``; its batches' headers decide what they can. Returns the partition's high
+        watermark in the answer (the embedded broker's: at most the last batch's base offset + 1), None when the
+        answer was an error (nothing read)."""
         conn = self._conn(tp)
         partition = FetchRequest.FetchTopic.FetchPartition(
             partition=tp[1], fetch_offset=part.read_to, partition_max_bytes=PARTITION_MAX_BYTES
@@ -248,15 +281,19 @@ class AbortedIndex:
             forgotten_topics_data=[],
             rack_id="",
         )
+        high = None
         for topic in conn.call(request).responses:
             for data in topic.partitions:
                 if data.error_code in NOT_LEADER:
                     self.leaders.pop(tp, None)
                 elif data.error_code:
                     log.warning("raw fetch of %s[%d]@%d: error %d", *tp, part.read_to, data.error_code)
+                else:
+                    high = data.high_watermark
                 for batch in MemoryRecords(bytes(data.records or b"")):
                     if isinstance(batch, DefaultRecordBatch):
                         part.add(batch)
+        return high
 
     def _conn(self, tp: TP) -> _Conn:
         if tp not in self.leaders:
