@@ -135,9 +135,9 @@ class Flight:
         return (self.ended_ns - self.started_ns) / 1e6
 
 
-class _Slot(NamedTuple):
+class _Seat(NamedTuple):
     """A record on its way through the engine: its flight, its index there, its input, its re-sample round. One per
-    record: built with ``_new_slot`` (``tuple.__new__``; a NamedTuple's own ``__new__`` is Python, twice the cost)."""
+    record: built with ``_new_seat`` (``tuple.__new__``; a NamedTuple's own ``__new__`` is Python, twice the cost)."""
 
     flight: Flight
     at: int  # the record's index in flight.items
@@ -145,7 +145,7 @@ class _Slot(NamedTuple):
     round: int
 
 
-_new_slot = tuple.__new__
+_new_seat = tuple.__new__
 
 
 @dataclass
@@ -187,7 +187,7 @@ class Feeder:
         self._cancelling = False
         self._stopping = False
         self._keys = itertools.count()
-        self._slots: dict[int, _Slot] = {}
+        self._seats: dict[int, _Seat] = {}
         self._backlog: deque[int] = deque()  # keys waiting to join the running batch (or the next call)
         self._running: set[int] = set()  # keys in the engine's running batch
         self._thread = threading.Thread(target=self._run, name="engine", daemon=True)
@@ -251,14 +251,14 @@ class Feeder:
 
     def _admit(self, flight: Flight) -> None:
         flight.started_ns = time.time_ns()
-        config, greedy, keys, slots, backlog = self.config, self._greedy, self._keys, self._slots, self._backlog
+        config, greedy, keys, seats, backlog = self.config, self._greedy, self._keys, self._seats, self._backlog
         pending = passed = 0
         for i, item in enumerate(flight.items):
             if item.passed_over is not None:
                 passed += 1
             elif item.request is not None and item.failure is None:  # item.runnable
                 key = next(keys)
-                slots[key] = _new_slot(_Slot, (flight, i, engine_input(config, item, greedy), 0))
+                seats[key] = _new_seat(_Seat, (flight, i, engine_input(config, item, greedy), 0))
                 backlog.append(key)
                 pending += 1
         flight.passed_over = passed
@@ -268,13 +268,13 @@ class Feeder:
             self._finish(flight)
 
     def _drop_cancelled(self) -> None:
-        gone = [k for k, slot in self._slots.items() if slot.flight.cancelled]
+        gone = [k for k, seat in self._seats.items() if seat.flight.cancelled]
         if self.stream is not None and gone:
             self.stream.abort(gone)
             self._running.difference_update(gone)
         for key in gone:
-            del self._slots[key]
-        self._backlog = deque(k for k in self._backlog if k in self._slots)
+            del self._seats[key]
+        self._backlog = deque(k for k in self._backlog if k in self._seats)
 
     # -- continuous batching -------------------------------------------------------------------------
     def _fill(self) -> None:
@@ -284,20 +284,20 @@ class Feeder:
         now = time.time() if self._stops else 0.0
         while self._backlog and len(self._running) < self.limit.value:
             key = self._backlog.popleft()
-            slot = self._slots.get(key)
-            if slot is None:
+            seat = self._seats.get(key)
+            if seat is None:
                 continue
-            if self._stops and (stopped := self._stopped(slot, now)) is not None:
+            if self._stops and (stopped := self._stopped(seat, now)) is not None:
                 self._end_record(key, stopped)
                 continue
-            failure = engine.add(key, slot.inp)
+            failure = engine.add(key, seat.inp)
             if failure is not None:
                 self._end_record(key, failure)
             else:
                 self._running.add(key)
 
-    def _stopped(self, slot: _Slot, now: float) -> Failure | None:
-        return stopped_failure(self._stops, slot.flight.items[slot.at].run_id, now)
+    def _stopped(self, seat: _Seat, now: float) -> Failure | None:
+        return stopped_failure(self._stops, seat.flight.items[seat.at].run_id, now)
 
     def _step(self) -> None:
         engine = self.stream
@@ -318,7 +318,7 @@ class Feeder:
 
     def _isolate(self, keys: list[int], exc: Exception) -> None:
         """The running batch failed as a whole: shrink it after OOM, else isolate its records call by call."""
-        keys = [k for k in keys if k in self._slots]
+        keys = [k for k in keys if k in self._seats]
         if isinstance(exc, EngineOOM) and len(keys) > 1:
             self.stats.oom_events += 1
             limit = self.limit.shrink(len(keys))
@@ -327,45 +327,45 @@ class Feeder:
             return
         self.limit.failed()
         log.warning("engine step failed with %d records running (%s); isolating them", len(keys), exc)
-        outcomes = self.runner.run([self._slots[k].inp for k in keys])
+        outcomes = self.runner.run([self._seats[k].inp for k in keys])
         for key, outcome in zip(keys, outcomes, strict=True):
             self._end_record(key, outcome)
 
     # -- call by call -------------------------------------------------------------------------------
     def _call(self) -> None:
         keys = [self._backlog.popleft() for _ in range(min(len(self._backlog), self.config.batching.max_records))]
-        keys = [k for k in keys if k in self._slots]
+        keys = [k for k in keys if k in self._seats]
         if self._stops:
             now = time.time()
             for key in keys:
-                if (stopped := self._stopped(self._slots[key], now)) is not None:
+                if (stopped := self._stopped(self._seats[key], now)) is not None:
                     self._end_record(key, stopped)
-            keys = [k for k in keys if k in self._slots]
+            keys = [k for k in keys if k in self._seats]
         if keys:
-            outcomes = self.runner.run([self._slots[k].inp for k in keys])
+            outcomes = self.runner.run([self._seats[k].inp for k in keys])
             for key, outcome in zip(keys, outcomes, strict=True):
                 self._end_record(key, outcome)
 
     # -- outcomes -----------------------------------------------------------------------------------
     def _end_record(self, key: int, outcome: Outcome) -> None:
-        slot = self._slots.pop(key, None)
-        if slot is None or slot.flight.cancelled:
+        seat = self._seats.pop(key, None)
+        if seat is None or seat.flight.cancelled:
             return
         final: Outcome
         if isinstance(outcome, Failure):
             final = outcome
         else:
-            problem = self.validator.problem(outcome, slot.inp.options)
+            problem = self.validator.problem(outcome, seat.inp.options)
             if problem is None:
                 final = outcome
             else:
                 shown = outcome.text if outcome.text is not None else str(outcome.label or outcome.embedding)
-                if slot.round < self.retries:
-                    self._resample(slot)
+                if seat.round < self.retries:
+                    self._resample(seat)
                     return
                 final = Failure("invalid_output", "InvalidOutput", problem, shown[:2000])
-        flight = slot.flight
-        flight.outcomes[slot.at] = final
+        flight = seat.flight
+        flight.outcomes[seat.at] = final
         if not isinstance(final, Failure):
             flight.prompt_tokens += final.prompt_tokens
             flight.completion_tokens += final.completion_tokens
@@ -373,18 +373,18 @@ class Feeder:
         if flight.pending == 0:
             self._finish(flight)
 
-    def _resample(self, slot: _Slot) -> None:
+    def _resample(self, seat: _Seat) -> None:
         """Run the record again with a new seed; a new seed only changes a sampled output, so re-tries sample
         even when the job is greedy."""
-        s = slot.inp.sampling
+        s = seat.inp.sampling
         base = s.seed if s.seed is not None else self.config.engine.sampling.seed
         sampling = replace(
             s,
-            seed=record_seed(base, slot.inp.request_id, slot.round + 1),
+            seed=record_seed(base, seat.inp.request_id, seat.round + 1),
             temperature=max(s.temperature, RETRY_TEMPERATURE),
         )
         key = next(self._keys)
-        self._slots[key] = _Slot(slot.flight, slot.at, replace(slot.inp, sampling=sampling), slot.round + 1)
+        self._seats[key] = _Seat(seat.flight, seat.at, replace(seat.inp, sampling=sampling), seat.round + 1)
         self._backlog.appendleft(key)  # its flight is already waiting on it
         self.stats.resampled += 1
 

@@ -23,7 +23,7 @@ from batchline.config import KafkaSettings
 from batchline.exceptions import BatchlineError
 from batchline.kafka.topics import JobTopics
 from batchline.runs.identity import Fingerprint
-from batchline.runs.manifests import STREAM_RUN, RunsView, claim_stream
+from batchline.runs.manifests import STREAM_RUN, RunsView, adopt_stream
 from consumers.exceptions import WorkerError
 from consumers.work import WorkItem
 
@@ -158,7 +158,7 @@ class Pinning:
         if self.claim_offset is not None or time.monotonic() - self._claim_failed_at < CLAIM_RETRY_S:
             return
         try:
-            self.claim_offset = claim_stream(self.kafka, self.topics, self.fp, self.claim_id)
+            self.claim_offset = adopt_stream(self.kafka, self.topics, self.fp, self.claim_id)
         except (RuntimeError, BatchlineError) as exc:
             self._claim_failed_at = time.monotonic()
             log.warning("could not claim the open stream of %s: %s", self.topics.job, exc)

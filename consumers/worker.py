@@ -68,7 +68,7 @@ from batchline.kafka.embedded.takeover import TakeoverGate
 from batchline.kafka.groups import close_member, watch_member
 from batchline.kafka.liveness import BrokerLiveness
 from batchline.kafka.ownership import STATS_EVERY_MS, Ownership
-from batchline.kafka.slots import SlotSweeper, claim_slot
+from batchline.kafka.slots import SlotSweeper, hold_slot
 from batchline.kafka.topics import JobTopics, message_limits
 from batchline.kafka.transaction_errors import TransactionalIdTaken
 from batchline.runs.identity import Fingerprint, fingerprint_of
@@ -123,7 +123,7 @@ class Worker:
         self.group = self.topics.worker_group(self.fingerprint.value)
         # The slot names this worker and its transactional id: a restart takes it back and fences what the dead
         # process left open (batchline.kafka.slots); the sweeper fences slots of the group whose process is gone.
-        self.slot = claim_slot(kafka, self.group, worker_id)
+        self.slot = hold_slot(kafka, self.group, worker_id)
         self.worker_id = self.slot.slot
         self.sweeper = SlotSweeper(kafka, self.group, self.slot.slot)
         self._incarnation = uuid.uuid4().hex[:6]  # batch ids stay unique across restarts of one slot

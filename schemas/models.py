@@ -340,7 +340,7 @@ class RunManifest(_Record):
     complete: bool = True  # False while submit is still publishing; boundaries are final once True
     expires_at: datetime | None = None  # end of the completion window (records not finished by then: expired)
     cancelled_at: datetime | None = None  # set by ``batchline cancel``; records not started by then: cancelled
-    idempotency_key: str | None = None  # the submission's key (batchline.runs.control.claim_idempotency)
+    idempotency_key: str | None = None  # the submission's key (batchline.runs.control.reserve_idempotency_key)
 
 
 class QuarantinedRecord(_Record):

@@ -54,7 +54,7 @@ from batchline.kafka.embedded.takeover import TakeoverGate
 from batchline.kafka.groups import close_member, watch_member
 from batchline.kafka.liveness import BrokerDown, never_down
 from batchline.kafka.ownership import STATS_EVERY_MS, Ownership
-from batchline.kafka.slots import SlotSweeper, claim_slot
+from batchline.kafka.slots import SlotSweeper, hold_slot
 from batchline.kafka.topics import JobTopics, effective_max_message_bytes
 from batchline.kafka.transaction_errors import TransactionalIdTaken, TransactionFailed
 from batchline.runs.manifests import RunsView
@@ -106,7 +106,7 @@ class RetryScheduler:
         self.group = scheduler_group(config.job)
         # A slot, not a random id: a restarted scheduler fences the transaction its predecessor left open, and the
         # sweeper fences the slots of schedulers that never come back (batchline.kafka.slots).
-        self.slot = claim_slot(kafka, self.group, instance_id)
+        self.slot = hold_slot(kafka, self.group, instance_id)
         self.instance_id = self.slot.slot
         self.sweeper = SlotSweeper(kafka, self.group, self.slot.slot)
         self.group_watch, self.group_sampler = watch_member(kafka, self.group, broker_down)  # stuck unassigned?

@@ -77,7 +77,7 @@ CREATE TABLE IF NOT EXISTS offsets (topic TEXT NOT NULL, partition INTEGER NOT N
 """
 
 
-def claim_folder(root: Path, job: str) -> tuple[Path, IO[str]]:
+def lock_folder(root: Path, job: str) -> tuple[Path, IO[str]]:
     """Lock and return the first free ``<root>/<job>/<n>``; the lock lives as long as the returned file."""
     for n in range(MAX_FOLDERS):
         folder = root / job / str(n)
@@ -99,7 +99,7 @@ class LedgerStore:
     """Id states, run counts and offsets of the slots this process has held, in ``<folder>/ledger.sqlite``."""
 
     def __init__(self, root: Path, job: str) -> None:
-        self.folder, self._lock = claim_folder(root, job)
+        self.folder, self._lock = lock_folder(root, job)
         self.path = self.folder / "ledger.sqlite"
         self._counts: dict[tuple[int, int], RunCounts] = {}
         self._dirty: set[tuple[int, int]] = set()

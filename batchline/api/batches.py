@@ -27,7 +27,7 @@ from batchline.api.service import ApiService
 from batchline.api.settings import CHAT, COMPLETIONS, EMBEDDINGS, RESPONSES
 from batchline.api.validate import requests, validate
 from batchline.config import KafkaSettings
-from batchline.runs.control import cancel_run, claim_idempotency, parse_window
+from batchline.runs.control import cancel_run, parse_window, reserve_idempotency_key
 from batchline.runs.export import openai_error, openai_output, openai_stopped
 from batchline.runs.manifests import EXPIRED
 from batchline.runs.outcomes import RunOutcomes
@@ -176,7 +176,7 @@ def _by_key(service: ApiService, tenant: str, key: str) -> BatchRecord | None:
 
 def _claim(service: ApiService, job: JobView, tenant: str, key: str, batch_id: str) -> dict[str, Any] | None:
     """Claim ``key`` for ``batch_id``; the batch object of the earlier claimant if there is one, else None."""
-    owner = claim_idempotency(service.kafka, job.topics, _scoped(tenant, key), batch_id, view=job.runs)
+    owner = reserve_idempotency_key(service.kafka, job.topics, _scoped(tenant, key), batch_id, view=job.runs)
     if owner == batch_id:
         return None
     deadline = time.monotonic() + WINNER_WAIT_S

@@ -23,7 +23,7 @@ and removes the file. Workers and the streams process run it at start and every 
 (:class:`SlotSweeper`). That covers every process on one host (the embedded broker's case); elsewhere a dead
 slot's transaction ends with Apache Kafka's ``transaction.timeout.ms``.
 
-Thread hand-off: a :class:`SlotClaim` belongs to the process that made it; :class:`SlotSweeper` runs its own
+Thread hand-off: a :class:`HeldSlot` belongs to the process that made it; :class:`SlotSweeper` runs its own
 thread and touches only lock files it has locked itself.
 """
 
@@ -70,7 +70,7 @@ def transactional_id(group: str, slot: str) -> str:
     return f"{group}.{slot}"
 
 
-class SlotClaim:
+class HeldSlot:
     """A held slot: its name, its transactional id, and the locked file that proves it (released on close or when
     the process dies)."""
 
@@ -91,7 +91,7 @@ class SlotClaim:
             self._fd = None
 
 
-def claim_slot(kafka: KafkaSettings, group: str, explicit: str | None = None) -> SlotClaim:
+def hold_slot(kafka: KafkaSettings, group: str, explicit: str | None = None) -> HeldSlot:
     """The slot of this process in ``group``: ``explicit`` (else ``BATCHLINE_WORKER_ID``), else the lowest free
     ``<hostname>-<n>`` on this host."""
     explicit = explicit or os.environ.get(WORKER_ID_ENV) or None
@@ -108,13 +108,13 @@ def claim_slot(kafka: KafkaSettings, group: str, explicit: str | None = None) ->
                 "two workers must never share a transactional id (they would fence each other); give each its own "
                 "--worker-id"
             )
-        return SlotClaim(group, explicit, folder / f"{explicit}.lock", fd)
+        return HeldSlot(group, explicit, folder / f"{explicit}.lock", fd)
     host = _safe(socket.gethostname()) or "host"
     for n in range(MAX_SLOTS):
         slot = f"{host}-{n}"
         fd = _lock(folder / f"{slot}.lock")
         if fd is not None:
-            return SlotClaim(group, slot, folder / f"{slot}.lock", fd)
+            return HeldSlot(group, slot, folder / f"{slot}.lock", fd)
     raise ConfigError(f"no free worker slot in {folder} ({MAX_SLOTS} held): pass --worker-id")
 
 

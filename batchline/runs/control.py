@@ -10,10 +10,10 @@ All three live in the run's manifest on the compacted ``J.runs``
   re-publishing them.
 - **expiry**: ``expires_at`` is set at submission (``created_at`` + the window, :func:`parse_window`). From then
   on, records not yet started end as ``expired`` dead letters, the same way.
-- **idempotency** (:func:`claim_idempotency`): a submission with a key first writes a *claim* of the key for its
+- **idempotency** (:func:`reserve_idempotency_key`): a submission with a key first writes a *claim* of the key for its
   new run id, keyed ``_idempotency.<key>#<run id>`` so that compaction never drops one; ``J.runs`` has one
   partition, so the claims are totally ordered and the earliest one wins (like the open stream's claims,
-  :func:`batchline.runs.manifests.claim_stream`). The loser publishes nothing and answers with the winner's run.
+  :func:`batchline.runs.manifests.adopt_stream`). The loser publishes nothing and answers with the winner's run.
 
 :func:`stop_of` says, for a manifest, from when and how its records stop; the worker and the scheduler keep those
 per run in the view (:attr:`RunsView.stops`), so the hot path pays a dict lookup and a compare per record, and
@@ -46,8 +46,8 @@ __all__ = [
     "EXPIRED",
     "STOP_CLASSES",
     "cancel_run",
-    "claim_idempotency",
     "parse_window",
+    "reserve_idempotency_key",
     "stop_message",
     "stop_of",
 ]
@@ -112,7 +112,7 @@ def cancel_run(kafka: KafkaSettings, topics: JobTopics, run_id: str, view: RunsV
             runs.stop()
 
 
-def claim_idempotency(
+def reserve_idempotency_key(
     kafka: KafkaSettings, topics: JobTopics, key: str, run_id: str, view: RunsView | None = None
 ) -> str:
     """The run that owns idempotency ``key``: an earlier claim's, else ``run_id``'s, claimed now. Two submitters

@@ -8,7 +8,7 @@ The stream's pin has one winner, decided once, even when workers of several fing
 
 - an explicit pin (``topics create --pin``, ``batchline pin``: :func:`pin_stream`) is a manifest keyed
   ``_stream``; the latest one wins over everything (an explicit re-pin is a recorded operator action);
-- without one, a worker *claims* the stream (:func:`claim_stream`): a manifest of ``_stream`` under its own key
+- without one, a worker *claims* the stream (:func:`adopt_stream`): a manifest of ``_stream`` under its own key
   ``_stream.claim.<id>``, so compaction never drops a claim. ``J.runs`` has one partition, so the claims are
   totally ordered and the earliest one wins. The view reads from offset 0 in order, so the first claim it reads
   is the earliest there is: a claim read back decides the stream for good.
@@ -209,7 +209,7 @@ def manifest_for(job: str, run_id: str, fp: Fingerprint, **fields: object) -> Ru
     return RunManifest.model_validate(base | fields)
 
 
-def claim_stream(kafka: KafkaSettings, topics: JobTopics, fp: Fingerprint, claim_id: str) -> int:
+def adopt_stream(kafka: KafkaSettings, topics: JobTopics, fp: Fingerprint, claim_id: str) -> int:
     """Claim the unpinned open stream for ``fp`` (a worker meeting it first); returns the claim's offset in J.runs.
     The earliest claim wins (:class:`RunsView` ``get(STREAM_RUN)``); an explicit pin overrides every claim."""
     manifest = manifest_for(topics.job, STREAM_RUN, fp, source=f"claimed by worker {claim_id} ({fp.value})")

@@ -24,7 +24,7 @@ from batchline.exceptions import BrokerUnreachable, InputFileError, KafkaOperati
 from batchline.kafka import headers as h
 from batchline.kafka.client import make_producer
 from batchline.kafka.topics import JobTopics
-from batchline.runs.control import claim_idempotency
+from batchline.runs.control import reserve_idempotency_key
 from batchline.runs.identity import Fingerprint
 from batchline.runs.manifests import RunsView, manifest_for, write_manifest
 from batchline.runs.openai_convert import LineError
@@ -217,12 +217,12 @@ def publish_run(
     """Publish ``(fallback id, record)`` pairs as one run pinned to ``fp`` and write its manifest.
 
     ``completion_window_s``: the run's records not finished that long after now end ``expired``.
-    ``idempotency_key``: claimed for this run first (:func:`batchline.runs.control.claim_idempotency`); a key
+    ``idempotency_key``: claimed for this run first (:func:`batchline.runs.control.reserve_idempotency_key`); a key
     another run owns returns that run's report (``existing``) and publishes nothing (``records`` is not read).
     ``view``: a started :class:`RunsView` of the job to decide the key with (a server keeps one), else one is read."""
     report = SubmitReport(run_id or new_run_id())
     if idempotency_key is not None:
-        owner = claim_idempotency(kafka, topics, idempotency_key, report.run_id, view)
+        owner = reserve_idempotency_key(kafka, topics, idempotency_key, report.run_id, view)
         if owner != report.run_id:
             return existing_run(kafka, topics, owner, view)
     created = datetime.now(UTC)

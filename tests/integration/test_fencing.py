@@ -23,7 +23,7 @@ from confluent_kafka import TopicPartition
 from batchline.config import JobConfig, KafkaSettings, load_job_config
 from batchline.kafka.broker import die_with_parent
 from batchline.kafka.client import make_consumer, make_reader
-from batchline.kafka.slots import SLOT_DIR_ENV, SlotTaken, claim_slot
+from batchline.kafka.slots import SLOT_DIR_ENV, SlotTaken, hold_slot
 from batchline.kafka.topics import JobTopics
 from batchline.kafka.transaction_errors import TransactionalIdTaken
 from batchline.kafka.transactions import TransactionalProducer
@@ -39,9 +39,9 @@ DEAD_WORKER = """
 import sys, time
 from batchline.config import KafkaSettings
 from batchline.kafka.client import make_producer
-from batchline.kafka.slots import claim_slot
+from batchline.kafka.slots import hold_slot
 kafka = KafkaSettings(bootstrap=sys.argv[1])
-claim = claim_slot(kafka, sys.argv[2], sys.argv[4] or None)
+claim = hold_slot(kafka, sys.argv[2], sys.argv[4] or None)
 producer = make_producer(kafka, claim.transactional_id)
 producer.init_transactions(30)
 producer.begin_transaction()
@@ -145,16 +145,16 @@ def test_a_slot_that_never_comes_back_is_fenced_by_a_live_worker(
 
 def test_two_live_workers_never_share_a_slot(kafka: KafkaSettings, job_name: str) -> None:
     group = f"{job_name}.workers"
-    first = claim_slot(kafka, group)
-    second = claim_slot(kafka, group)
+    first = hold_slot(kafka, group)
+    second = hold_slot(kafka, group)
     try:
         assert first.slot != second.slot and first.slot.endswith("-0") and second.slot.endswith("-1")
         with pytest.raises(SlotTaken, match="held by another live process"):
-            claim_slot(kafka, group, first.slot)
+            hold_slot(kafka, group, first.slot)
     finally:
         first.release()
         second.release()
-    again = claim_slot(kafka, group)  # released: the lowest index is free again
+    again = hold_slot(kafka, group)  # released: the lowest index is free again
     assert again.slot == first.slot
     again.release()
 

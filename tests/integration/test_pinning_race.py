@@ -16,7 +16,7 @@ from batchline.config import KafkaSettings, load_job_config
 from batchline.kafka.client import make_consumer
 from batchline.kafka.topics import JobTopics
 from batchline.runs.identity import fingerprint_of
-from batchline.runs.manifests import STREAM_RUN, RunsView, claim_stream, pin_stream
+from batchline.runs.manifests import STREAM_RUN, RunsView, adopt_stream, pin_stream
 from tests.support.cli import run_cli
 from tests.support.jobs import job_toml
 from tests.support.kafka import produce_raw, read_topic, wait_for
@@ -113,9 +113,9 @@ def test_the_earliest_claim_wins_and_an_explicit_pin_overrides_every_claim(
     cfg_a, cfg_b = _configs(tmp_path, job_name)
     fp_a = fingerprint_of(load_job_config(job_name, cfg_a))
     fp_b = fingerprint_of(load_job_config(job_name, cfg_b))
-    first = claim_stream(kafka, topics, fp_b, "w1")
-    second = claim_stream(kafka, topics, fp_a, "w2")
-    claim_stream(kafka, topics, fp_b, "w3")
+    first = adopt_stream(kafka, topics, fp_b, "w1")
+    second = adopt_stream(kafka, topics, fp_a, "w2")
+    adopt_stream(kafka, topics, fp_b, "w3")
     assert first < second
 
     def stream_pin() -> str | None:
@@ -134,7 +134,7 @@ def test_the_earliest_claim_wins_and_an_explicit_pin_overrides_every_claim(
     assert stream_pin() == fp_b.value
     # An explicit re-pin is a recorded operator action: it wins over every claim, earlier or later.
     run_cli(kafka.bootstrap, "pin", job_name, "--config", str(cfg_a), "--reason", "moved to A")
-    claim_stream(kafka, topics, fp_b, "w4")
+    adopt_stream(kafka, topics, fp_b, "w4")
     assert stream_pin() == fp_a.value
     pin_stream(kafka, topics, fp_b, "and back")
     assert stream_pin() == fp_b.value

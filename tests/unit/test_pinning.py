@@ -2,7 +2,7 @@
 
 ``J.runs`` is stood in for at its seam: a log of (key, manifest) that the fake runs view reads the way
 :class:`batchline.runs.manifests.RunsView` does (explicit manifests by run id; the open stream's claims in log
-order, the earliest winning), and a ``claim_stream`` that appends to it. Everything Pinning decides is real.
+order, the earliest winning), and a ``adopt_stream`` that appends to it. Everything Pinning decides is real.
 """
 
 from __future__ import annotations
@@ -119,7 +119,7 @@ class Clock:
 @pytest.fixture
 def log(monkeypatch: pytest.MonkeyPatch) -> RunsLog:
     runs = RunsLog()
-    monkeypatch.setattr(pinning_module, "claim_stream", runs.claim)
+    monkeypatch.setattr(pinning_module, "adopt_stream", runs.claim)
     return runs
 
 
