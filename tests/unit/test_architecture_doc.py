@@ -30,7 +30,8 @@ def _table(heading: str) -> list[list[str]]:
 
 
 def _definitions() -> tuple[set[str], set[str]]:
-    """Every top-level function and class name, and every ``Class.method``, in the library code."""
+    """Every top-level function, class and constant name, and every ``Class.method`` and ``Class.field``, in the
+    library code."""
     names: set[str] = set()
     methods: set[str] = set()
     for folder in CODE:
@@ -38,21 +39,25 @@ def _definitions() -> tuple[set[str], set[str]]:
             for node in ast.parse(path.read_text()).body:
                 if isinstance(node, ast.FunctionDef | ast.AsyncFunctionDef | ast.ClassDef):
                     names.add(node.name)
+                elif isinstance(node, ast.Assign | ast.AnnAssign):  # module constants
+                    targets = node.targets if isinstance(node, ast.Assign) else [node.target]
+                    names |= {t.id for t in targets if isinstance(t, ast.Name)}
                 if isinstance(node, ast.ClassDef):
                     for item in node.body:
                         if isinstance(item, ast.FunctionDef | ast.AsyncFunctionDef):
                             methods.add(f"{node.name}.{item.name}")
+                        elif isinstance(item, ast.AnnAssign) and isinstance(item.target, ast.Name):  # fields
+                            methods.add(f"{node.name}.{item.target.id}")
     return names, methods
 
 
-def test_the_record_path_table_cites_what_exists() -> None:
+def _missing(cells: list[str]) -> list[str]:
+    """What the backticked names of ``cells`` cite that the code does not have."""
     names, methods = _definitions()
-    rows = _table("## A record's path: poll to commit")
-    assert len(rows) >= 10
-    cited = [token for row in rows for token in re.findall(r"`([^`]+)`", row[2])]
+    cited = [token for cell in cells for token in re.findall(r"`([^`]+)`", cell)]
     missing = []
     for token in cited:
-        for part in re.split(r"\s+(?:->|/|\+)\s+", token):
+        for part in re.split(r"\s+(?:->|/|\+)\s+|,\s+", token):
             part = part.strip().rstrip("()")
             if part.endswith(".py"):
                 if not (ROOT / part).is_file() and not any((d / part).is_file() for d in CODE):
@@ -67,7 +72,21 @@ def test_the_record_path_table_cites_what_exists() -> None:
                 and not any(m.endswith(f".{part}") for m in methods)
             ):
                 missing.append(part)
+    return missing
+
+
+def test_the_record_path_table_cites_what_exists() -> None:
+    rows = _table("## A record's path: poll to commit")
+    assert len(rows) >= 10
+    missing = _missing([row[2] for row in rows])
     assert missing == [], f"docs/architecture.md's record path cites what the code no longer has: {missing}"
+
+
+def test_the_glossary_cites_what_exists() -> None:
+    rows = _table("## Glossary")
+    assert len(rows) >= 20
+    missing = _missing([row[2] for row in rows])
+    assert missing == [], f"docs/architecture.md's glossary cites what the code no longer has: {missing}"
 
 
 def _pattern(name: str) -> str:
