@@ -1,0 +1,124 @@
+"""The worker's parts, built in the order they depend on each other: :class:`WorkerParts` is the composition,
+:class:`consumers.worker.Worker` the loop over it (and the rebalance callbacks). What each part owns, and which
+thread it runs on, is in :mod:`consumers.worker`'s "Threads".
+
+Two parts call back into the loop: the rollback beats the heartbeat while it waits (``_heartbeat``), and the
+consumer's librdkafka statistics feed the rejoin rule (``_on_stats``, embedded mode only); the loop defines both.
+Nothing starts here: threads start in :meth:`consumers.worker.Worker.run`.
+"""
+
+from __future__ import annotations
+
+import threading
+import uuid
+
+from confluent_kafka import Consumer
+
+from batchline.config import JobConfig, KafkaSettings
+from batchline.kafka.client import bounded_prefetch, make_consumer
+from batchline.kafka.embedded.aborted import AbortedIndex
+from batchline.kafka.embedded.takeover import TakeoverGate
+from batchline.kafka.groups import watch_member
+from batchline.kafka.liveness import BrokerLiveness
+from batchline.kafka.ownership import STATS_EVERY_MS, Ownership
+from batchline.kafka.slots import SlotSweeper, hold_slot
+from batchline.kafka.topics import JobTopics, message_limits
+from batchline.runs.identity import Fingerprint, fingerprint_of
+from batchline.telemetry import Health, WorkerMetrics
+from consumers.admission import Admission
+from consumers.batcher import Batcher
+from consumers.commit import CommitLine, transactional_producer
+from consumers.engines import Engine, create_engine
+from consumers.infer import Feeder
+from consumers.intake import Intake
+from consumers.lanes import Lanes
+from consumers.pauses import PauseBook
+from consumers.pinning import Pinning
+from consumers.rewind import Rewinder
+from consumers.rollback import Rollback
+from consumers.route import Router
+from consumers.schedule import Schedule
+from consumers.work import WorkerStats
+
+
+class WorkerParts:
+    """Every part of one worker, wired; the loop (:class:`consumers.worker.Worker`) adds what it does with them."""
+
+    def __init__(
+        self,
+        config: JobConfig,
+        kafka: KafkaSettings,
+        engine: Engine | None = None,
+        worker_id: str | None = None,
+        health: Health | None = None,
+    ) -> None:
+        self.config = config
+        self.health = health or Health.for_worker(config)  # /healthz, /readyz (batchline.telemetry.health)
+        self.kafka = kafka
+        self.topics = JobTopics(config.job, config.retry.tiers)
+        self.fingerprint: Fingerprint = fingerprint_of(config)
+        self.group = self.topics.worker_group(self.fingerprint.value)
+        # The slot names this worker and its transactional id: a restart takes it back and fences what the dead
+        # process left open (batchline.kafka.slots); the sweeper fences slots of the group whose process is gone.
+        self.slot = hold_slot(kafka, self.group, worker_id)
+        self.worker_id = self.slot.slot
+        self.sweeper = SlotSweeper(kafka, self.group, self.slot.slot)
+        self._incarnation = uuid.uuid4().hex[:6]  # batch ids stay unique across restarts of one slot
+        self.engine = engine or create_engine(config)
+        self.health.set_engine_loaded()  # readiness
+        self.intake = Intake(config, self.engine.count_tokens)
+        self.batcher = Batcher(config.batching)
+        self.wake = threading.Event()
+        self.pinning = Pinning(kafka, self.topics, self.fingerprint)
+        # Cancels and completion windows reach the engine thread through the runs view's stops (read-only there).
+        self.feeder = Feeder(self.engine, config, self.wake.set, self.pinning.view.stops)
+        self.router = Router(config, self.fingerprint, self.topics, self.worker_id)
+        # requests of aborted transactions (a scheduler's failed re-publish) are passed over: the embedded broker's
+        # read_committed shows them (batchline/kafka/embedded/aborted.py); asked on this thread, in _poll
+        self.aborted = AbortedIndex(kafka)
+        # the embedded broker's offset fetch does not wait for open transactions: a newly assigned partition waits
+        # until those open on this group's outputs have ended (batchline/kafka/embedded/takeover.py); in _on_assign
+        outputs = [self.topics.results, *self.topics.retries, self.topics.dlq]
+        self.takeover = TakeoverGate(kafka, outputs) if kafka.embedded else None
+        limits = message_limits(kafka, self.topics, config.max_request_bytes)
+        watched = [self.topics.requests, self.topics.results, self.topics.dlq]
+        self.liveness = BrokerLiveness(kafka, config.job, watched)  # exits after broker_loss_timeout_s without one
+        prefetch = bounded_prefetch(config.batching.max_in_flight_records)
+        # librdkafka's join state, for the ownership's rejoin rule (batchline/kafka/ownership.py): the embedded broker
+        # hands a late rejoiner its partitions back without a word; Apache Kafka fences it by generation
+        stats = {"statistics.interval.ms": STATS_EVERY_MS, "stats_cb": self._on_stats} if kafka.embedded else {}
+        self.consumer: Consumer = make_consumer(kafka, self.group, **prefetch, **stats)
+        self.pauses = PauseBook(self.consumer)
+        # subscribed without partitions past the rebalance timeout while the group re-forms: not ready, one line
+        self.group_watch, self.group_sampler = watch_member(kafka, self.group, self.liveness.is_down)
+        self.health.watch_problem("group", self.group_watch.stuck)
+        # released by the rebalance callbacks, read by the commit thread; a look older than the session proves nothing
+        self.ownership = Ownership(self.consumer, kafka.session_timeout_ms / 1000, self.liveness.is_down)
+        self.rewinder = Rewinder(self.consumer)
+        self.metrics = WorkerMetrics(config.job, self.topics.requests, self.group)
+        self.stats = WorkerStats()
+        # every micro-batch from launch to commit, and the thread that commits (consumers/commit.py)
+        self.commits = CommitLine(
+            transactional_producer(kafka, self.slot.transactional_id, limits, self.liveness.is_down),
+            self.router,
+            self.ownership,
+            self.wake.set,
+            metrics=self.metrics,
+            stats=self.stats,
+            health=self.health,
+            requests_topic=self.topics.requests,
+            group=self.group,
+        )
+        self.schedule = Schedule(config.schedule)
+        self.lanes = Lanes(kafka, config.schedule)
+        self.admission = Admission(config, self.pauses, self.schedule, self.lanes)  # the pause reasons' only writer
+        # dropping what is uncommitted and re-reading it (failed commits, lost or revoked partitions, late rejoins)
+        self.rollback = Rollback(
+            self.commits, self.feeder, self.batcher, self.pauses, self.rewinder, self.stats, self._heartbeat
+        )
+
+    def _heartbeat(self) -> None:
+        raise NotImplementedError  # the loop's (consumers.worker.Worker)
+
+    def _on_stats(self, stats: str) -> None:
+        raise NotImplementedError  # the loop's (consumers.worker.Worker)
