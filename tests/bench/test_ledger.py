@@ -41,6 +41,7 @@ from batchline.runs.manifests import manifest_for, write_manifest
 from batchline.runs.status import latest_stats
 from schemas import codec_for
 from streams.memory import READER_LIMITS
+from tests.bench.conftest import record
 
 OUT = Path(__file__).resolve().parents[2] / "out"
 SIZES = [int(n) for n in os.environ.get("BENCH_LEDGER_IDS", "1000000,10000000").split(",") if n]
@@ -159,8 +160,10 @@ def raw_consume_rate(kafka: KafkaSettings, topics: JobTopics, records: int) -> f
     return records / (time.monotonic() - started)
 
 
-def start_ledger(kafka: KafkaSettings, job: str, root: Path, log: Path) -> subprocess.Popen[str]:
+def start_ledger(kafka: KafkaSettings, job: str, root: Path, log: Path, mode: str | None) -> subprocess.Popen[str]:
     env = os.environ | {"BATCHLINE_BOOTSTRAP": kafka.bootstrap, "PYTHONPATH": os.getcwd()}
+    if mode is not None:
+        env["BATCHLINE_BROKER"] = mode
     with log.open("a") as err:
         return subprocess.Popen(
             [sys.executable, "-c", LEDGER_PROC, str(time.time()), job, str(root)],
@@ -185,8 +188,11 @@ def expected(n: int) -> tuple[int, int, int]:
     return n - quarantined, quarantined, n // 2
 
 
-def measure(kafka: KafkaSettings, make_job: Callable[..., JobTopics], n: int, tmp: Path) -> dict[str, Any]:
-    job = f"bench-ledger-{n}-{os.getpid()}"
+def measure(
+    kafka: KafkaSettings, make_job: Callable[..., JobTopics], n: int, tmp: Path, mode: str | None = None
+) -> dict[str, Any]:
+    """One run of ``n`` ids, the ledger in broker ``mode`` (None: as the environment says)."""
+    job = f"bench-ledger-{n}-{mode or 'env'}-{time.monotonic_ns() % 10**6}-{os.getpid()}"
     topics = make_job(job, partitions=PARTITIONS, tiers=("5s",))
     run = "run-bench"
     started = time.monotonic()
@@ -194,7 +200,7 @@ def measure(kafka: KafkaSettings, make_job: Callable[..., JobTopics], n: int, tm
     produce_s = time.monotonic() - started
     raw_rate = raw_consume_rate(kafka, topics, records)
     root = tmp / job
-    proc = start_ledger(kafka, job, root, tmp / f"{job}.log")
+    proc = start_ledger(kafka, job, root, tmp / f"{job}.log", mode)
     first = first_report(proc)
     figures: dict[str, Any] = {
         "ids": n,
@@ -213,7 +219,7 @@ def measure(kafka: KafkaSettings, make_job: Callable[..., JobTopics], n: int, tm
     manifest = manifest_for(job, run, FP, record_count=n + TAIL, value_total=0.0)
     write_manifest(kafka, topics, manifest)
     spawned = time.monotonic()
-    restarted = start_ledger(kafka, job, root, tmp / f"{job}.log")
+    restarted = start_ledger(kafka, job, root, tmp / f"{job}.log", mode)
     again = first_report(restarted)
     stats = latest_stats(kafka, topics, {run: manifest})[run]  # what `batchline status` reads
     restart_to_status = time.monotonic() - spawned
@@ -245,3 +251,29 @@ def test_ledger_at_archive_scale(
     tmp_file = path.with_suffix(".json.tmp")
     tmp_file.write_text(json.dumps(existing | {"ledger": figures}, indent=2))
     tmp_file.replace(path)
+
+
+MODE_IDS = int(os.environ.get("BENCH_MODE_IDS", "200000"))
+
+
+def test_ledger_fold_rate_in_each_broker_mode(
+    kafka: KafkaSettings, make_job: Callable[..., JobTopics], tmp_path_factory: Any
+) -> None:
+    """The same run folded with the embedded broker's workarounds built and without (``BATCHLINE_BROKER``), on the
+    embedded broker, alternating modes twice: what a user on Apache Kafka no longer pays. No aborted transaction is
+    written, so both modes count the same (checked in measure())."""
+    tmp = tmp_path_factory.mktemp("ledger-modes")
+    runs = {"embedded": [], "apache": []}  # type: dict[str, list[dict[str, Any]]]
+    for mode in ("embedded", "apache", "embedded", "apache"):
+        runs[mode].append(measure(kafka, make_job, MODE_IDS, tmp, mode))
+    figures = {
+        mode: {
+            "fold_records_per_s": [r["fold_records_per_s"] for r in rs],
+            "raw_consume_records_per_s": [r["raw_consume_records_per_s"] for r in rs],
+        }
+        for mode, rs in runs.items()
+    }
+    best = {mode: max(f["fold_records_per_s"]) for mode, f in figures.items()}
+    figures["ids"] = MODE_IDS  # type: ignore[assignment]
+    figures["apache_vs_embedded_best_fold"] = round(best["apache"] / best["embedded"], 2)  # type: ignore[assignment]
+    record("ledger_broker_modes", figures)
