@@ -20,7 +20,7 @@ from pydantic import BaseModel, ValidationError
 
 from batchline.config import KafkaSettings
 from batchline.exceptions import BrokerUnreachable
-from batchline.kafka.client import make_producer, make_reader
+from batchline.kafka.client import make_producer, make_reader, take
 from schemas.codec import DecodeError
 
 log = logging.getLogger(__name__)
@@ -86,7 +86,7 @@ class CompactedView(Generic[T]):
     def _loop(self) -> None:
         try:
             while not self._stop.is_set():
-                for msg in self._reader.consume(500, 0.2):
+                for msg in take(self._reader, 500, 0.2):
                     if msg.error():
                         continue
                     self._read(msg)

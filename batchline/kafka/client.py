@@ -135,3 +135,16 @@ def _build(kind: Callable[[dict[str, Any]], C], conf: dict[str, Any], kafka: Kaf
         raise ConfigError(
             f"Kafka client for {kafka.bootstrap} refused by librdkafka: {redact(reason, kafka)}"
         ) from None
+
+
+def take(consumer: Consumer, most: int, timeout: float) -> list[Any]:
+    """Up to ``most`` messages, waiting at most ``timeout`` for the first and not at all for the rest.
+
+    confluent-kafka's ``consume(most, timeout)`` returns early only once it has ``most`` messages: with fewer
+    available it waits out the whole timeout (a record that arrived 0.3 s into ``consume(100, 1.0)`` came back after
+    1.0 s). A reader that someone waits on (the runs view, read back while the first record of an open stream
+    waits) takes the first with ``poll`` instead, which returns as soon as it has one."""
+    first = consumer.poll(timeout)
+    if first is None:
+        return []
+    return [first, *consumer.consume(most - 1, 0)] if most > 1 else [first]

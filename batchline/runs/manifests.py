@@ -32,7 +32,7 @@ from confluent_kafka import KafkaError, Message, TopicPartition
 
 from batchline.config import KafkaSettings
 from batchline.exceptions import BrokerUnreachable
-from batchline.kafka.client import make_producer, make_reader
+from batchline.kafka.client import make_producer, make_reader, take
 from batchline.kafka.topics import JobTopics
 from batchline.runs.identity import Fingerprint
 from schemas import RunManifest, codec_for
@@ -119,7 +119,7 @@ class RunsView:
             self._consumer.close()
 
     def poll_once(self, timeout: float) -> None:
-        for msg in self._consumer.consume(100, timeout):
+        for msg in take(self._consumer, 100, timeout):  # back as soon as a manifest is there (a claim read back)
             if msg.error():
                 continue
             self._read(msg)

@@ -5,6 +5,7 @@ from __future__ import annotations
 import json
 import threading
 import time
+from collections.abc import Callable
 from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
@@ -132,13 +133,22 @@ def warm_producer(kafka: KafkaSettings, scratch_topic: str) -> Any:
 
 
 def run_end_to_end(
-    config: JobConfig, kafka: KafkaSettings, topics: JobTopics, records: list[tuple[bytes, bytes]]
+    config: JobConfig,
+    kafka: KafkaSettings,
+    topics: JobTopics,
+    records: list[tuple[bytes, bytes]],
+    on_worker: Callable[[Any], None] | None = None,
+    on_publish: Callable[[], None] | None = None,
 ) -> EndToEnd:
     """Start a worker in this process, wait until it is ready, publish ``records`` with a warm producer, and run
-    the worker until it is idle; every time is read from the broker (record timestamps) or the engine's flights."""
+    the worker until it is idle; every time is read from the broker (record timestamps) or the engine's flights.
+    ``on_worker`` gets the worker before it runs, ``on_publish`` is called just before the first record goes out
+    (probes of a benchmark)."""
     from consumers.worker import Worker
 
     worker = Worker(config, kafka, idle_exit_s=3.0)
+    if on_worker is not None:
+        on_worker(worker)
     flights: list[Any] = []
     submit = worker.feeder.submit
 
@@ -155,6 +165,8 @@ def run_end_to_end(
     while len(worker.pauses.assigned) < 1 and time.monotonic() < deadline:
         time.sleep(0.05)
     time.sleep(1.0)  # let the rest of the group's assignment settle
+    if on_publish is not None:
+        on_publish()
     for key, value in records:
         producer.produce(topics.requests, value, key)
     assert producer.flush(60) == 0

@@ -23,9 +23,10 @@ _CORPUS = (
 )
 
 
-def build_tiny_llama(out: Path) -> Path:
+def build_tiny_llama(out: Path, layers: int = 2) -> Path:
     """A 2-layer Llama (hidden 256, 4 heads: head_dim 64, which the CPU attention accepts) with a byte-level
-    BPE tokenizer trained here. Random weights: outputs are noise, but every code path is the real one."""
+    BPE tokenizer trained here. Random weights: outputs are noise, but every code path is the real one. ``layers``:
+    fewer make a faster engine (the benchmarks' fast-engine case)."""
     import torch
     from tokenizers import Tokenizer, decoders, models, pre_tokenizers, trainers
     from transformers import LlamaConfig, LlamaForCausalLM, PreTrainedTokenizerFast
@@ -47,7 +48,7 @@ def build_tiny_llama(out: Path) -> Path:
         vocab_size=len(hf),
         hidden_size=256,
         intermediate_size=512,
-        num_hidden_layers=2,
+        num_hidden_layers=layers,
         num_attention_heads=4,
         num_key_value_heads=4,
         max_position_embeddings=512,
