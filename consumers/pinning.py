@@ -6,8 +6,8 @@ blocking or taking each other's records, and no record is processed under two fi
 run id, undecodable ones, and ones naming a run with no manifest belong to the open stream.
 
 The open stream's pin is decided once (:mod:`batchline.runs.manifests`): an explicit pin wins; without one, a
-worker meeting the stream writes a claim to ``J.runs`` and the earliest claim wins. Until a claim has been read
-back the owner is :class:`Undecided`: the worker must neither process such a record nor commit past it (hold it,
+worker meeting the stream writes an adoption to ``J.runs`` and the earliest adoption wins. Until an adoption has been
+read back the owner is :class:`Undecided`: the worker must neither process such a record nor commit past it (hold it,
 or seek back to it) - :meth:`Pinning.owner_of` says which, without blocking; :meth:`Pinning.pass_over` blocks
 until the owner is known (bounded by :data:`DECIDE_TIMEOUT_S`) and raises :class:`PinUndecided` past it.
 """
@@ -29,9 +29,9 @@ from consumers.work import WorkItem
 
 log = logging.getLogger(__name__)
 UNKNOWN_RECHECK_S = 5.0  # how often a run id without a manifest makes the worker re-read J.runs
-DECIDE_TIMEOUT_S = 30.0  # pass_over's longest wait for the open stream's owner (a claim written and read back)
+DECIDE_TIMEOUT_S = 30.0  # pass_over's longest wait for the open stream's owner (an adoption written and read back)
 DECISIONS_KEPT = 4096  # per-run answers remembered (a worker sees few runs at once)
-CLAIM_RETRY_S = 1.0  # after a claim that could not be written
+ADOPT_RETRY_S = 1.0  # after an adoption that could not be written
 READBACK_POLL_S = 0.02
 
 
@@ -46,7 +46,7 @@ class Decided:
 
 @dataclass(frozen=True)
 class Undecided:
-    """The open stream has no pin yet and no claim has been read back: do not process, do not commit past."""
+    """The open stream has no pin yet and no adoption has been read back: do not process, do not commit past."""
 
     run_id: str
     reason: str
@@ -56,7 +56,7 @@ Ownership = Decided | Undecided
 
 
 class PinUndecided(WorkerError):
-    """The open stream's owner could not be decided in time (claim not written or not read back from J.runs)."""
+    """The open stream's owner could not be decided in time (adoption not written or not read back from J.runs)."""
 
 
 class Pinning:
@@ -66,9 +66,9 @@ class Pinning:
         self.fp = fingerprint
         self.view = RunsView(kafka, topics)
         self.passed: dict[str, int] = {}
-        self.claim_id = uuid.uuid4().hex[:12]
-        self.claim_offset: int | None = None  # where this worker's claim of the stream was written
-        self._claim_failed_at = -CLAIM_RETRY_S
+        self.adopter_id = uuid.uuid4().hex[:12]
+        self.adoption_offset: int | None = None  # where this worker's adoption of the stream was written
+        self._adopt_failed_at = -ADOPT_RETRY_S
         self._checked: dict[str, float] = {}  # run ids without a manifest, and when the view was last synced
         self._decided: dict[str | None, tuple[int, str | None, str]] = {}  # run id -> (view position, answer, run)
 
@@ -93,19 +93,19 @@ class Pinning:
 
     def owner_of(self, item: WorkItem) -> Ownership:
         """Who may process ``item``, without blocking. For the unpinned open stream this writes this worker's
-        claim (once) and answers :class:`Undecided` until the earliest claim has been read back."""
+        adoption (once) and answers :class:`Undecided` until the earliest adoption has been read back."""
         run_id = self.run_of(item)
         manifest = self.view.get(run_id)
         if manifest is not None:
             return Decided(run_id, manifest.fingerprint, manifest.fingerprint == self.fp.value)
-        self._claim()
-        return Undecided(run_id, "the open stream's pin is not decided yet (claim written, not read back)")
+        self._adopt()
+        return Undecided(run_id, "the open stream's pin is not decided yet (adoption written, not read back)")
 
     def wait_decided(self, timeout: float = DECIDE_TIMEOUT_S) -> bool:
-        """Block until the open stream has an owner (claiming it if needed); False after ``timeout``."""
+        """Block until the open stream has an owner (adopting it if needed); False after ``timeout``."""
         deadline = time.monotonic() + timeout
         while self.view.get(STREAM_RUN) is None:
-            self._claim()
+            self._adopt()
             if time.monotonic() >= deadline:
                 return False
             time.sleep(READBACK_POLL_S)
@@ -153,12 +153,12 @@ class Pinning:
             )
         return f"run {owner.run_id} is pinned to {owner.fingerprint}"
 
-    def _claim(self) -> None:
-        """Write this worker's claim of the open stream, once (again after a failed write, not more often)."""
-        if self.claim_offset is not None or time.monotonic() - self._claim_failed_at < CLAIM_RETRY_S:
+    def _adopt(self) -> None:
+        """Write this worker's adoption of the open stream, once (again after a failed write, not more often)."""
+        if self.adoption_offset is not None or time.monotonic() - self._adopt_failed_at < ADOPT_RETRY_S:
             return
         try:
-            self.claim_offset = adopt_stream(self.kafka, self.topics, self.fp, self.claim_id)
+            self.adoption_offset = adopt_stream(self.kafka, self.topics, self.fp, self.adopter_id)
         except (RuntimeError, BatchlineError) as exc:
-            self._claim_failed_at = time.monotonic()
-            log.warning("could not claim the open stream of %s: %s", self.topics.job, exc)
+            self._adopt_failed_at = time.monotonic()
+            log.warning("could not adopt the open stream of %s: %s", self.topics.job, exc)

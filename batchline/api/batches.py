@@ -3,8 +3,8 @@
 A batch is a run of the job its model routes to, with the run id = the batch id, plus a :class:`BatchRecord` on
 ``P.batches``. Create runs in the request: the file is read twice from ``P.file-chunks`` (validate, then publish
 through :func:`batchline.runs.submit.publish_run`), one chunk in memory at a time. With an ``Idempotency-Key``
-the key (per tenant) is claimed in the job's ``J.runs`` before anything is published; a later create with the same
-key answers with the batch that claimed it. Cancel writes the run's manifest with ``cancelled_at``
+the key (per tenant) is reserved in the job's ``J.runs`` before anything is published; a later create with the same
+key answers with the batch that reserved it. Cancel writes the run's manifest with ``cancelled_at``
 (:func:`batchline.runs.control.cancel_run`); the workers and the retry scheduler do the rest.
 """
 
@@ -133,9 +133,9 @@ def create(
     record = record.model_copy(update={"job": route.job})
     job = service.jobs[route.job]
     if idempotency_key:
-        claimed = _claim(service, job, tenant, idempotency_key, record.id)
-        if claimed is not None:
-            return claimed
+        existing = _reserve(service, job, tenant, idempotency_key, record.id)
+        if existing is not None:
+            return existing
     service.writer.put(topics.batches, record.id, record)
     lines = files.lines(files.content(kafka, topics, source))
     publish_run(
@@ -174,13 +174,13 @@ def _by_key(service: ApiService, tenant: str, key: str) -> BatchRecord | None:
     return min(found, key=lambda b: (b.created_at, b.id)) if found else None
 
 
-def _claim(service: ApiService, job: JobView, tenant: str, key: str, batch_id: str) -> dict[str, Any] | None:
-    """Claim ``key`` for ``batch_id``; the batch object of the earlier claimant if there is one, else None."""
+def _reserve(service: ApiService, job: JobView, tenant: str, key: str, batch_id: str) -> dict[str, Any] | None:
+    """Reserve ``key`` for ``batch_id``; the batch object of the earlier holder if there is one, else None."""
     owner = reserve_idempotency_key(service.kafka, job.topics, _scoped(tenant, key), batch_id, view=job.runs)
     if owner == batch_id:
         return None
     deadline = time.monotonic() + WINNER_WAIT_S
-    while time.monotonic() < deadline:  # the claimant writes its record right after its claim
+    while time.monotonic() < deadline:  # the holder writes its record right after its reservation
         service.batches.sync()
         winner = service.batches.get(owner)
         if winner is not None:

@@ -7,7 +7,7 @@ wait that long), the embedded broker never does (they wait for good). So each tr
 (worker, retry scheduler) holds a *slot*, and its transactional id is ``<group>.<slot>``:
 
 - ``--worker-id`` / ``BATCHLINE_WORKER_ID`` when given (one per process, e.g. a StatefulSet's pod name);
-- else ``<hostname>-<n>``, ``n`` the lowest index free on this host, claimed by an exclusive ``flock`` on
+- else ``<hostname>-<n>``, ``n`` the lowest index free on this host, held by an exclusive ``flock`` on
   ``<slot dir>/<group key>/<slot>.lock``. The kernel releases the lock when its process dies, SIGKILL included,
   so a restarted process takes the dead one's slot (the lowest free) and fences its transaction at once. On
   Kubernetes the hostname is the pod name: a container restarted in its pod keeps its slot.

@@ -10,9 +10,9 @@ All three live in the run's manifest on the compacted ``J.runs``
   re-publishing them.
 - **expiry**: ``expires_at`` is set at submission (``created_at`` + the window, :func:`parse_window`). From then
   on, records not yet started end as ``expired`` dead letters, the same way.
-- **idempotency** (:func:`reserve_idempotency_key`): a submission with a key first writes a *claim* of the key for its
-  new run id, keyed ``_idempotency.<key>#<run id>`` so that compaction never drops one; ``J.runs`` has one
-  partition, so the claims are totally ordered and the earliest one wins (like the open stream's claims,
+- **idempotency** (:func:`reserve_idempotency_key`): a submission with a key first writes a *reservation* of the key
+  for its new run id, keyed ``_idempotency.<key>#<run id>`` so that compaction never drops one; ``J.runs`` has one
+  partition, so the reservations are totally ordered and the earliest one wins (like the open stream's adoptions,
   :func:`batchline.runs.manifests.adopt_stream`). The loser publishes nothing and answers with the winner's run.
 
 :func:`stop_of` says, for a manifest, from when and how its records stop; the worker and the scheduler keep those
@@ -115,14 +115,14 @@ def cancel_run(kafka: KafkaSettings, topics: JobTopics, run_id: str, view: RunsV
 def reserve_idempotency_key(
     kafka: KafkaSettings, topics: JobTopics, key: str, run_id: str, view: RunsView | None = None
 ) -> str:
-    """The run that owns idempotency ``key``: an earlier claim's, else ``run_id``'s, claimed now. Two submitters
-    racing with one key get the same answer (the earliest claim in ``J.runs``); only the owner may publish."""
+    """The run that owns idempotency ``key``: an earlier reservation's, else ``run_id``'s, reserved now. Two submitters
+    racing with one key get the same answer (the earliest reservation in ``J.runs``); only the owner may publish."""
     runs, own = _view(kafka, topics, view)
     try:
         owner = runs.idempotency_owner(key)
         if owner is not None:
             return owner
-        claim = RunManifest(
+        reservation = RunManifest(
             run_id=run_id,
             job=topics.job,
             created_at=datetime.now(UTC),
@@ -136,18 +136,20 @@ def reserve_idempotency_key(
             record_count=0,
             value_total=0.0,
             idempotency_key=key,
-            source="idempotency claim",
+            source="idempotency reservation",
             complete=False,
         )
-        offset = write_manifest(kafka, topics, claim, key=f"{IDEMPOTENCY_PREFIX}{key}#{run_id}")
+        offset = write_manifest(kafka, topics, reservation, key=f"{IDEMPOTENCY_PREFIX}{key}#{run_id}")
         deadline = time.monotonic() + 30.0
-        while runs.position <= offset:  # read back at least up to our own claim: the earliest one read wins
+        while runs.position <= offset:  # read back at least up to our own reservation: the earliest one read wins
             if time.monotonic() > deadline or not runs.sync():
-                raise KafkaOperationError(kafka.bootstrap, f"claiming idempotency key {key!r}", "claim not read back")
+                raise KafkaOperationError(
+                    kafka.bootstrap, f"reserving idempotency key {key!r}", "reservation not read back"
+                )
         owner = runs.idempotency_owner(key)
-        assert owner is not None  # our own claim, at the latest
+        assert owner is not None  # our own reservation, at the latest
         if owner != run_id:
-            log.info("idempotency key %r of %s: claimed first by run %s", key, topics.job, owner)
+            log.info("idempotency key %r of %s: reserved first by run %s", key, topics.job, owner)
         return owner
     finally:
         if own:

@@ -8,15 +8,15 @@ The stream's pin has one winner, decided once, even when workers of several fing
 
 - an explicit pin (``topics create --pin``, ``batchline pin``: :func:`pin_stream`) is a manifest keyed
   ``_stream``; the latest one wins over everything (an explicit re-pin is a recorded operator action);
-- without one, a worker *claims* the stream (:func:`adopt_stream`): a manifest of ``_stream`` under its own key
-  ``_stream.claim.<id>``, so compaction never drops a claim. ``J.runs`` has one partition, so the claims are
-  totally ordered and the earliest one wins. The view reads from offset 0 in order, so the first claim it reads
-  is the earliest there is: a claim read back decides the stream for good.
+- without one, a worker *adopts* the stream (:func:`adopt_stream`): a manifest of ``_stream`` under its own key
+  ``_stream.claim.<id>``, so compaction never drops an adoption. ``J.runs`` has one partition, so the adoptions are
+  totally ordered and the earliest one wins. The view reads from offset 0 in order, so the first adoption it reads
+  is the earliest there is: an adoption read back decides the stream for good.
 
 Run control (:mod:`batchline.runs.control`) rides on the same topic: a cancel is the run's manifest again with
 ``cancelled_at`` (the view keeps it once read, even if a later manifest of the run lacks it: submit's final
-manifest racing a cancel), and idempotency claims are manifests keyed ``_idempotency.<key>#<run id>``, decided
-like the stream's claims: the earliest read wins. :attr:`RunsView.stops` holds, per run that has one, from when
+manifest racing a cancel), and idempotency reservations are manifests keyed ``_idempotency.<key>#<run id>``, decided
+like the stream's adoptions: the earliest read wins. :attr:`RunsView.stops` holds, per run that has one, from when
 its records stop and why; the view's thread updates it, other threads only read it.
 """
 
@@ -40,8 +40,8 @@ from schemas.codec import DecodeError
 
 log = logging.getLogger(__name__)
 STREAM_RUN = "_stream"
-CLAIM_PREFIX = f"{STREAM_RUN}.claim."  # key prefix of the stream's claims in J.runs
-IDEMPOTENCY_PREFIX = "_idempotency."  # key prefix of idempotency claims: _idempotency.<key>#<run id>
+ADOPTION_PREFIX = f"{STREAM_RUN}.claim."  # key prefix of the stream's adoptions in J.runs (its text is on the wire)
+IDEMPOTENCY_PREFIX = "_idempotency."  # key prefix of idempotency reservations: _idempotency.<key>#<run id>
 CANCELLED = "cancelled"  # why a run's records stop: it was cancelled ...
 EXPIRED = "expired"  # ... or its completion window passed
 SYNC_TIMEOUT_S = 10.0
@@ -53,8 +53,8 @@ class RunsView:
         self.kafka = kafka
         self.topics = topics
         self._runs: dict[str, RunManifest] = {}
-        self._claims: list[tuple[int, str, RunManifest]] = []  # (offset, claim key, manifest), in offset order
-        self._idempotency: dict[str, tuple[int, str]] = {}  # key -> (offset, run id) of its earliest claim
+        self._adoptions: list[tuple[int, str, RunManifest]] = []  # (offset, adoption key, manifest), in offset order
+        self._idempotency: dict[str, tuple[int, str]] = {}  # key -> (offset, run id) of its earliest reservation
         # run id -> (epoch s from which its records stop, why). Written by the view's thread only (whole entries),
         # read without the lock by the worker's and the scheduler's threads: a dict lookup on their hot path.
         self.stops: dict[str, tuple[float, str]] = {}
@@ -62,37 +62,38 @@ class RunsView:
         self._position = start
         self._stop = threading.Event()
         self._thread: threading.Thread | None = None
-        # J.runs is small and a worker may wait on it (the open stream's claim read back): short fetch waits.
+        # J.runs is small and a worker may wait on it (the open stream's adoption read back): short fetch waits.
         self._consumer = make_reader(kafka, **{"fetch.wait.max.ms": 20, "fetch.error.backoff.ms": 20})
         self._consumer.assign([TopicPartition(topics.runs, 0, start)])
         # A second handle for watermark queries: the first is busy in consume() on the view's thread.
         self._meta = make_reader(kafka)
 
     def get(self, run_id: str) -> RunManifest | None:
-        """A run's latest manifest; for the open stream, its pin: the latest explicit one, else the earliest claim."""
+        """A run's latest manifest; for the open stream, its pin: the latest explicit one, else the earliest
+        adoption."""
         with self._lock:
             manifest = self._runs.get(run_id)
-            if manifest is None and run_id == STREAM_RUN and self._claims:
-                manifest = self._claims[0][2]
+            if manifest is None and run_id == STREAM_RUN and self._adoptions:
+                manifest = self._adoptions[0][2]
             return manifest
 
     def all(self) -> dict[str, RunManifest]:
         with self._lock:
             runs = dict(self._runs)
-            if STREAM_RUN not in runs and self._claims:
-                runs[STREAM_RUN] = self._claims[0][2]
+            if STREAM_RUN not in runs and self._adoptions:
+                runs[STREAM_RUN] = self._adoptions[0][2]
             return runs
 
     def idempotency_owner(self, key: str) -> str | None:
-        """The run id of the earliest claim of idempotency ``key`` read so far."""
+        """The run id of the earliest reservation of idempotency ``key`` read so far."""
         with self._lock:
             found = self._idempotency.get(key)
             return found[1] if found else None
 
-    def stream_claims(self) -> list[tuple[int, str, str]]:
-        """The stream's claims read so far, in order: (offset, claim key, fingerprint)."""
+    def stream_adoptions(self) -> list[tuple[int, str, str]]:
+        """The stream's adoptions read so far, in order: (offset, adoption key, fingerprint)."""
         with self._lock:
-            return [(offset, key, m.fingerprint) for offset, key, m in self._claims]
+            return [(offset, key, m.fingerprint) for offset, key, m in self._adoptions]
 
     @property
     def position(self) -> int:
@@ -119,7 +120,7 @@ class RunsView:
             self._consumer.close()
 
     def poll_once(self, timeout: float) -> None:
-        for msg in take(self._consumer, 100, timeout):  # back as soon as a manifest is there (a claim read back)
+        for msg in take(self._consumer, 100, timeout):  # back as soon as a manifest is there (an adoption read back)
             if msg.error():
                 continue
             self._read(msg)
@@ -133,15 +134,15 @@ class RunsView:
             return
         key = (msg.key() or b"").decode("utf-8", "replace")
         with self._lock:
-            if key.startswith(CLAIM_PREFIX) and manifest.run_id == STREAM_RUN:
-                if all(offset != msg.offset() for offset, _, _ in self._claims):
-                    self._claims.append((msg.offset(), key, manifest))
-                    self._claims.sort(key=lambda c: c[0])
+            if key.startswith(ADOPTION_PREFIX) and manifest.run_id == STREAM_RUN:
+                if all(offset != msg.offset() for offset, _, _ in self._adoptions):
+                    self._adoptions.append((msg.offset(), key, manifest))
+                    self._adoptions.sort(key=lambda c: c[0])
             elif key.startswith(IDEMPOTENCY_PREFIX):
-                claimed = manifest.idempotency_key or ""
-                earlier = self._idempotency.get(claimed)
+                reserved = manifest.idempotency_key or ""
+                earlier = self._idempotency.get(reserved)
                 if earlier is None or msg.offset() < earlier[0]:
-                    self._idempotency[claimed] = (msg.offset(), manifest.run_id)
+                    self._idempotency[reserved] = (msg.offset(), manifest.run_id)
             else:
                 before = self._runs.get(manifest.run_id)
                 if before is not None and before.cancelled_at is not None and manifest.cancelled_at is None:
@@ -182,7 +183,7 @@ def write_manifest(kafka: KafkaSettings, topics: JobTopics, manifest: RunManifes
     A plain (not idempotent) producer: a manifest is one record under its key on a compacted topic, so a retried
     duplicate is the same record again, and the idempotent producer's start-up (its InitProducerId before the first
     send: 0.5 s measured on the embedded broker) would delay the first record of an unpinned open stream, whose
-    claim a worker writes while that record waits."""
+    adoption a worker writes while that record waits."""
     plain: dict[str, Any] = {"enable.idempotence": False}
     producer = make_producer(kafka, **plain)
     delivered: list[tuple[KafkaError | None, int]] = []
@@ -209,17 +210,17 @@ def manifest_for(job: str, run_id: str, fp: Fingerprint, **fields: object) -> Ru
     return RunManifest.model_validate(base | fields)
 
 
-def adopt_stream(kafka: KafkaSettings, topics: JobTopics, fp: Fingerprint, claim_id: str) -> int:
-    """Claim the unpinned open stream for ``fp`` (a worker meeting it first); returns the claim's offset in J.runs.
-    The earliest claim wins (:class:`RunsView` ``get(STREAM_RUN)``); an explicit pin overrides every claim."""
-    manifest = manifest_for(topics.job, STREAM_RUN, fp, source=f"claimed by worker {claim_id} ({fp.value})")
-    offset = write_manifest(kafka, topics, manifest, key=f"{CLAIM_PREFIX}{claim_id}")
-    log.info("claimed the open stream of %s for %s at %s@%d", topics.job, fp.value, topics.runs, offset)
+def adopt_stream(kafka: KafkaSettings, topics: JobTopics, fp: Fingerprint, adopter_id: str) -> int:
+    """Adopt the unpinned open stream for ``fp`` (a worker meeting it first); returns the adoption's offset in J.runs.
+    The earliest adoption wins (:class:`RunsView` ``get(STREAM_RUN)``); an explicit pin overrides every adoption."""
+    manifest = manifest_for(topics.job, STREAM_RUN, fp, source=f"adopted by worker {adopter_id} ({fp.value})")
+    offset = write_manifest(kafka, topics, manifest, key=f"{ADOPTION_PREFIX}{adopter_id}")
+    log.info("adopted the open stream of %s for %s at %s@%d", topics.job, fp.value, topics.runs, offset)
     return offset
 
 
 def pin_stream(kafka: KafkaSettings, topics: JobTopics, fp: Fingerprint, reason: str) -> RunManifest:
-    """Pin (or re-pin) the open stream to ``fp``: an explicit, recorded operator action; it wins over claims."""
+    """Pin (or re-pin) the open stream to ``fp``: an explicit, recorded operator action; it wins over adoptions."""
     manifest = manifest_for(topics.job, STREAM_RUN, fp, source=reason)
     write_manifest(kafka, topics, manifest)
     log.info("open stream of %s pinned to %s (%s)", topics.job, fp.value, reason)

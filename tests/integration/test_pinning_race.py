@@ -1,6 +1,6 @@
 """One fingerprint per record on the open stream: workers of two configs racing to pin it, and the explicit pins.
 
-Before the claims, each worker saw no pin, wrote its own and processed every record: 200 of 200 ids got results
+Before the adoptions, each worker saw no pin, wrote its own and processed every record: 200 of 200 ids got results
 under both fingerprints.
 """
 
@@ -100,10 +100,10 @@ def test_two_fingerprints_racing_on_the_unpinned_stream_process_each_record_unde
     manifests.sync()
     try:
         assert manifests.get(STREAM_RUN) is not None and manifests.get(STREAM_RUN).fingerprint == winner
-        claims = manifests.stream_claims()
+        adoptions = manifests.stream_adoptions()
     finally:
         manifests.stop()
-    assert claims and claims[0][2] == winner, claims
+    assert adoptions and adoptions[0][2] == winner, adoptions
 
 
 def test_the_earliest_claim_wins_and_an_explicit_pin_overrides_every_claim(
@@ -128,11 +128,11 @@ def test_the_earliest_claim_wins_and_an_explicit_pin_overrides_every_claim(
             view.stop()
 
     assert stream_pin() == fp_b.value
-    # `topics create --pin` sees the stream pinned by the claim and leaves it as it is.
+    # `topics create --pin` sees the stream pinned by the adoption and leaves it as it is.
     out = run_cli(kafka.bootstrap, "topics", "create", job_name, "--config", str(cfg_a), "--pin").stdout
     assert f"open stream already pinned to {fp_b.value}" in out
     assert stream_pin() == fp_b.value
-    # An explicit re-pin is a recorded operator action: it wins over every claim, earlier or later.
+    # An explicit re-pin is a recorded operator action: it wins over every adoption, earlier or later.
     run_cli(kafka.bootstrap, "pin", job_name, "--config", str(cfg_a), "--reason", "moved to A")
     adopt_stream(kafka, topics, fp_b, "w4")
     assert stream_pin() == fp_a.value

@@ -1,7 +1,7 @@
 """Pinning decisions: which records a worker processes and which it passes over, and when it must wait.
 
 ``J.runs`` is stood in for at its seam: a log of (key, manifest) that the fake runs view reads the way
-:class:`batchline.runs.manifests.RunsView` does (explicit manifests by run id; the open stream's claims in log
+:class:`batchline.runs.manifests.RunsView` does (explicit manifests by run id; the open stream's adoptions in log
 order, the earliest winning), and a ``adopt_stream`` that appends to it. Everything Pinning decides is real.
 """
 
@@ -16,9 +16,9 @@ import consumers.pinning as pinning_module
 from batchline.config import KafkaSettings
 from batchline.kafka.topics import JobTopics
 from batchline.runs.identity import Fingerprint, fingerprint_of
-from batchline.runs.manifests import CLAIM_PREFIX, STREAM_RUN, manifest_for
+from batchline.runs.manifests import ADOPTION_PREFIX, STREAM_RUN, manifest_for
 from consumers.pinning import (
-    CLAIM_RETRY_S,
+    ADOPT_RETRY_S,
     DECIDE_TIMEOUT_S,
     UNKNOWN_RECHECK_S,
     Decided,
@@ -40,8 +40,8 @@ class RunsLog:
     """``J.runs``: one partition, so every writer's records are totally ordered."""
 
     entries: list[tuple[str, RunManifest]] = field(default_factory=list)
-    claim_attempts: int = 0
-    claims_fail: bool = False
+    adopt_attempts: int = 0
+    adoptions_fail: bool = False
 
     def write(self, key: str, manifest: RunManifest) -> int:
         self.entries.append((key, manifest))
@@ -50,16 +50,16 @@ class RunsLog:
     def pin(self, run_id: str, fp: Fingerprint) -> None:
         self.write(run_id, manifest_for(TOPICS.job, run_id, fp))
 
-    def claim(self, kafka: KafkaSettings, topics: JobTopics, fp: Fingerprint, claim_id: str) -> int:
-        self.claim_attempts += 1
-        if self.claims_fail:
+    def adopt(self, kafka: KafkaSettings, topics: JobTopics, fp: Fingerprint, adopter_id: str) -> int:
+        self.adopt_attempts += 1
+        if self.adoptions_fail:
             raise RuntimeError("J.runs unreachable")
-        return self.write(f"{CLAIM_PREFIX}{claim_id}", manifest_for(topics.job, STREAM_RUN, fp))
+        return self.write(f"{ADOPTION_PREFIX}{adopter_id}", manifest_for(topics.job, STREAM_RUN, fp))
 
 
 class FakeRunsView:
     """Reads the log as RunsView does. ``background``: its reader thread keeps up (every ``get`` sees what was
-    written); else only ``sync`` reads. ``frozen``: nothing is read at all (a claim not read back yet)."""
+    written); else only ``sync`` reads. ``frozen``: nothing is read at all (an adoption not read back yet)."""
 
     def __init__(self, log: RunsLog) -> None:
         self.log = log
@@ -68,7 +68,7 @@ class FakeRunsView:
         self.frozen = False
         self.syncs = 0
         self._runs: dict[str, RunManifest] = {}
-        self._claims: list[RunManifest] = []
+        self._adoptions: list[RunManifest] = []
 
     def start(self) -> None: ...
 
@@ -78,8 +78,8 @@ class FakeRunsView:
         if self.frozen:
             return
         for key, manifest in self.log.entries[self._position :]:
-            if key.startswith(CLAIM_PREFIX):
-                self._claims.append(manifest)
+            if key.startswith(ADOPTION_PREFIX):
+                self._adoptions.append(manifest)
             else:
                 self._runs[manifest.run_id] = manifest
         self._position = len(self.log.entries)
@@ -100,8 +100,8 @@ class FakeRunsView:
         if self.background:
             self._catch_up()
         manifest = self._runs.get(run_id)
-        if manifest is None and run_id == STREAM_RUN and self._claims:
-            return self._claims[0]
+        if manifest is None and run_id == STREAM_RUN and self._adoptions:
+            return self._adoptions[0]
         return manifest
 
 
@@ -119,7 +119,7 @@ class Clock:
 @pytest.fixture
 def log(monkeypatch: pytest.MonkeyPatch) -> RunsLog:
     runs = RunsLog()
-    monkeypatch.setattr(pinning_module, "adopt_stream", runs.claim)
+    monkeypatch.setattr(pinning_module, "adopt_stream", runs.adopt)
     return runs
 
 
@@ -156,7 +156,7 @@ def test_runs_pinned_to_this_fingerprint_are_processed_and_the_others_passed_ove
     assert decisions[0::2] == [None] * 3
     assert decisions[1::2] == [f"run run-theirs is pinned to {OTHER.value}"] * 3
     assert p.passed == {"run-theirs": 3}  # every passed-over record counted, remembered decisions too
-    assert log.claim_attempts == 0  # pinned runs need no claim
+    assert log.adopt_attempts == 0  # pinned runs need no adoption
 
 
 def test_records_of_the_open_stream_follow_its_explicit_pin(
@@ -174,24 +174,24 @@ def test_records_of_the_open_stream_follow_its_explicit_pin(
 
 
 def test_an_explicit_pin_wins_over_every_claim(log: RunsLog, clock: Clock, monkeypatch: pytest.MonkeyPatch) -> None:
-    log.claim(KafkaSettings(), TOPICS, MINE, "earlier-worker")
-    log.pin(STREAM_RUN, OTHER)  # an operator re-pinned the stream after the claim
+    log.adopt(KafkaSettings(), TOPICS, MINE, "earlier-worker")
+    log.pin(STREAM_RUN, OTHER)  # an operator re-pinned the stream after the adoption
     p, _ = _pinning(log, monkeypatch)
     assert p.pass_over(_record("a", None)) is not None
-    assert log.claim_attempts == 1  # only the earlier worker's
+    assert log.adopt_attempts == 1  # only the earlier worker's
 
 
 def test_the_unpinned_stream_is_undecided_until_a_claim_is_read_back(
     log: RunsLog, clock: Clock, monkeypatch: pytest.MonkeyPatch
 ) -> None:
     p, view = _pinning(log, monkeypatch)
-    view.frozen = True  # the claim is written but not read back yet
+    view.frozen = True  # the adoption is written but not read back yet
 
     first, second = p.owner_of(_record("a", None)), p.owner_of(_record("b", None))
 
     assert isinstance(first, Undecided) and isinstance(second, Undecided)  # neither process nor commit past it
-    assert [key for key, _ in log.entries] == [f"{CLAIM_PREFIX}{p.claim_id}"]  # claimed once, not per record
-    assert p.claim_offset == 0
+    assert [key for key, _ in log.entries] == [f"{ADOPTION_PREFIX}{p.adopter_id}"]  # adopted once, not per record
+    assert p.adoption_offset == 0
     view.frozen = False
     assert p.owner_of(_record("c", None)) == Decided(STREAM_RUN, MINE.value, mine=True)
     assert p.pass_over(_record("d", None)) is None
@@ -202,7 +202,7 @@ def test_the_earliest_claim_wins_even_when_this_worker_claimed_too(
 ) -> None:
     p, view = _pinning(log, monkeypatch)
     view.frozen = True
-    log.claim(KafkaSettings(), TOPICS, OTHER, "faster-worker")  # written before this worker's claim
+    log.adopt(KafkaSettings(), TOPICS, OTHER, "faster-worker")  # written before this worker's adoption
     assert isinstance(p.owner_of(_record("a", None)), Undecided)
     view.frozen = False
 
@@ -223,7 +223,7 @@ def test_a_re_pin_changes_the_decision_for_records_after_it(
 def test_a_stream_that_cannot_be_decided_fails_loudly_after_the_bound(
     log: RunsLog, clock: Clock, monkeypatch: pytest.MonkeyPatch
 ) -> None:
-    log.claims_fail = True
+    log.adoptions_fail = True
     p, _ = _pinning(log, monkeypatch)
     started = clock.now
 
@@ -231,8 +231,8 @@ def test_a_stream_that_cannot_be_decided_fails_loudly_after_the_bound(
         p.pass_over(_record("a", None))
 
     assert clock.now - started >= DECIDE_TIMEOUT_S  # it waited the whole bound, no less
-    # a failed claim is retried, but not more often than every CLAIM_RETRY_S
-    assert 2 <= log.claim_attempts <= DECIDE_TIMEOUT_S / CLAIM_RETRY_S + 2
+    # a failed adoption is retried, but not more often than every ADOPT_RETRY_S
+    assert 2 <= log.adopt_attempts <= DECIDE_TIMEOUT_S / ADOPT_RETRY_S + 2
     assert p.passed == {} and log.entries == []
 
 
