@@ -75,8 +75,8 @@ class Timeline:
     """CPU seconds between :meth:`start` and :meth:`stop` of each thread of this process (by Python thread name;
     librdkafka's native threads as ``rdk``, other native threads as ``native``), of the child processes (vLLM's
     engine core) and of the broker. Read at the two ends only: a sampler takes CPU from the engine it measures (one
-    every 50 ms took 0.3-0.7 s in a 2-7 s span). Threads that start or end inside the span are not counted; the
-    ones that matter here live through it."""
+    every 50 ms took 0.3-0.7 s in a 2-7 s span). A thread born inside the span counts whole; one that ended inside
+    it is missed (the machine-wide ``other_cpu_s`` still holds it)."""
 
     def __init__(self, broker_port: int) -> None:
         self.me = psutil.Process()
@@ -115,14 +115,12 @@ class Timeline:
         python = {t.native_id: t.name for t in threading.enumerate() if t.native_id is not None}
         spent: dict[str, float] = {}
         for tid, cpu in _thread_cpu().items():
-            if tid not in self.first:
-                continue
             try:
                 comm = Path(f"/proc/self/task/{tid}/comm").read_text().strip()
             except OSError:
                 comm = ""
             name = python.get(tid) or ("rdk" if comm.startswith("rdk") else "native")
-            spent[name] = spent.get(name, 0.0) + cpu - self.first[tid]
+            spent[name] = spent.get(name, 0.0) + cpu - self.first.get(tid, 0.0)  # born inside: all of it
         figures = {f"thread:{k}": round(v, 2) for k, v in sorted(spent.items()) if v >= 0.01}
         figures["engine_core_processes"] = round(sum(_proc_cpu(c) - at for c, at in self.children.values()), 2)
         if self.broker is not None:
