@@ -50,17 +50,19 @@ def scan(
             return
         starts: dict[int, int] = {}
         ends: dict[int, int] = {}
-        for p in meta.partitions:
-            if ranges is not None and p not in ranges:
-                continue
-            lo, hi = reader.get_watermark_offsets(TopicPartition(topic, p), READ_TIMEOUT_S, cached=False)
+        partitions = [p for p in meta.partitions if ranges is None or p in ranges]
+        # Off the index: the read_committed ListOffsets answer (the last stable offset on Apache Kafka), read past
+        # where a broker reports a short watermark (the embedded broker behind TLS, which the index cannot read).
+        reported = end_offsets(reader, topic, partitions) if ranges is None and not index.enabled else {}
+        for p in partitions:
+            lo, _ = reader.get_watermark_offsets(TopicPartition(topic, p), READ_TIMEOUT_S, cached=False)
             start = max(ranges[p][0], lo) if ranges is not None else lo
             if ranges is not None:
                 end = ranges[p][1]
             elif index.enabled:
                 end = _stable_end(index, topic, p, start)
             else:
-                end = hi  # read_committed: the last stable offset
+                end = reported[p]
             if end > start:
                 starts[p], ends[p] = start, end
         if not starts:
