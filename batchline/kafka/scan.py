@@ -23,7 +23,7 @@ from confluent_kafka import TopicPartition
 from batchline.config import KafkaSettings
 from batchline.exceptions import KafkaOperationError
 from batchline.kafka.client import make_reader
-from batchline.kafka.embedded.aborted import AbortedIndex, Undecided
+from batchline.kafka.embedded.aborted import AbortedIndex
 
 READ_TIMEOUT_S = 30.0
 
@@ -60,7 +60,7 @@ def scan(
             if ranges is not None:
                 end = ranges[p][1]
             elif index.enabled:
-                end = _stable_end(index, topic, p, start)
+                end = index.stable_end_waiting(topic, p, start, READ_TIMEOUT_S)
             else:
                 end = reported[p]
             if end > start:
@@ -73,17 +73,6 @@ def scan(
     finally:
         reader.close()
         index.close()
-
-
-def _stable_end(index: AbortedIndex, topic: str, partition: int, start: int) -> int:
-    deadline = time.monotonic() + READ_TIMEOUT_S
-    while True:
-        try:
-            return index.stable_end(topic, partition, start)
-        except Undecided:
-            if time.monotonic() >= deadline:
-                raise
-            time.sleep(0.5)
 
 
 def _read(reader: Any, kafka: KafkaSettings, topic: str, starts: dict[int, int], ends: dict[int, int]) -> Iterator[Any]:

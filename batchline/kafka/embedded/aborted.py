@@ -35,7 +35,7 @@ import socket
 import time
 from collections.abc import Callable
 from dataclasses import dataclass, field
-from typing import Any
+from typing import Any, TypeVar
 
 from kafka.protocol.consumer import FetchRequest
 from kafka.protocol.metadata import ApiVersionsRequest, MetadataRequest
@@ -124,6 +124,21 @@ class Undecided(BatchlineError):
     record must not be used yet."""
 
 
+T = TypeVar("T")
+
+
+def waiting(ask: Callable[[], T], wait_s: float) -> T:
+    """``ask()``, asked again every :data:`WAIT_POLL_S` while it raises :class:`Undecided`, for up to ``wait_s``."""
+    deadline = time.monotonic() + wait_s
+    while True:
+        try:
+            return ask()
+        except Undecided:
+            if time.monotonic() >= deadline:
+                raise
+            time.sleep(WAIT_POLL_S)
+
+
 class AbortedIndex:
     """Answers whether a record a read_committed reader got belongs to an aborted transaction."""
 
@@ -166,14 +181,11 @@ class AbortedIndex:
 
     def aborted_waiting(self, topic: str, partition: int, offset: int, wait_s: float) -> bool:
         """:meth:`aborted`, asked again while it is :class:`Undecided`, for up to ``wait_s`` (one-shot readers)."""
-        deadline = time.monotonic() + wait_s
-        while True:
-            try:
-                return self.aborted(topic, partition, offset)
-            except Undecided:
-                if time.monotonic() >= deadline:
-                    raise
-                time.sleep(WAIT_POLL_S)
+        return waiting(lambda: self.aborted(topic, partition, offset), wait_s)
+
+    def stable_end_waiting(self, topic: str, partition: int, start: int, wait_s: float) -> int:
+        """:meth:`stable_end`, asked again while it is :class:`Undecided`, for up to ``wait_s``."""
+        return waiting(lambda: self.stable_end(topic, partition, start), wait_s)
 
     def aborted_or_seek_back(
         self, topic: str, partition: int, offset: int, held_back: set[TP], seek: Callable[[str, int, int], None]
