@@ -61,6 +61,7 @@ from confluent_kafka import Consumer, KafkaError, KafkaException, TopicPartition
 
 from batchline.config import JobConfig, KafkaSettings
 from batchline.exceptions import BatchlineError
+from batchline.kafka.client import take
 from batchline.kafka.groups import close_member
 from batchline.kafka.transaction_errors import TransactionalIdTaken
 from batchline.telemetry import Health
@@ -195,16 +196,14 @@ class Worker(WorkerParts):
         # At max_in_flight_records nothing more is taken while the partitions fetch; paused ones deliver nothing, so
         # consume() is called as usual then: it also serves the rebalance callbacks.
         room = self.config.batching.max_in_flight_records - self._held()
-        take = min(POLL_BATCH, room) if self.pauses.fetching() else POLL_BATCH
-        msgs = self.consumer.consume(take, 0) if take > 0 else []
+        want = min(POLL_BATCH, room) if self.pauses.fetching() else POLL_BATCH
+        msgs = self.consumer.consume(want, 0) if want > 0 else []
         if not msgs and not self._work_ready():
-            if take <= 0 or self.commits or (self.pauses.assigned and not self.pauses.fetching()):
+            if want <= 0 or self.commits or (self.pauses.assigned and not self.pauses.fetching()):
                 self.wake.wait(WAIT_FETCHING_S if self.pauses.fetching() else WAIT_PAUSED_S)
-                msgs = self.consumer.consume(take, 0) if take > 0 else []
-            else:  # nothing in flight: records are what we wait for (poll returns with the first one)
-                first = self.consumer.poll(self._linger_left(WAIT_IDLE_S))
-                if first is not None:
-                    msgs = [first, *(self.consumer.consume(take - 1, 0) if take > 1 else [])]
+                msgs = self.consumer.consume(want, 0) if want > 0 else []
+            else:  # nothing in flight: records are what we wait for (take() returns with the first one)
+                msgs = take(self.consumer, want, self._linger_left(WAIT_IDLE_S))
         held_back: set[TP] = set()  # partitions sought back to a record whose transaction cannot be told yet
         # consume() returns runs of one partition: the aborted index is asked about a run's first record, then only
         # past the offset below which it knows of no aborted transaction (AbortedIndex.clear_to)

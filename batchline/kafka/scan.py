@@ -51,18 +51,21 @@ def scan(
         starts: dict[int, int] = {}
         ends: dict[int, int] = {}
         partitions = [p for p in meta.partitions if ranges is None or p in ranges]
-        # Off the index: the read_committed ListOffsets answer (the last stable offset on Apache Kafka), read past
-        # where a broker reports a short watermark (the embedded broker behind TLS, which the index cannot read).
-        reported = end_offsets(reader, topic, partitions) if ranges is None and not index.enabled else {}
+        lows: dict[int, int] = {}
+        highs: dict[int, int] = {}  # read_committed: the last stable offset on Apache Kafka
         for p in partitions:
-            lo, _ = reader.get_watermark_offsets(TopicPartition(topic, p), READ_TIMEOUT_S, cached=False)
-            start = max(ranges[p][0], lo) if ranges is not None else lo
+            lows[p], highs[p] = reader.get_watermark_offsets(TopicPartition(topic, p), READ_TIMEOUT_S, cached=False)
+        if ranges is None and not index.enabled:
+            # read past where a broker reports a short watermark (the embedded broker behind TLS: no index there)
+            highs = read_past(reader, topic, highs)
+        for p in partitions:
+            start = max(ranges[p][0], lows[p]) if ranges is not None else lows[p]
             if ranges is not None:
                 end = ranges[p][1]
             elif index.enabled:
                 end = index.stable_end_waiting(topic, p, start, READ_TIMEOUT_S)
             else:
-                end = reported[p]
+                end = highs[p]
             if end > start:
                 starts[p], ends[p] = start, end
         if not starts:
@@ -104,13 +107,14 @@ def end_offsets(reader: Any, topic: str, partitions: list[int], timeout: float =
     Apache Kafka that fetch returns the one record at ``high - 1`` and the answer is the watermark itself. The
     ``reader`` is re-assigned (give it one of its own).
     """
-    ends: dict[int, int] = {}
-    probe: list[TopicPartition] = []
-    for p in partitions:
-        _, high = reader.get_watermark_offsets(TopicPartition(topic, p), timeout, cached=False)
-        ends[p] = high
-        if high > 0:
-            probe.append(TopicPartition(topic, p, high - 1))
+    highs = {p: reader.get_watermark_offsets(TopicPartition(topic, p), timeout, cached=False)[1] for p in partitions}
+    return read_past(reader, topic, highs, timeout)
+
+
+def read_past(reader: Any, topic: str, highs: dict[int, int], timeout: float = READ_TIMEOUT_S) -> dict[int, int]:
+    """:func:`end_offsets` from high watermarks already read: each partition's end, at or past its ``highs``."""
+    ends = dict(highs)
+    probe = [TopicPartition(topic, p, high - 1) for p, high in highs.items() if high > 0]
     if not probe:
         return ends
     reader.assign(probe)
