@@ -226,6 +226,7 @@ def _batchline(
     out = outputs(kafka, topics)
     assert out.count == n == run.stats.results
     return {
+        "results": out.count,
         "cpu_s_publish_to_last_commit": line.stop(),
         "out_tokens_per_s": round(out.completion_tokens / run.span_s),
         "span_s": round(run.span_s, 2),
@@ -253,6 +254,7 @@ def test_fast_engine_ratio_and_cpu_timeline(
                 topics = make_job(f"{job_name}-{layers}-{n}-{r}", partitions=4)
                 ours = _batchline(kafka, topics, model, prompts, budgets)
                 pairs.append({"llm_generate": alone, "batchline": ours})
+            assert [p["batchline"]["results"] for p in pairs] == [n] * REPEATS  # every prompt answered, once
             ratios = sorted(p["batchline"]["out_tokens_per_s"] / p["llm_generate"]["out_tokens_per_s"] for p in pairs)
             results[f"layers_{layers}_prompts_{n}"] = {
                 "ratios": [round(x, 3) for x in ratios],
