@@ -312,6 +312,25 @@ class ScheduleConfig(_Frozen):
         0, ge=0, description="Backlog (records) of a job in `yield_to` above which this job yields; 0: any backlog."
     )
     yield_check_s: float = Field(2.0, gt=0, description="How often the backlogs of the `yield_to` jobs are measured.")
+    fair_share: bool = Field(
+        False,
+        description="Fair admission within the job: `submit`, `replay` and the API publish each run to a lane of "
+        "J.staged, and the admitter in `batchline streams` moves runs to J.requests in turn (weighted by tenant and "
+        "run priority), keeping `admit_ahead` records ahead of the workers, so a small run does not wait behind a "
+        "backfill. Needs `batchline streams` running. Records published to J.requests directly are not staged.",
+    )
+    admit_ahead: int = Field(
+        1024,
+        ge=1,
+        description="Fair admission: records admitted to J.requests that the job's workers have not yet committed, "
+        "at most. Enough to keep every worker busy (about twice what the workers run at once); more makes a new "
+        "run wait longer behind those already admitted.",
+    )
+    tenant_weights: dict[str, float] = Field(
+        default_factory=dict,
+        description="Fair admission: each tenant's share relative to the others (a tenant not named weighs 1). "
+        "Within a tenant a run of priority p weighs 2**p against its other runs.",
+    )
 
     @field_validator("windows")
     @classmethod

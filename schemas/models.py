@@ -341,6 +341,9 @@ class RunManifest(_Record):
     expires_at: datetime | None = None  # end of the completion window (records not finished by then: expired)
     cancelled_at: datetime | None = None  # set by ``batchline cancel``; records not started by then: cancelled
     idempotency_key: str | None = None  # the submission's key (batchline.runs.control.reserve_idempotency_key)
+    staged: bool = False  # published to J.staged (fair admission): the boundaries are J.staged's offsets
+    tenant: str | None = None  # who submitted it: fair admission shares by tenant
+    priority: int = 0  # fair admission: weighs 2**priority against its tenant's other runs
 
 
 class QuarantinedRecord(_Record):

@@ -1,4 +1,5 @@
-"""The streams of one job in one process: the retry scheduler and the ledger, each on its own thread.
+"""The streams of one job in one process: the retry scheduler, the ledger and (``schedule.fair_share``) the
+admitter, each on its own thread.
 
 ``batchline streams JOB`` runs this until SIGTERM/Ctrl-C (or ``idle_exit_s`` with nothing to do). Each component
 owns its Kafka clients; the threads share nothing but the stop event. A component that fails stops the other,
@@ -19,6 +20,7 @@ from batchline.kafka.client import make_admin
 from batchline.kafka.liveness import BrokerLiveness
 from batchline.kafka.topics import JobTopics
 from batchline.telemetry import Health, watch_streams
+from streams.admitter import Admitter
 from streams.exceptions import MissingTopicsError, StreamsError
 from streams.ledger import Ledger
 from streams.retry_scheduler import RetryScheduler
@@ -37,6 +39,7 @@ class StreamsReport:
     ledger_records: int
     snapshots: int
     runs: int
+    admitted: int = 0  # records the admitter moved to J.requests (schedule.fair_share)
 
 
 def check_topics(kafka: KafkaSettings, topics: JobTopics) -> None:
@@ -67,6 +70,7 @@ class StreamsApp:
         self.idle_exit_s = idle_exit_s
         self.snapshot_interval_s = snapshot_interval_s
         self.stop_event = threading.Event()
+        self.fair_share = config.schedule.fair_share
         self.errors: list[BaseException] = []
 
     def stop(self) -> None:
@@ -84,11 +88,14 @@ class StreamsApp:
             self._thread("retry-scheduler", scheduler.start, scheduler.step, scheduler.close),
             self._thread("ledger", ledger.start, ledger.step, ledger.close),
         ]
+        admitter = Admitter(self.config, self.kafka, broker_down=liveness.is_down) if self.fair_share else None
+        if admitter is not None:  # fair admission: staged runs to J.requests in turns (streams/admitter.py)
+            threads.append(self._thread("admitter", admitter.start, admitter.step, admitter.close))
         for t in threads:
             t.start()
         try:
             while not self.stop_event.is_set():
-                if self._idle_done(scheduler, ledger):
+                if self._idle_done(scheduler, ledger, admitter):
                     log.info("streams of %s idle for %.0fs: stopping", self.config.job, self.idle_exit_s)
                     break
                 watch.sample()  # ops: the ledger's snapshot age
@@ -108,12 +115,14 @@ class StreamsApp:
             ledger.events,
             ledger.snapshots,
             ledger.runs,
+            admitter.admitted if admitter is not None else 0,
         )
 
-    def _idle_done(self, scheduler: RetryScheduler, ledger: Ledger) -> bool:
+    def _idle_done(self, scheduler: RetryScheduler, ledger: Ledger, admitter: Admitter | None) -> bool:
         if self.idle_exit_s is None:
             return False
-        return min(scheduler.idle_for(), ledger.idle_for()) >= self.idle_exit_s
+        idle = [scheduler.idle_for(), ledger.idle_for(), *([admitter.idle_for()] if admitter is not None else [])]
+        return min(idle) >= self.idle_exit_s
 
     def _thread(
         self, name: str, start: Callable[[], None], step: Callable[[], None], close: Callable[[], None]

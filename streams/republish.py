@@ -73,9 +73,10 @@ def held_of(msg: Message) -> Held:
     return Held(msg.topic(), msg.partition(), msg.offset(), msg.key(), msg.value(), raw, max(due, 0))
 
 
-def republished_headers(held: Held, at_ms: int) -> list[tuple[str, bytes]]:
-    """The worker's headers carried over as they are (attempt = attempts already made), plus the re-publish time."""
-    return [(k, v) for k, v in held.headers if k != RETRIED_AT] + [(RETRIED_AT, str(at_ms).encode())]
+def republished_headers(held: Held, at_ms: int, stamp: str = RETRIED_AT) -> list[tuple[str, bytes]]:
+    """The worker's headers carried over as they are (attempt = attempts already made), plus the re-publish time
+    (``stamp``: the retry scheduler's ``batchline-retried-at``, the admitter's ``batchline-admitted-at``)."""
+    return [(k, v) for k, v in held.headers if k != stamp] + [(stamp, str(at_ms).encode())]
 
 
 class Republisher:
@@ -88,8 +89,10 @@ class Republisher:
         transactional_id: str,
         limits: Mapping[str, int] | None = None,
         broker_down: BrokerDown = never_down,
+        stamp: str = RETRIED_AT,
     ) -> None:
         self.topics = topics
+        self.stamp = stamp
         self.requests_topic = topics.requests
         # A re-publish transaction lasts milliseconds. A short timeout bounds how long a crashed instance's open
         # transaction (its id is per process) can hold back read_committed workers on J.requests.
@@ -118,7 +121,7 @@ class Republisher:
         outgoing = [
             self.stopped_letter(held, stopped[i])
             if i in stopped
-            else (self.requests_topic, held.value, held.request_id, republished_headers(held, at))
+            else (self.requests_topic, held.value, held.request_id, republished_headers(held, at, self.stamp))
             for i, held in enumerate(batch)
         ]
 

@@ -43,8 +43,9 @@ from __future__ import annotations
 import logging
 import time
 from collections.abc import Iterable
+from itertools import islice
 
-from confluent_kafka import OFFSET_BEGINNING, Consumer, KafkaError, KafkaException, TopicPartition
+from confluent_kafka import OFFSET_BEGINNING, Consumer, KafkaError, KafkaException, Message, TopicPartition
 
 from batchline.config import JobConfig, KafkaSettings
 from batchline.kafka import headers as h
@@ -91,7 +92,18 @@ def scheduler_group(job: str) -> str:
 
 
 class RetryScheduler:
-    """The scheduler of one job: one consumer-group member over every retry tier, and its re-publisher."""
+    """The scheduler of one job: one consumer-group member over every retry tier, and its re-publisher.
+
+    The admitter (``streams/admitter.py``) is this same machine over ``J.staged`` with another rule for what is
+    released when: it overrides :meth:`_sources`, :meth:`_held_of`, :meth:`_choose`, :meth:`_holding` and
+    :meth:`_wait_s` (and :attr:`name`, :attr:`STAMP`, :meth:`group_of`)."""
+
+    name = "retry scheduler"
+    STAMP = RETRIED_AT  # the header the re-published record gains: when it was released
+
+    @staticmethod
+    def group_of(job: str) -> str:
+        return scheduler_group(job)
 
     def __init__(
         self,
@@ -103,7 +115,7 @@ class RetryScheduler:
         """``broker_down``: the streams process's :class:`~batchline.kafka.liveness.BrokerLiveness`."""
         self.topics = JobTopics(config.job, config.retry.tiers)
         self.kafka = kafka
-        self.group = scheduler_group(config.job)
+        self.group = self.group_of(config.job)
         # A slot, not a random id: a restarted scheduler fences the transaction its predecessor left open, and the
         # sweeper fences the slots of schedulers that never come back (batchline.kafka.slots).
         self.slot = hold_slot(kafka, self.group, instance_id)
@@ -120,7 +132,9 @@ class RetryScheduler:
         # a newly assigned partition waits for the transactions open on what this group writes (takeover.py)
         self.takeover = TakeoverGate(kafka, [self.topics.requests, self.topics.dlq]) if kafka.embedded else None
         limits = effective_max_message_bytes(kafka, [self.topics.requests, self.topics.dlq])
-        self.republisher = Republisher(kafka, self.topics, self.slot.transactional_id, limits, broker_down)
+        self.republisher = Republisher(
+            kafka, self.topics, self.slot.transactional_id, limits, broker_down, stamp=self.STAMP
+        )
         self.runs = RunsView(kafka, self.topics)  # cancels and completion windows (RunsView.stops)
         self.queues: dict[TP, PartitionQueue] = {}
         self.paused: set[TP] = set()  # what this member asked librdkafka to pause: partitions with a held head
@@ -134,13 +148,20 @@ class RetryScheduler:
         self._reread: set[TP] = set()  # partitions to read again from their committed offsets (a late rejoin)
 
     def start(self) -> None:
-        log.info("retry scheduler %s: tiers %s -> %s", self.instance_id, self.topics.retries, self.topics.requests)
+        log.info("%s %s: %s -> %s", self.name, self.instance_id, self._sources(), self.topics.requests)
         self.runs.start()
         self.sweeper.start()
         self.group_sampler.start()
         self.consumer.subscribe(
-            self.topics.retries, on_assign=self._on_assign, on_revoke=self._on_revoke, on_lost=self._on_lost
+            self._sources(), on_assign=self._on_assign, on_revoke=self._on_revoke, on_lost=self._on_lost
         )
+
+    def _sources(self) -> list[str]:
+        """The topics this member holds records of."""
+        return self.topics.retries
+
+    def _held_of(self, msg: Message) -> Held:
+        return held_of(msg)
 
     def held(self) -> int:
         return sum(len(q) for q in self.queues.values())
@@ -159,7 +180,7 @@ class RetryScheduler:
         for msg in self.consumer.consume(POLL_BATCH, self._wait_s()):
             if msg.error():
                 if msg.error().code() != KafkaError._PARTITION_EOF:
-                    log.warning("retry consumer: %s", msg.error().str())
+                    log.warning("%s consumer: %s", self.name, msg.error().str())
                 continue
             if (msg.topic(), msg.partition()) not in self.assigned:
                 continue  # a straggler of a partition given away
@@ -171,7 +192,7 @@ class RetryScheduler:
             if aborted:
                 self.stats.aborted += 1  # a worker's aborted transaction: the worker redoes that record itself
             else:
-                self._hold(held_of(msg))
+                self._hold(self._held_of(msg))
         self._read_again()
         if time.monotonic() >= self._backoff_until and self._settle() and self.ownership.rejoining_too_long() is None:
             self._release_due()  # (no claim holds while a rejoin has lasted past its lifetime)
@@ -198,22 +219,30 @@ class RetryScheduler:
         wait = MAX_WAIT_S if not heads else min(MAX_WAIT_S, (min(heads) - now_ms()) / 1000.0)
         return max(wait, MIN_WAIT_S)
 
-    def _release_due(self) -> None:
-        at = now_ms()
-        batch: list[Held] = []
+    def _choose(self, at: int) -> dict[TP, int]:
+        """How many records to release from the head of each queue now: every due prefix (the head decides)."""
         taken: dict[TP, int] = {}
+        room = MAX_TXN_RECORDS
         stopped = (lambda held: self._stop(held) is not None) if self.runs.stops else None
         for tp, queue in self.queues.items():
             if tp in self._reread:
                 continue  # to be read again from its committed offset: nothing held of it is published
-            due = queue.due(at, MAX_TXN_RECORDS - len(batch), stopped)
+            due = len(queue.due(at, room, stopped))
             if due:
-                batch.extend(due)
-                taken[tp] = len(due)
+                taken[tp] = due
+                room -= due
+        return taken
+
+    def _release_due(self) -> None:
+        at = now_ms()
+        taken = {tp: n for tp, n in self._choose(at).items() if n > 0}
+        batch = [held for tp, n in taken.items() for held in islice(self.queues[tp].records, n)]
         if not batch:
             return
         offsets = [TopicPartition(t, p, self.queues[(t, p)].records[n - 1].offset + 1) for (t, p), n in taken.items()]
-        stops = {i: why for i, held in enumerate(batch) if (why := self._stop(held)) is not None} if stopped else {}
+        stops: dict[int, str] = {}
+        if self.runs.stops:
+            stops = {i: why for i, held in enumerate(batch) if (why := self._stop(held)) is not None}
         try:
             self.republisher.publish(batch, offsets, self.ownership.claim(taken), stops)
         except RepublishError as exc:
@@ -233,7 +262,11 @@ class RetryScheduler:
         self.stats.republished += len(batch) - len(stops)
         self.stats.stopped += len(stops)
         self.last_activity = time.monotonic()
+        self._released(batch, stops)
         log.debug("re-published %d retries (first %s, due %d, now %d)", len(batch), batch[0], batch[0].due_at_ms, at)
+
+    def _released(self, batch: list[Held], stops: dict[int, str]) -> None:
+        """Called after a release committed (the admitter counts what it admitted)."""
 
     def _stop(self, held: Held) -> str | None:
         """``cancelled`` / ``expired`` when the held record's run stopped (cancelled, or past its window), else None."""
@@ -286,7 +319,7 @@ class RetryScheduler:
     def _flow_control(self) -> None:
         """Pause the assigned partitions whose head is held (not yet due), resume every other assigned partition.
         Every few seconds the pauses are re-applied against the consumer's own assignment."""
-        hold = {tp for tp, q in self.queues.items() if len(q) and tp in self.assigned}
+        hold = {tp for tp, q in self.queues.items() if self._holding(q) and tp in self.assigned}
         if time.monotonic() - self._reconciled >= RECONCILE_S:
             self._reconcile(hold)
             return
@@ -296,6 +329,10 @@ class RetryScheduler:
             self._pause(to_pause)
         if to_resume:
             self._resume(to_resume)
+
+    def _holding(self, queue: PartitionQueue) -> bool:
+        """Whether the queue's partition should stop fetching: its head is held."""
+        return len(queue) > 0
 
     def _reconcile(self, hold: set[TP]) -> None:
         self._reconciled = time.monotonic()
@@ -335,25 +372,25 @@ class RetryScheduler:
         self.paused -= keys
         self.group_watch.assigned(len(self.assigned))
         self.last_activity = time.monotonic()
-        log.info("retry scheduler assigned %s", _names(partitions))
+        log.info("%s assigned %s", self.name, _names(partitions))
 
     def _on_revoke(self, consumer: Consumer, partitions: list[TopicPartition]) -> None:
         # Held records of a revoked partition were not committed: its next owner reads them again.
         self._forget(partitions)
-        log.info("retry scheduler revoked %s", _names(partitions))
+        log.info("%s revoked %s", self.name, _names(partitions))
 
     def _on_lost(self, consumer: Consumer, partitions: list[TopicPartition]) -> None:
         # Lost (the session timed out, e.g. a GC or VM pause): another member may own them already. Nothing is
         # committed for them; their held records are dropped, the new owner re-publishes them.
         self._forget(partitions)
-        log.warning("retry scheduler lost %s (session timed out)", _names(partitions))
+        log.warning("%s lost %s (session timed out)", self.name, _names(partitions))
 
     def _on_stats(self, stats: str) -> None:
         """A rejoin that outlasted a claim's lifetime has completed (batchline/kafka/ownership.py): what is held may
         have been re-published by another member meanwhile. Fenced now, read again from the committed offsets
         after ``consume()`` returns (no seek inside a callback)."""
         if self.ownership.rejoined_late(stats, self.assigned):
-            log.warning("retry scheduler rejoined after more than %.1fs: reading again", self.ownership.claim_ttl_s)
+            log.warning("%s rejoined after more than %.1fs: reading again", self.name, self.ownership.claim_ttl_s)
             self._reread |= self.assigned
 
     def _read_again(self) -> None:
@@ -396,8 +433,9 @@ class RetryScheduler:
             self.sweeper.close()
             self.slot.release()
         log.info(
-            "retry scheduler %s stopped: %d held, %d re-published in %d transactions, %d failed attempts, "
+            "%s %s stopped: %d held, %d re-published in %d transactions, %d failed attempts, "
             "%d dead-lettered as %s, %d of cancelled or expired runs dead-lettered",
+            self.name,
             self.instance_id,
             self.stats.held,
             self.stats.republished,

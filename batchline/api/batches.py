@@ -31,6 +31,7 @@ from batchline.runs.control import cancel_run, parse_window, reserve_idempotency
 from batchline.runs.export import openai_error, openai_output, openai_stopped
 from batchline.runs.manifests import EXPIRED
 from batchline.runs.outcomes import RunOutcomes
+from batchline.runs.staging import Staging
 from batchline.runs.submit import publish_run
 
 ENDPOINTS = (CHAT, COMPLETIONS, EMBEDDINGS, RESPONSES)
@@ -148,6 +149,7 @@ def create(
         completion_window_s=window_s,
         idempotency_key=_scoped(tenant, idempotency_key) if idempotency_key else None,
         view=job.runs,
+        staging=Staging.of(route.config, tenant),
     )
     started = record.model_copy(update={"in_progress_at": int(time.time())})
     service.writer.put(topics.batches, started.id, started)

@@ -153,6 +153,15 @@ def submit(
         str | None,
         typer.Option("--idempotency-key", help="Submitting again with the same key returns the same run."),
     ] = None,
+    tenant: Annotated[
+        str | None, typer.Option("--tenant", help="Fair admission: whose run this is (shares by tenant).")
+    ] = None,
+    priority: Annotated[
+        int,
+        typer.Option(
+            "--priority", min=-16, max=16, help="Fair admission: weighs 2**P against the tenant's other runs."
+        ),
+    ] = 0,
     *,
     opts: JobOptions,
     bootstrap: str,
@@ -162,6 +171,7 @@ def submit(
     from batchline.kafka.topics import JobTopics
     from batchline.runs.control import parse_window
     from batchline.runs.identity import fingerprint_of
+    from batchline.runs.staging import Staging
     from batchline.runs.submit import submit_file
 
     try:
@@ -175,7 +185,10 @@ def submit(
     cfg = opts.load(job)
     check_model(cfg)
     topics = JobTopics(job, cfg.retry.tiers)
-    kafka = connect(bootstrap, topics, [topics.requests, topics.runs])
+    if (tenant is not None or priority) and not cfg.schedule.fair_share:
+        raise fail(f"--tenant and --priority need fair admission: set schedule.fair_share = true in {job}'s config")
+    staging = Staging.of(cfg, tenant, priority)
+    kafka = connect(bootstrap, topics, [topics.staged if staging.fair_share else topics.requests, topics.runs])
     with bar(console, f"submitting {file.name}", total=None, quiet=json_out) as advance:
         report = submit_file(
             kafka,
@@ -187,6 +200,7 @@ def submit(
             progress=advance,
             completion_window_s=window_s,
             idempotency_key=idempotency_key,
+            staging=staging,
         )
     if json_out:
         out.print_json(

@@ -176,19 +176,23 @@ def _replay(
     from batchline.kafka.topics import JobTopics
     from batchline.runs import replay as rp
     from batchline.runs.identity import fingerprint_of
+    from batchline.runs.staging import Staging
 
     check_model(cfg)
     topics, fp = JobTopics(job, cfg.retry.tiers), fingerprint_of(cfg)
-    need = [topics.requests, topics.runs] + ([topics.dlq, topics.results] if source == ReplaySource.dlq else [])
+    need = [topics.requests, topics.staged, topics.runs] + (
+        [topics.dlq, topics.results] if source == ReplaySource.dlq else []
+    )
     kafka = connect(bootstrap, topics, need)
+    staging = Staging.of(cfg)
     if source == ReplaySource.dlq:
-        report = rp.replay_dlq(kafka, topics, fp, run, failure_class)
+        report = rp.replay_dlq(kafka, topics, fp, run, failure_class, staging=staging)
     elif source == ReplaySource.archive:
         assert file is not None and run is not None
-        report = rp.replay_archive(kafka, topics, fp, run, file)
+        report = rp.replay_archive(kafka, topics, fp, run, file, staging=staging)
     else:
         assert run is not None
-        report = rp.replay_offsets(kafka, topics, fp, run)
+        report = rp.replay_offsets(kafka, topics, fp, run, staging=staging)
     console.print(f"replayed {report.records} records of {run or 'all runs'} from {source.value}")
     out.print(report.run_id)
 

@@ -29,6 +29,7 @@ MAX_MESSAGE_BYTES = "max.message.bytes"
 KAFKA_DEFAULT_MAX_MESSAGE_BYTES = 1_048_588  # Apache Kafka's message.max.bytes, the topics' default
 MESSAGE_HEADROOM = 64 * 1024  # room beside a request's bytes for a dead letter's fields or a retry's headers
 DEFAULT_MAX_REQUEST_BYTES = 1 << 20  # JobConfig.max_request_bytes' default
+STAGED_PARTITIONS = 16  # J.staged has at least these: a run takes the emptiest, so fewer runs share one
 
 
 @dataclass(frozen=True)
@@ -39,6 +40,12 @@ class JobTopics:
     @property
     def requests(self) -> str:
         return f"{self.job}.requests"
+
+    @property
+    def staged(self) -> str:
+        """Where the runs of a job with ``schedule.fair_share`` wait for the admitter (``streams/admitter.py``):
+        a run is published to one of its partitions, the emptiest (:mod:`batchline.runs.staging`)."""
+        return f"{self.job}.staged"
 
     @property
     def results(self) -> str:
@@ -68,10 +75,19 @@ class JobTopics:
 
     def groups(self, fingerprints: Iterable[str] = ()) -> list[str]:
         """The job's consumer groups: its workers' (one per fingerprint), the retry scheduler's, the ledger's."""
-        return [*(self.worker_group(f) for f in sorted(set(fingerprints))), f"{self.job}.retry-scheduler", self.ledger]
+        return [
+            *(self.worker_group(f) for f in sorted(set(fingerprints))),
+            f"{self.job}.retry-scheduler",
+            self.admitter_group,
+            self.ledger,
+        ]
+
+    @property
+    def admitter_group(self) -> str:
+        return f"{self.job}.admitter"
 
     def all(self) -> list[str]:
-        return [self.requests, self.results, *self.retries, self.dlq, self.runs, self.ledger]
+        return [self.requests, self.staged, self.results, *self.retries, self.dlq, self.runs, self.ledger]
 
 
 def topic_message_bytes(max_request_bytes: int = DEFAULT_MAX_REQUEST_BYTES) -> int:
@@ -82,7 +98,7 @@ def topic_message_bytes(max_request_bytes: int = DEFAULT_MAX_REQUEST_BYTES) -> i
 
 def sized_topics(topics: JobTopics) -> list[str]:
     """The topics a request's bytes travel to, so :func:`topic_message_bytes` applies to them."""
-    return [topics.requests, topics.results, *topics.retries, topics.dlq]
+    return [topics.requests, topics.staged, topics.results, *topics.retries, topics.dlq]
 
 
 def _specs(topics: JobTopics, partitions: int, max_request_bytes: int = DEFAULT_MAX_REQUEST_BYTES) -> list[NewTopic]:
@@ -90,6 +106,7 @@ def _specs(topics: JobTopics, partitions: int, max_request_bytes: int = DEFAULT_
     sized = {MAX_MESSAGE_BYTES: str(topic_message_bytes(max_request_bytes))}
     return [
         NewTopic(topics.requests, partitions, 1, config=sized),
+        NewTopic(topics.staged, max(partitions, STAGED_PARTITIONS), 1, config=sized),
         NewTopic(topics.results, partitions, 1, config=sized),
         *(NewTopic(t, partitions, 1, config=sized) for t in topics.retries),
         NewTopic(topics.dlq, partitions, 1, config=sized),

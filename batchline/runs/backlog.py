@@ -13,7 +13,7 @@ Used by lanes (``schedule.yield_to``): a job yields while a job it yields to has
 from __future__ import annotations
 
 import logging
-from collections.abc import Mapping, Sequence
+from collections.abc import Iterable, Mapping, Sequence
 
 from confluent_kafka import Consumer, KafkaException, TopicPartition
 
@@ -51,6 +51,20 @@ class JobBacklog:
         behind = [self._group_backlog(self.topics.worker_group(fp), ends) for fp in sorted(fingerprints)]
         whole = sum(high - low for low, high in ends.values())
         return max(behind) if behind else whole
+
+    def least_behind(self, fingerprints: Iterable[str]) -> int | None:
+        """The backlog of the least behind of these fingerprints' worker groups, or None when it cannot be read.
+        The admitter's measure (``streams/admitter.py``): the runs it admits are read by their own fingerprints'
+        groups, and a group without workers must not hold the others back."""
+        try:
+            ends = self._watermarks()
+            if ends is None:
+                return None
+            behind = [self._group_backlog(self.topics.worker_group(fp), ends) for fp in sorted(set(fingerprints))]
+        except KafkaException as exc:
+            log.warning("backlog of %s unknown: %s", self.topics.job, exc)
+            return None
+        return min(behind) if behind else sum(high - low for low, high in ends.values())
 
     def _watermarks(self) -> dict[int, tuple[int, int]] | None:
         topic = self.topics.requests

@@ -24,6 +24,7 @@ from batchline.kafka import headers as h
 from batchline.kafka.scan import scan
 from batchline.kafka.topics import JobTopics
 from batchline.runs.manifests import STREAM_RUN
+from batchline.runs.staging import records_topic
 from schemas import DeadLetter, Lineage, Result, RunManifest, codec_for
 from schemas.codec import DecodeError
 
@@ -161,13 +162,13 @@ class RunOutcomes:
             yield letter
 
     def without_outcome(self, manifest: RunManifest) -> Iterator[str]:
-        """The request ids inside the run's boundaries (``J.requests``) with neither a result nor a dead letter,
-        once each (call after :meth:`letters`): the requests an expired run will never start, before a worker has
-        met them."""
+        """The request ids inside the run's boundaries (``J.requests``, or ``J.staged`` for a staged run) with
+        neither a result nor a dead letter, once each (call after :meth:`letters`): the requests an expired run will
+        never start, before a worker has met them."""
         ranges = {b.partition: (b.start_offset, b.end_offset) for b in manifest.boundaries}
         if not ranges:
             return
-        for msg in scan(self.kafka, self.topics.requests, ranges=ranges, **self._reader):
+        for msg in scan(self.kafka, records_topic(self.topics, manifest), ranges=ranges, **self._reader):
             rid = (msg.key() or b"").decode("utf-8", "replace")
             if rid and not self._ids.has_outcome(rid):
                 self._ids.first(rid)

@@ -18,6 +18,7 @@ from batchline.kafka.topics import JobTopics
 from batchline.runs.control import STOP_CLASSES
 from batchline.runs.identity import Fingerprint
 from batchline.runs.manifests import RunsView
+from batchline.runs.staging import Staging, records_topic
 from batchline.runs.submit import Format, SubmitReport, publish_run, submit_file
 from schemas import DeadLetter, codec_for
 from schemas.codec import DecodeError, decode_request, decode_request_model
@@ -100,6 +101,7 @@ def replay_dlq(
     parent: str | None,
     failure_class: str | None = None,
     progress: Callable[[int], None] | None = None,
+    staging: Staging = Staging(),
 ) -> SubmitReport:
     letters = quarantined(kafka, topics, parent, failure_class)
     if not letters:
@@ -118,11 +120,18 @@ def replay_dlq(
             raise ReplayError(f"the quarantined records of run {parent or '(any)'} carry no payload to replay")
     records = ((rid, _as_record(dl.payload)) for rid, dl in letters.items())
     source = f"dlq:{parent or '*'}:{failure_class or '*'}"
-    return publish_run(kafka, topics, fp, records, parent_run_id=parent, source=source, progress=progress)
+    return publish_run(
+        kafka, topics, fp, records, parent_run_id=parent, source=source, progress=progress, staging=staging
+    )
 
 
 def replay_offsets(
-    kafka: KafkaSettings, topics: JobTopics, fp: Fingerprint, parent: str, progress: Callable[[int], None] | None = None
+    kafka: KafkaSettings,
+    topics: JobTopics,
+    fp: Fingerprint,
+    parent: str,
+    progress: Callable[[int], None] | None = None,
+    staging: Staging = Staging(),
 ) -> SubmitReport:
     view = RunsView(kafka, topics)
     view.sync()
@@ -133,10 +142,13 @@ def replay_offsets(
     ranges = {b.partition: (b.start_offset, b.end_offset) for b in manifest.boundaries}
     records = (
         (m.key().decode() if m.key() else f"{parent}-{m.partition()}-{m.offset()}", _as_record(m.value()))
-        for m in scan(kafka, topics.requests, ranges)
+        for m in scan(kafka, records_topic(topics, manifest), ranges)
         if (m.headers() and dict(m.headers()).get("batchline-run-id") == parent.encode()) or _belongs(m.value(), parent)
     )
-    return publish_run(kafka, topics, fp, records, parent_run_id=parent, source=f"offsets:{parent}", progress=progress)
+    source = f"offsets:{parent}"
+    return publish_run(
+        kafka, topics, fp, records, parent_run_id=parent, source=source, progress=progress, staging=staging
+    )
 
 
 def _belongs(payload: bytes | None, run_id: str) -> bool:
@@ -154,5 +166,6 @@ def replay_archive(
     path: Path,
     fmt: Format = "jsonl",
     progress: Callable[[int], None] | None = None,
+    staging: Staging = Staging(),
 ) -> SubmitReport:
-    return submit_file(kafka, topics, path, fp, fmt, parent_run_id=parent, progress=progress)
+    return submit_file(kafka, topics, path, fp, fmt, parent_run_id=parent, progress=progress, staging=staging)

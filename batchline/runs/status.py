@@ -194,14 +194,16 @@ def latest_stats(
 
 
 def group_has_reached(kafka: KafkaSettings, topics: JobTopics, manifest: RunManifest) -> bool:
-    """Whether the fingerprint's worker group has committed offsets at or past the run's start anywhere."""
+    """Whether the fingerprint's worker group has committed offsets at or past the run's start anywhere (a staged
+    run's boundaries are J.staged's: for it, whether the group has committed anything)."""
     reader = make_reader(kafka, **{"group.id": topics.worker_group(manifest.fingerprint)})
+    bounds = [] if manifest.staged else manifest.boundaries
     try:
-        parts = [TopicPartition(topics.requests, b.partition) for b in manifest.boundaries] or [
+        parts = [TopicPartition(topics.requests, b.partition) for b in bounds] or [
             TopicPartition(topics.requests, p)
             for p in reader.list_topics(topics.requests, timeout=10).topics[topics.requests].partitions
         ]
-        starts = {b.partition: b.start_offset for b in manifest.boundaries}
+        starts = {b.partition: b.start_offset for b in bounds}
         committed = reader.committed(parts, timeout=10)
         return any(tp.offset >= 0 and tp.offset > starts.get(tp.partition, -1) for tp in committed)
     finally:

@@ -29,6 +29,7 @@ from batchline.runs.identity import Fingerprint
 from batchline.runs.manifests import RunsView, manifest_for, write_manifest
 from batchline.runs.openai_convert import LineError
 from batchline.runs.openai_fields import FIELDS, convert
+from batchline.runs.staging import Staging, emptiest_partition, waiting_by_partition
 from schemas import PartitionBoundary, Request, RunManifest, codec_for
 
 Format = Literal["jsonl", "openai", "parquet"]
@@ -155,6 +156,7 @@ def submit_file(
     progress: Callable[[int], None] | None = None,
     completion_window_s: float | None = None,
     idempotency_key: str | None = None,
+    staging: Staging = Staging(),
 ) -> SubmitReport:
     """Publish ``path`` as one run (a new run each time, even for the same file, unless ``idempotency_key`` was
     used before: then that run's report, ``existing``)."""
@@ -174,6 +176,7 @@ def submit_file(
         progress=progress,
         completion_window_s=completion_window_s,
         idempotency_key=idempotency_key,
+        staging=staging,
     )
     report.refusals = refusals
     return report
@@ -213,13 +216,16 @@ def publish_run(
     completion_window_s: float | None = None,
     idempotency_key: str | None = None,
     view: RunsView | None = None,
+    staging: Staging = Staging(),
 ) -> SubmitReport:
     """Publish ``(fallback id, record)`` pairs as one run pinned to ``fp`` and write its manifest.
 
     ``completion_window_s``: the run's records not finished that long after now end ``expired``.
     ``idempotency_key``: claimed for this run first (:func:`batchline.runs.control.reserve_idempotency_key`); a key
     another run owns returns that run's report (``existing``) and publishes nothing (``records`` is not read).
-    ``view``: a started :class:`RunsView` of the job to decide the key with (a server keeps one), else one is read."""
+    ``view``: a started :class:`RunsView` of the job to decide the key with (a server keeps one), else one is read.
+    ``staging``: with the job's ``schedule.fair_share``, the run is staged in one partition of ``J.staged``
+    (:mod:`batchline.runs.staging`) for the admitter, which shares the workers by tenant and priority."""
     report = SubmitReport(run_id or new_run_id())
     if idempotency_key is not None:
         owner = reserve_idempotency_key(kafka, topics, idempotency_key, report.run_id, view)
@@ -238,7 +244,14 @@ def publish_run(
         created_at=created,
         expires_at=expires,
         idempotency_key=idempotency_key,
+        staged=staging.fair_share,
+        tenant=staging.tenant,
+        priority=staging.priority,
     )
+    # A staged run goes to one partition of J.staged, chosen before the manifest pins it (a broker that cannot
+    # be read fails the submit before anything is written).
+    where = {"partition": emptiest_partition(waiting_by_partition(kafka, topics))} if staging.fair_share else {}
+    topic = topics.staged if staging.fair_share else topics.requests
     opened_at = write_manifest(kafka, topics, opening)
     producer = make_producer(kafka)
     errors: list[str] = []
@@ -257,7 +270,7 @@ def publish_run(
         rid, payload, value, valid = _encode(obj, report.run_id, fallback)
         while True:
             try:
-                producer.produce(topics.requests, payload, rid.encode(), headers=hdrs, on_delivery=delivered)
+                producer.produce(topic, payload, rid.encode(), headers=hdrs, on_delivery=delivered, **where)
                 break
             except BufferError:
                 producer.poll(0.1)
