@@ -1,0 +1,153 @@
+"""Fair admission on the real broker: a small run does not wait behind a backfill, tenants share by weight, and
+the admitter loses and repeats nothing when it is killed (judged from the log's markers).
+
+The workers and the streams run as ``batchline`` processes, as in production. The deterministic engine is slowed
+(``latency_ms`` per record per step) so a backfill lasts long enough to submit beside it; what the tests assert is
+order and counts (which run finished while how much of the other was still pending), never wall-clock time.
+"""
+
+from __future__ import annotations
+
+import json
+from collections import Counter
+from collections.abc import Callable
+from pathlib import Path
+
+from batchline.config import KafkaSettings, load_job_config
+from batchline.kafka import headers as h
+from batchline.kafka.topics import JobTopics
+from batchline.runs.identity import fingerprint_of
+from batchline.runs.staging import Staging
+from batchline.runs.submit import submit_file
+from streams.admitter import ADMITTED_AT
+from tests.support.cli import run_cli, status_json
+from tests.support.jobs import job_toml, requests_file
+from tests.support.kafka import results, wait_for
+from tests.support.oracle import assert_exactly_once, committed
+from tests.support.procs import CliProcess
+
+RUN_TIMEOUT_S = 180.0
+BIG = 5000
+SMALL = 10
+
+
+def _fair_job(path: Path, ahead: int, latency_ms: int, weights: str = "") -> Path:
+    schedule = f"[schedule]\nfair_share = true\nadmit_ahead = {ahead}\n{weights}"
+    return job_toml(path, kwargs=f"latency_ms = {latency_ms}", max_records=16, extra=schedule)
+
+
+def _processes(job: str, cfg: Path, kafka: KafkaSettings, tmp: Path) -> tuple[CliProcess, CliProcess]:
+    worker = CliProcess(["worker", job, "--config", str(cfg)], kafka.bootstrap, tmp / "worker.log").start()
+    streams = _streams(job, cfg, kafka, tmp)
+    return worker, streams
+
+
+def _streams(job: str, cfg: Path, kafka: KafkaSettings, tmp: Path) -> CliProcess:
+    args = ["streams", job, "--config", str(cfg), "--ledger-dir", str(tmp / "ledger"), "--snapshot-interval", "0.3"]
+    return CliProcess(args, kafka.bootstrap, tmp / "streams.log").start()
+
+
+def _alive(*procs: CliProcess) -> None:
+    for proc in procs:
+        assert proc.alive(), proc.log()[-3000:]
+
+
+def _submit(kafka: KafkaSettings, job: str, cfg: Path, path: Path, *extra: str) -> str:
+    out = run_cli(kafka.bootstrap, "submit", job, str(path), "--config", str(cfg), "--json", *extra).stdout
+    return str(json.loads(out)["run_id"])
+
+
+def _admitted_once(kafka: KafkaSettings, topics: JobTopics, ids: set[str]) -> list[str]:
+    """The committed records of J.requests: each id exactly once, each stamped by the admitter. Returns the ids."""
+    recs = committed(kafka.bootstrap, topics.requests)
+    keys = Counter((r.key or b"").decode() for r in recs)
+    assert set(keys) == ids and set(keys.values()) == {1}, [k for k, n in keys.items() if n != 1][:5]
+    assert all(any(name == ADMITTED_AT for name, _ in r.headers) for r in recs)
+    return list(keys)
+
+
+def test_a_small_run_finishes_while_the_backfill_ahead_of_it_is_mostly_pending(
+    kafka: KafkaSettings, job_name: str, make_job: Callable[..., JobTopics], tmp_path: Path
+) -> None:
+    topics = make_job(job_name, partitions=2, tiers=("1s", "2s"))
+    cfg = _fair_job(tmp_path / "job.toml", ahead=128, latency_ms=2)
+    big_ids, _ = requests_file(tmp_path / "big.jsonl", BIG, prefix="big")
+    small_ids, _ = requests_file(tmp_path / "small.jsonl", SMALL, prefix="small")
+    worker, streams = _processes(topics.job, cfg, kafka, tmp_path)
+    try:
+        big = _submit(kafka, topics.job, cfg, tmp_path / "big.jsonl", "--tenant", "archive")
+        wait_for(lambda: _alive(worker, streams) or len(results(kafka, topics)) >= 200, RUN_TIMEOUT_S, "under way")
+        small = _submit(kafka, topics.job, cfg, tmp_path / "small.jsonl", "--tenant", "archive")
+
+        def small_done() -> dict[str, int] | None:
+            _alive(worker, streams)
+            view = results(kafka, topics)
+            done = {rid for rid in view if rid.startswith("small")}
+            return {"big": sum(rid.startswith("big") for rid in view)} if done == small_ids else None
+
+        at_small_done = wait_for(small_done, RUN_TIMEOUT_S, "the small run finished")
+        # FIFO would finish the small run after every one of the backfill's records
+        print(f"backfill results when the small run finished: {at_small_done['big']} of {BIG}")
+        assert at_small_done["big"] < BIG // 2, at_small_done
+
+        streams.kill()  # the admitter dies mid-backfill (SIGKILL): its successor goes on from the committed offsets
+        streams = _streams(topics.job, cfg, kafka, tmp_path)
+
+        def both_complete() -> bool:
+            _alive(worker, streams)
+            shown = status_json(kafka.bootstrap, topics.job)
+            return all(shown.get(run, {}).get("state") == "complete" for run in (big, small))
+
+        wait_for(both_complete, RUN_TIMEOUT_S, "both runs complete")
+    finally:
+        worker.stop()
+        streams.stop()
+    assert_exactly_once(kafka.bootstrap, topics, big_ids | small_ids)
+    _admitted_once(kafka, topics, big_ids | small_ids)
+    assert committed(kafka.bootstrap, topics.staged)  # the runs were staged, not published to J.requests
+
+
+def test_tenants_share_the_workers_by_weight_and_a_runs_priority_counts_within_its_tenant(
+    kafka: KafkaSettings, job_name: str, make_job: Callable[..., JobTopics], tmp_path: Path
+) -> None:
+    topics = make_job(job_name, partitions=2, tiers=("1s", "2s"))
+    weights = "tenant_weights = { light = 1.0, heavy = 3.0 }\n"
+    cfg_path = _fair_job(tmp_path / "job.toml", ahead=64, latency_ms=0, weights=weights)
+    cfg = load_job_config(topics.job, cfg_path)
+    fp = fingerprint_of(cfg)
+    files = {  # staged before any admitter runs: every run waits from the first turn
+        ("light", 0): 600,
+        ("heavy", 0): 1200,
+        ("heavy", 1): 1200,
+    }  # at weights 1 : 3 and 2**0 : 2**1 within heavy, all three drain together
+    ids: set[str] = set()
+    run_of: dict[str, tuple[str, int]] = {}
+    for (tenant, priority), n in files.items():
+        path = tmp_path / f"{tenant}-{priority}.jsonl"
+        made, _ = requests_file(path, n, prefix=f"{tenant}{priority}")
+        ids |= made
+        report = submit_file(kafka, topics, path, fp, staging=Staging(True, tenant, priority))
+        run_of[report.run_id] = (tenant, priority)
+    worker, streams = _processes(topics.job, cfg_path, kafka, tmp_path)
+    try:
+        wait_for(lambda: _alive(worker, streams) or len(results(kafka, topics)) >= len(ids), RUN_TIMEOUT_S, "all done")
+    finally:
+        worker.stop()
+        streams.stop()
+    assert_exactly_once(kafka.bootstrap, topics, ids)
+    _admitted_once(kafka, topics, ids)
+
+    # The order of admission: by the admitter's stamp, then where each record landed.
+    recs = committed(kafka.bootstrap, topics.requests)
+    stamp = {r.key: int(dict(r.headers)[ADMITTED_AT] or b"0") for r in recs}
+    order = sorted(recs, key=lambda r: (stamp[r.key], r.partition, r.offset))
+    flows = [run_of[h.text({k: v or b"" for k, v in r.headers}, h.RUN_ID)] for r in order]
+    # While every run waits (until the first of them has had its last record admitted), heavy gets 3x light, and
+    # within heavy the priority-1 run twice the priority-0 run. The first turns are left out: they admit what was
+    # fetched first.
+    cut = min(max(i for i, f in enumerate(flows) if f == flow) for flow in files)
+    window = Counter(flows[2 * 64 : cut + 1])
+    light, heavy0, heavy1 = window[("light", 0)], window[("heavy", 0)], window[("heavy", 1)]
+    print(f"admitted while all waited: {dict(window)}")
+    assert abs((heavy0 + heavy1) / light - 3.0) <= 0.3, window
+    assert abs(heavy1 / heavy0 - 2.0) <= 0.2 * 2, window
