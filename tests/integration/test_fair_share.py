@@ -47,9 +47,11 @@ def _streams(job: str, cfg: Path, kafka: KafkaSettings, tmp: Path) -> CliProcess
     return CliProcess(args, kafka.bootstrap, tmp / "streams.log").start()
 
 
-def _alive(*procs: CliProcess) -> None:
+def _alive(*procs: CliProcess) -> bool:
+    """Fails the test with a process's log if it died; else False (so ``_alive(...) or done()`` waits)."""
     for proc in procs:
         assert proc.alive(), proc.log()[-3000:]
+    return False
 
 
 def _submit(kafka: KafkaSettings, job: str, cfg: Path, path: Path, *extra: str) -> str:
@@ -141,7 +143,7 @@ def test_tenants_share_the_workers_by_weight_and_a_runs_priority_counts_within_i
     recs = committed(kafka.bootstrap, topics.requests)
     stamp = {r.key: int(dict(r.headers)[ADMITTED_AT] or b"0") for r in recs}
     order = sorted(recs, key=lambda r: (stamp[r.key], r.partition, r.offset))
-    flows = [run_of[h.text({k: v or b"" for k, v in r.headers}, h.RUN_ID)] for r in order]
+    flows = [run_of[h.text({k: v or b"" for k, v in r.headers}, h.RUN_ID) or ""] for r in order]
     # While every run waits (until the first of them has had its last record admitted), heavy gets 3x light, and
     # within heavy the priority-1 run twice the priority-0 run. The first turns are left out: they admit what was
     # fetched first.
