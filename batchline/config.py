@@ -46,6 +46,12 @@ def parse_duration(text: str) -> float:
     return n * {"ms": 0.001, "s": 1.0, "m": 60.0, "h": 3600.0}[unit]
 
 
+# What a tenant of `batchline api` may have enqueued by default (batchline.api.quota; `--tenant-max-requests`,
+# `--tenant-max-tokens`).
+TENANT_MAX_REQUESTS = 1_000_000
+TENANT_MAX_TOKENS = 1_000_000_000
+
+
 class _Frozen(BaseModel):
     model_config = ConfigDict(frozen=True, extra="forbid")
 

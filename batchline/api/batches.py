@@ -22,6 +22,7 @@ from batchline.api import files
 from batchline.api.errors import ApiError, bad_request, not_found
 from batchline.api.jobs import JobView
 from batchline.api.objects import ERRORS, OUTPUT, TERMINAL, batch_object
+from batchline.api.quota import Enqueued, over_limit
 from batchline.api.records import BatchRecord
 from batchline.api.service import ApiService
 from batchline.api.settings import CHAT, COMPLETIONS, EMBEDDINGS, RESPONSES
@@ -124,7 +125,12 @@ def create(
         record_count=checked.count,
         idempotency_key=idempotency_key,
         encoding_format=checked.encoding_format,
+        prompt_tokens=checked.prompt_tokens,
     )
+    if not checked.errors and checked.model is not None:
+        adding = Enqueued(checked.count, checked.prompt_tokens)
+        error = over_limit(service.limits, enqueued(service, tenant), adding, checked.model, tenant)
+        checked.errors = [error] if error is not None else []
     if checked.errors:
         failed = record.model_copy(update={"errors": checked.errors, "failed_at": int(time.time())})
         service.writer.put(topics.batches, failed.id, failed)
@@ -154,6 +160,22 @@ def create(
     started = record.model_copy(update={"in_progress_at": int(time.time())})
     service.writer.put(topics.batches, started.id, started)
     return render(service, started, sync=True)
+
+
+def enqueued(service: ApiService, tenant: str) -> Enqueued:
+    """What ``tenant`` has enqueued: the requests without an outcome yet of its batches neither ended nor
+    cancelling, and their share of each batch's estimated prompt tokens."""
+    service.batches.sync()
+    total = Enqueued()
+    for record in service.batches.values(lambda b: b.tenant == tenant and not b.errors and b.job is not None):
+        obj = render(service, record)
+        if obj["status"] in TERMINAL or obj["status"] == "cancelling":
+            continue  # a cancelling batch starts nothing more: what it still holds ends cancelled
+        counts = obj["request_counts"]
+        waiting = max(0, record.record_count - counts["completed"] - counts["failed"])
+        total.requests += waiting
+        total.tokens += record.prompt_tokens * waiting // max(record.record_count, 1)
+    return total
 
 
 def _bounded_producer(kafka: KafkaSettings) -> KafkaSettings:

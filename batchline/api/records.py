@@ -2,7 +2,8 @@
 
 They are read only by ``batchline api`` replicas (the workers never see them), so they are JSON models here rather
 than Avro contracts in ``schemas/``; ``v`` lets a later replica read what an older one wrote. Version 2 added
-:attr:`BatchRecord.encoding_format` (a version 1 batch has none: its embeddings are written as floats).
+:attr:`BatchRecord.encoding_format` (a version 1 batch has none: its embeddings are written as floats), version 3
+:attr:`BatchRecord.prompt_tokens` (an older batch counts none against its tenant's token limit).
 """
 
 from __future__ import annotations
@@ -11,7 +12,7 @@ from typing import Any
 
 from pydantic import BaseModel, ConfigDict, Field
 
-RECORD_VERSION = 2
+RECORD_VERSION = 3
 
 
 class _Record(BaseModel):
@@ -81,6 +82,7 @@ class BatchRecord(_Record):
     in_progress_at: int | None = None  # set once its records are all published
     idempotency_key: str | None = None
     encoding_format: str | None = None  # an embeddings batch's (float or base64): how its output writes vectors
+    prompt_tokens: int = 0  # estimated at validation (batchline.api.quota): what it counts against its tenant
 
     @property
     def run_id(self) -> str:

@@ -19,6 +19,7 @@ from confluent_kafka.admin import NewTopic
 
 from batchline.api.errors import ApiError, not_found, unauthorized
 from batchline.api.jobs import JobView
+from batchline.api.quota import TenantLimits
 from batchline.api.records import BatchRecord, FileRecord
 from batchline.api.settings import ApiTopics, ModelRoute
 from batchline.api.store import CompactedView, Writer
@@ -64,8 +65,10 @@ class ApiService:
         routes: Mapping[str, ModelRoute],
         keys: Mapping[str, str],
         topics: ApiTopics | None = None,
+        limits: TenantLimits | None = None,
     ) -> None:
         self.kafka = kafka
+        self.limits = limits or TenantLimits()  # what each tenant may have enqueued (batchline.api.quota)
         self.routes = dict(routes)
         self._keys = dict(keys)  # key -> tenant; never logged
         self.topics = topics or ApiTopics()

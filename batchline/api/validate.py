@@ -21,6 +21,7 @@ from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
 
+from batchline.api.quota import prompt_tokens
 from batchline.api.records import BatchError
 from batchline.api.settings import EMBEDDINGS, ModelRoute
 from batchline.runs.openai_convert import LineError, param_of
@@ -39,6 +40,7 @@ class Validation:
     errors: list[BatchError] = field(default_factory=list)
     more_errors: int = 0  # failing lines beyond MAX_ERRORS
     encoding_format: str | None = None  # an embeddings batch's: its first converted line's
+    prompt_tokens: int = 0  # estimated, for the tenant's enqueued-token limit (batchline.api.quota)
 
     def fail(self, code: str, message: str, line: int | None = None, param: str | None = None) -> None:
         if len(self.errors) < MAX_ERRORS:
@@ -131,6 +133,7 @@ def _check_line(
         return
     route = routes.get(result.model or "")
     request = Request.model_validate(line.out)
+    result.prompt_tokens += prompt_tokens(request)
     if route is not None and not request.plain and (why := refusal(request, route.config)) is not None:
         path, _, reason = why.partition(": ")  # what the job cannot honour (its limits, a tool parser...)
         param = param_of(path, line.origin)

@@ -9,7 +9,7 @@ import typer
 
 from batchline.cli.common import check_model, connect, console, fail, job_config
 from batchline.cli.options import LogLevel, uses
-from batchline.config import TelemetryConfig
+from batchline.config import TENANT_MAX_REQUESTS, TENANT_MAX_TOKENS, TelemetryConfig
 
 
 def _pairs(items: list[str], flag: str, form: str) -> list[tuple[str, str]]:
@@ -36,6 +36,12 @@ def api(
     topic_prefix: Annotated[str, typer.Option(help="Prefix of the API's topics (files, chunks, batches).")] = (
         "batchline-api"
     ),
+    tenant_max_requests: Annotated[
+        int, typer.Option(min=1, help="Requests a tenant may have enqueued (not yet finished) over its batches.")
+    ] = TENANT_MAX_REQUESTS,
+    tenant_max_tokens: Annotated[
+        int, typer.Option(min=1, help="Prompt tokens (estimated: bytes / 4) a tenant may have enqueued.")
+    ] = TENANT_MAX_TOKENS,
     *,
     log_level: LogLevel,
     bootstrap: str,
@@ -44,6 +50,7 @@ def api(
     import uvicorn
 
     from batchline.api import ApiService, ApiTopics, ModelRoute, create_app, load_keys
+    from batchline.api.quota import TenantLimits
     from batchline.telemetry import setup_telemetry
 
     keys = load_keys()
@@ -59,9 +66,11 @@ def api(
     if unknown:
         raise fail(f"--config names jobs no --model routes to: {', '.join(sorted(unknown))}")
     need = [t for r in routes.values() for t in (r.topics.requests, r.topics.runs)]
+    need += [r.topics.staged for r in routes.values() if r.config.schedule.fair_share]
     kafka = connect(bootstrap, next(iter(routes.values())).topics, need)
     setup_telemetry(TelemetryConfig(), "batchline-api", prometheus=True)
-    service = ApiService(kafka, routes, keys, ApiTopics(topic_prefix)).start()
+    limits = TenantLimits(tenant_max_requests, tenant_max_tokens)
+    service = ApiService(kafka, routes, keys, ApiTopics(topic_prefix), limits).start()
     console.print(
         f"batchline api on {host}:{port}: models {', '.join(sorted(routes))}; {len(set(keys.values()))} tenants"
     )

@@ -28,9 +28,11 @@ class ApiServer:
         configs: dict[str, Path],
         prefix: str,
         port: int | None = None,
+        options: list[str] | None = None,
     ) -> None:
+        """``options``: more ``batchline api`` options (``--tenant-max-requests 100``)."""
         self.port = port or free_port()
-        args = ["api", "--port", str(self.port), "--host", "127.0.0.1", "--topic-prefix", prefix]
+        args = ["api", "--port", str(self.port), "--host", "127.0.0.1", "--topic-prefix", prefix, *(options or [])]
         for name, job in models.items():
             args += ["--model", f"{name}={job}"]
         for job, path in configs.items():
