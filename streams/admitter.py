@@ -30,6 +30,7 @@ from __future__ import annotations
 
 import logging
 import time
+from collections import Counter
 from collections.abc import Iterator
 
 from confluent_kafka import Message
@@ -82,6 +83,10 @@ class Admitter(RetryScheduler):
         self.ahead: int | None = None  # records on J.requests the workers have not committed: measured + admitted
         self._measured_at = 0.0
         self.admitted = 0
+        # Read by the metrics reader's thread (batchline.telemetry.streams_metrics): each is replaced whole here, on
+        # the admitter's thread, never changed in place, so a reader sees one complete dict.
+        self.admitted_by_tenant: dict[str, int] = {}
+        self.waiting_by_tenant: dict[str, int] = {}  # records held here, fetched and not yet admitted
 
     def _sources(self) -> list[str]:
         return [self.topics.staged]
@@ -141,6 +146,7 @@ class Admitter(RetryScheduler):
                     manifest = self.runs.get(run_of(queue.records[0]))
                     if manifest is not None and manifest.fingerprint:
                         fingerprints.add(manifest.fingerprint)
+            self.waiting_by_tenant = self._waiting()
             measured = self.backlog.least_behind(fingerprints)
             self._measured_at = now
             if measured is not None:
@@ -149,9 +155,19 @@ class Admitter(RetryScheduler):
             return 0  # the workers' backlog cannot be read yet: admit nothing rather than flood J.requests
         return self.schedule.admit_ahead - self.ahead
 
+    def _waiting(self) -> dict[str, int]:
+        counts: Counter[str] = Counter()
+        for queue in self.queues.values():
+            runs = Counter(run_of(held) for held in queue.records)
+            for run, n in runs.items():
+                counts[self._flow(run).tenant] += n
+        return dict(counts)
+
     def _released(self, batch: list[Held], stops: dict[int, str]) -> None:
         admitted = len(batch) - len(stops)
         self.admitted += admitted
+        by_tenant = Counter(self._flow(run_of(held)).tenant for i, held in enumerate(batch) if i not in stops)
+        self.admitted_by_tenant = dict(Counter(self.admitted_by_tenant) + by_tenant)
         if self.ahead is not None:
             self.ahead += admitted
 

@@ -83,12 +83,12 @@ class StreamsApp:
         liveness = BrokerLiveness(self.kafka, self.config.job).start()
         scheduler = RetryScheduler(self.config, self.kafka, broker_down=liveness.is_down)
         ledger = Ledger(self.config, self.kafka, self.snapshot_interval_s, self.ledger_settings, liveness.is_down)
-        watch = watch_streams(self.config.job, self.health, scheduler, ledger)  # metrics and readiness
+        admitter = Admitter(self.config, self.kafka, broker_down=liveness.is_down) if self.fair_share else None
+        watch = watch_streams(self.config.job, self.health, scheduler, ledger, admitter)  # metrics and readiness
         threads = [
             self._thread("retry-scheduler", scheduler.start, scheduler.step, scheduler.close),
             self._thread("ledger", ledger.start, ledger.step, ledger.close),
         ]
-        admitter = Admitter(self.config, self.kafka, broker_down=liveness.is_down) if self.fair_share else None
         if admitter is not None:  # fair admission: staged runs to J.requests in turns (streams/admitter.py)
             threads.append(self._thread("admitter", admitter.start, admitter.step, admitter.close))
         for t in threads:

@@ -37,7 +37,7 @@ def status(
     from batchline.kafka.groups import UnstableSince, job_groups, rebalance_timeout_s
     from batchline.kafka.topics import JobTopics
     from batchline.runs.backlog import lanes_state
-    from batchline.runs.status import collect
+    from batchline.runs.status import collect, tenant_shares
 
     topics = JobTopics(job)
     kafka = connect(bootstrap, topics, [topics.runs, topics.ledger, topics.requests])
@@ -65,17 +65,19 @@ def status(
 
     if json_out:
         runs = snapshot()
-        print(json.dumps({"job": job, "lanes": lanes(), "groups": groups(runs), "runs": runs}, indent=2))
+        shown = {"job": job, "lanes": lanes(), "groups": groups(runs), "tenants": tenant_shares(runs), "runs": runs}
+        print(json.dumps(shown, indent=2))
         return
     if not watch:
         runs = snapshot()
-        lines = [*_lanes_lines(lanes()), *_group_lines(groups(runs))]
+        lines = [*_lanes_lines(lanes()), *_group_lines(groups(runs)), *_tenant_lines(tenant_shares(runs))]
         out.print(Group(*lines, *(run_panel(r) for r in runs)) if runs else Group(*lines, f"no runs in {topics.runs}"))
         return
     with Live(console=out, refresh_per_second=1) as live:
         while True:
             runs = snapshot()
-            live.update(Group(*_lanes_lines(lanes()), *_group_lines(groups(runs)), *(run_panel(r) for r in runs)))
+            head = [*_lanes_lines(lanes()), *_group_lines(groups(runs)), *_tenant_lines(tenant_shares(runs))]
+            live.update(Group(*head, *(run_panel(r) for r in runs)))
             time.sleep(2)
 
 
@@ -93,6 +95,15 @@ def _group_lines(groups: dict[str, dict[str, Any]]) -> list[str]:
                 f"group {name}: rebalancing{seen} (state {g['state']}); past the rebalance timeout: {g['cause']}"
             )
     return lines
+
+
+def _tenant_lines(tenants: dict[str, dict[str, Any]]) -> list[str]:
+    """One line per tenant (fair admission): its queue and its share of what has succeeded."""
+    return [
+        f"tenant {name}: {t['pending']} pending in {t['runs_pending']} runs, {t['succeeded']} succeeded "
+        f"({t['share']:.1%} of all)"
+        for name, t in tenants.items()
+    ]
 
 
 def _lanes_lines(state: dict[str, Any] | None) -> list[str]:

@@ -90,6 +90,9 @@ class RunStatus:
             "expires_at": _iso(m.expires_at) if m else None,
             "cancelled_at": _iso(m.cancelled_at) if m else None,
             "idempotency_key": m.idempotency_key if m else None,
+            "tenant": m.tenant if m else None,
+            "priority": m.priority if m else 0,
+            "staged": m.staged if m else False,
             "fingerprint": m.fingerprint if m else None,
             "model_id": m.model_id if m else None,
             "parent_run_id": m.parent_run_id if m else None,
@@ -116,6 +119,26 @@ class RunStatus:
             "top_quarantined": [q.model_dump() for q in s.top_quarantined] if s else [],
             "updated_at": s.updated_at.isoformat() if s else None,
         }
+
+
+def tenant_shares(runs: list[dict[str, Any]]) -> dict[str, dict[str, Any]]:
+    """Per tenant (``-`` for runs without one), from the runs' status (:meth:`RunStatus.as_json`): its runs still
+    pending, its queue (records without an outcome) and its share of the records that have succeeded. Empty when no
+    run names a tenant."""
+    if not any(r.get("tenant") for r in runs):
+        return {}
+    out: dict[str, dict[str, Any]] = {}
+    for r in runs:
+        if r["run_id"] == STREAM_RUN:
+            continue
+        t = out.setdefault(r.get("tenant") or "-", {"runs_pending": 0, "pending": 0, "succeeded": 0, "share": 0.0})
+        t["runs_pending"] += r["pending"] > 0
+        t["pending"] += r["pending"]
+        t["succeeded"] += r["succeeded"]
+    done = sum(t["succeeded"] for t in out.values())
+    for t in out.values():
+        t["share"] = round(t["succeeded"] / done, 4) if done else 0.0
+    return dict(sorted(out.items()))
 
 
 def _furthest(a: RunStats, b: RunStats) -> RunStats:

@@ -21,6 +21,7 @@ SCOPE = "batchline"
 JOB = "batchline.job"
 COMPONENT = "batchline.component"  # worker | retry_scheduler
 TXN_OUTCOME = "batchline.transaction.outcome"  # committed | aborted
+TENANT = "batchline.tenant"  # fair admission: whose records (RunManifest.tenant; "" for none)
 FLUSH_TIMEOUT_MS = 5000  # the last push as a component closes; a collector that is down costs this much
 
 Source = Callable[[], Iterable[Observation]]

@@ -8,12 +8,12 @@ ledger last published a snapshot.
 from __future__ import annotations
 
 import time
-from collections.abc import Callable, Collection
+from collections.abc import Callable, Collection, Mapping
 from typing import Protocol
 
 from opentelemetry.metrics import Observation
 
-from batchline.telemetry.feeds import COMPONENT, JOB, TXN_OUTCOME, Watches, feed, transactions
+from batchline.telemetry.feeds import COMPONENT, JOB, TENANT, TXN_OUTCOME, Watches, feed, transactions
 from batchline.telemetry.health import LEDGER_CAUGHT_UP, SCHEDULER_ASSIGNED, Health
 
 
@@ -57,12 +57,28 @@ class LedgerView(Protocol):
     def group_watch(self) -> GroupWatchView: ...
 
 
+class AdmitterView(Protocol):
+    """What is read of ``streams.admitter.Admitter`` (fair admission): plain attributes it replaces whole."""
+
+    @property
+    def admitted_by_tenant(self) -> Mapping[str, int]: ...
+    @property
+    def waiting_by_tenant(self) -> Mapping[str, int]: ...
+    @property
+    def group_watch(self) -> GroupWatchView: ...
+
+
 class StreamsMetrics:
     """The streams' instruments, read from the scheduler's and the ledger's own counters. :meth:`sample` on the app's
     watch loop notes when the ledger last published, for the snapshot age."""
 
     def __init__(
-        self, job: str, scheduler: SchedulerView, ledger: LedgerView, clock: Callable[[], float] = time.monotonic
+        self,
+        job: str,
+        scheduler: SchedulerView,
+        ledger: LedgerView,
+        clock: Callable[[], float] = time.monotonic,
+        admitter: AdmitterView | None = None,
     ) -> None:
         self.attrs: dict[str, str] = {JOB: job}
         self.ledger = ledger
@@ -99,6 +115,15 @@ class StreamsMetrics:
             feed("batchline.ledger.snapshot.age", "gauge", "s", "Seconds since the ledger last published a snapshot"),
             lambda: [Observation(self.snapshot_age(), attrs)],
         )
+        if admitter is not None:
+            w.add(
+                feed("batchline.admission.admitted", "counter", "{record}", "Records admitted to J.requests"),
+                lambda: [Observation(n, attrs | {TENANT: t}) for t, n in admitter.admitted_by_tenant.items()],
+            )
+            w.add(
+                feed("batchline.admission.waiting", "gauge", "{record}", "Staged records read, not yet admitted"),
+                lambda: [Observation(n, attrs | {TENANT: t}) for t, n in admitter.waiting_by_tenant.items()],
+            )
 
     def sample(self) -> None:
         snapshots = self.ledger.snapshots
@@ -113,10 +138,14 @@ class StreamsMetrics:
         self._watches.close()
 
 
-def watch_streams(job: str, health: Health, scheduler: SchedulerView, ledger: LedgerView) -> StreamsMetrics:
+def watch_streams(
+    job: str, health: Health, scheduler: SchedulerView, ledger: LedgerView, admitter: AdmitterView | None = None
+) -> StreamsMetrics:
     """The streams' metrics, and their readiness: the scheduler has partitions and the ledger has caught up."""
     health.watch(SCHEDULER_ASSIGNED, lambda: bool(scheduler.assigned))
     health.watch(LEDGER_CAUGHT_UP, lambda: ledger.caught_up)
     health.watch_problem("scheduler group", scheduler.group_watch.stuck)
     health.watch_problem("ledger group", ledger.group_watch.stuck)
-    return StreamsMetrics(job, scheduler, ledger)
+    if admitter is not None:
+        health.watch_problem("admitter group", admitter.group_watch.stuck)
+    return StreamsMetrics(job, scheduler, ledger, admitter=admitter)

@@ -24,6 +24,7 @@ from tests.support.cli import run_cli, status_json
 from tests.support.jobs import job_toml, requests_file
 from tests.support.kafka import results, wait_for
 from tests.support.oracle import assert_exactly_once, committed
+from tests.support.probes import by_label, free_port, scrape, total
 from tests.support.procs import CliProcess
 
 RUN_TIMEOUT_S = 180.0
@@ -36,14 +37,17 @@ def _fair_job(path: Path, ahead: int, latency_ms: int, weights: str = "") -> Pat
     return job_toml(path, kwargs=f"latency_ms = {latency_ms}", max_records=16, extra=schedule)
 
 
-def _processes(job: str, cfg: Path, kafka: KafkaSettings, tmp: Path) -> tuple[CliProcess, CliProcess]:
+def _processes(
+    job: str, cfg: Path, kafka: KafkaSettings, tmp: Path, metrics_port: int | None = None
+) -> tuple[CliProcess, CliProcess]:
     worker = CliProcess(["worker", job, "--config", str(cfg)], kafka.bootstrap, tmp / "worker.log").start()
-    streams = _streams(job, cfg, kafka, tmp)
+    streams = _streams(job, cfg, kafka, tmp, metrics_port)
     return worker, streams
 
 
-def _streams(job: str, cfg: Path, kafka: KafkaSettings, tmp: Path) -> CliProcess:
+def _streams(job: str, cfg: Path, kafka: KafkaSettings, tmp: Path, metrics_port: int | None = None) -> CliProcess:
     args = ["streams", job, "--config", str(cfg), "--ledger-dir", str(tmp / "ledger"), "--snapshot-interval", "0.3"]
+    args += ["--metrics-port", str(metrics_port)] if metrics_port else []
     return CliProcess(args, kafka.bootstrap, tmp / "streams.log").start()
 
 
@@ -75,11 +79,12 @@ def test_a_small_run_finishes_while_the_backfill_ahead_of_it_is_mostly_pending(
     cfg = _fair_job(tmp_path / "job.toml", ahead=128, latency_ms=2)
     big_ids, _ = requests_file(tmp_path / "big.jsonl", BIG, prefix="big")
     small_ids, _ = requests_file(tmp_path / "small.jsonl", SMALL, prefix="small")
-    worker, streams = _processes(topics.job, cfg, kafka, tmp_path)
+    port = free_port()
+    worker, streams = _processes(topics.job, cfg, kafka, tmp_path, port)
     try:
         big = _submit(kafka, topics.job, cfg, tmp_path / "big.jsonl", "--tenant", "archive")
         wait_for(lambda: _alive(worker, streams) or len(results(kafka, topics)) >= 200, RUN_TIMEOUT_S, "under way")
-        small = _submit(kafka, topics.job, cfg, tmp_path / "small.jsonl", "--tenant", "archive")
+        small = _submit(kafka, topics.job, cfg, tmp_path / "small.jsonl", "--tenant", "daily")
 
         def small_done() -> dict[str, int] | None:
             _alive(worker, streams)
@@ -92,8 +97,15 @@ def test_a_small_run_finishes_while_the_backfill_ahead_of_it_is_mostly_pending(
         print(f"backfill results when the small run finished: {at_small_done['big']} of {BIG}")
         assert at_small_done["big"] < BIG // 2, at_small_done
 
+        samples = scrape(port)  # the admitter's figures by tenant
+        assert by_label(samples, "batchline_admission_admitted_total", "batchline_tenant").keys() == {
+            "archive",
+            "daily",
+        }
+        assert total(samples, "batchline_admission_admitted_total", batchline_tenant="daily") == SMALL
+
         streams.kill()  # the admitter dies mid-backfill (SIGKILL): its successor goes on from the committed offsets
-        streams = _streams(topics.job, cfg, kafka, tmp_path)
+        streams = _streams(topics.job, cfg, kafka, tmp_path, port)
 
         def both_complete() -> bool:
             _alive(worker, streams)
@@ -107,6 +119,14 @@ def test_a_small_run_finishes_while_the_backfill_ahead_of_it_is_mostly_pending(
     assert_exactly_once(kafka.bootstrap, topics, big_ids | small_ids)
     _admitted_once(kafka, topics, big_ids | small_ids)
     assert committed(kafka.bootstrap, topics.staged)  # the runs were staged, not published to J.requests
+    shown = json.loads(run_cli(kafka.bootstrap, "status", topics.job, "--json").stdout)
+    assert {name: (t["pending"], t["succeeded"]) for name, t in shown["tenants"].items()} == {
+        "archive": (0, BIG),
+        "daily": (0, SMALL),
+    }
+    assert shown["tenants"]["daily"]["share"] == round(SMALL / (BIG + SMALL), 4)
+    printed = run_cli(kafka.bootstrap, "status", topics.job).stdout
+    assert f"tenant daily: 0 pending in 0 runs, {SMALL} succeeded" in printed
 
 
 def test_tenants_share_the_workers_by_weight_and_a_runs_priority_counts_within_its_tenant(
