@@ -326,11 +326,12 @@ class ScheduleConfig(_Frozen):
         "backfill. Needs `batchline streams` running. Records published to J.requests directly are not staged.",
     )
     admit_ahead: int = Field(
-        1024,
+        512,
         ge=1,
-        description="Fair admission: records admitted to J.requests that the job's workers have not yet committed, "
-        "at most. Enough to keep every worker busy (about twice what the workers run at once); more makes a new "
-        "run wait longer behind those already admitted.",
+        description="Fair admission: records admitted to J.requests beyond what the job's workers can hold (each "
+        "takes up to `batching.max_in_flight_records`), at least: what waits there for a worker to take it (more "
+        "when the workers are fast: 0.3 s of their measured rate). A new run's records wait behind about that many, "
+        "plus what the workers hold.",
     )
     tenant_weights: dict[str, float] = Field(
         default_factory=dict,

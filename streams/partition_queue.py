@@ -15,11 +15,13 @@ class PartitionQueue:
 
     records: deque[Held] = field(default_factory=deque)
     next_offset: int = -1
+    bytes: int = 0  # of the held records' values
 
     def push(self, held: Held) -> bool:
         if held.offset < self.next_offset:
             return False
         self.records.append(held)
+        self.bytes += len(held.value or b"")
         self.next_offset = held.offset + 1
         return True
 
@@ -35,7 +37,7 @@ class PartitionQueue:
 
     def drop(self, n: int) -> None:
         for _ in range(n):
-            self.records.popleft()
+            self.bytes -= len(self.records.popleft().value or b"")
 
     def next_due(self) -> int | None:
         return self.records[0].due_at_ms if self.records else None

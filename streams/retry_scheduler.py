@@ -49,7 +49,7 @@ from confluent_kafka import OFFSET_BEGINNING, Consumer, KafkaError, KafkaExcepti
 
 from batchline.config import JobConfig, KafkaSettings
 from batchline.kafka import headers as h
-from batchline.kafka.client import make_consumer
+from batchline.kafka.client import make_consumer, take
 from batchline.kafka.embedded.aborted import AbortedIndex
 from batchline.kafka.embedded.takeover import TakeoverGate
 from batchline.kafka.groups import close_member, watch_member
@@ -96,10 +96,11 @@ class RetryScheduler:
 
     The admitter (``streams/admitter.py``) is this same machine over ``J.staged`` with another rule for what is
     released when: it overrides :meth:`_sources`, :meth:`_held_of`, :meth:`_choose`, :meth:`_holding` and
-    :meth:`_wait_s` (and :attr:`name`, :attr:`STAMP`, :meth:`group_of`)."""
+    :meth:`_wait_s` (and :attr:`name`, :attr:`STAMP`, :attr:`TRANSACTIONAL_SOURCES`, :meth:`group_of`)."""
 
     name = "retry scheduler"
     STAMP = RETRIED_AT  # the header the re-published record gains: when it was released
+    TRANSACTIONAL_SOURCES = True  # the sources hold transactional records (the workers write the retry tiers)
 
     @staticmethod
     def group_of(job: str) -> str:
@@ -128,7 +129,8 @@ class RetryScheduler:
         conf = {"queued.max.messages.kbytes": 16384, **stats}
         self.consumer: Consumer = make_consumer(kafka, self.group, **conf)
         self.ownership = Ownership(self.consumer, kafka.session_timeout_ms / 1000, broker_down)
-        self.aborted = AbortedIndex(kafka)  # asked on the scheduler's thread, in step()
+        # asked on the scheduler's thread, in step(); None where no transaction writes the sources (the admitter's)
+        self.aborted = AbortedIndex(kafka) if self.TRANSACTIONAL_SOURCES else None
         # a newly assigned partition waits for the transactions open on what this group writes (takeover.py)
         self.takeover = TakeoverGate(kafka, [self.topics.requests, self.topics.dlq]) if kafka.embedded else None
         limits = effective_max_message_bytes(kafka, [self.topics.requests, self.topics.dlq])
@@ -177,13 +179,16 @@ class RetryScheduler:
     def step(self) -> None:
         """Wait for records or the earliest due head, then re-publish what is due and pause what is not."""
         held_back: set[TP] = set()  # partitions sought back to a record whose transaction cannot be told yet
-        for msg in self.consumer.consume(POLL_BATCH, self._wait_s()):
+        for msg in take(self.consumer, POLL_BATCH, self._wait_s()):  # consume() would wait out the whole wait
             if msg.error():
                 if msg.error().code() != KafkaError._PARTITION_EOF:
                     log.warning("%s consumer: %s", self.name, msg.error().str())
                 continue
             if (msg.topic(), msg.partition()) not in self.assigned:
                 continue  # a straggler of a partition given away
+            if self.aborted is None:
+                self._hold(self._held_of(msg))
+                continue
             aborted = self.aborted.aborted_or_seek_back(
                 msg.topic(), msg.partition(), msg.offset(), held_back, self._seek
             )
@@ -422,7 +427,8 @@ class RetryScheduler:
         self.group_watch.assigned(len(self.assigned))
 
     def close(self) -> None:
-        self.aborted.close()
+        if self.aborted is not None:
+            self.aborted.close()
         try:
             # once the group is stable: a leader leaving a re-forming group jams the embedded broker
             close_member(self.consumer, self.kafka, self.group)

@@ -22,7 +22,7 @@ from confluent_kafka import TopicPartition
 
 from batchline.config import KafkaSettings
 from batchline.exceptions import KafkaOperationError
-from batchline.kafka.client import make_reader
+from batchline.kafka.client import make_reader, take
 from batchline.kafka.embedded.aborted import AbortedIndex
 
 READ_TIMEOUT_S = 30.0
@@ -111,6 +111,9 @@ def end_offsets(reader: Any, topic: str, partitions: list[int], timeout: float =
     return read_past(reader, topic, highs, timeout)
 
 
+PROBE_POLL_S = 0.005
+
+
 def read_past(reader: Any, topic: str, highs: dict[int, int], timeout: float = READ_TIMEOUT_S) -> dict[int, int]:
     """:func:`end_offsets` from high watermarks already read: each partition's end, at or past its ``highs``."""
     ends = dict(highs)
@@ -121,7 +124,10 @@ def read_past(reader: Any, topic: str, highs: dict[int, int], timeout: float = R
     waiting = {tp.partition for tp in probe}
     deadline = time.monotonic() + timeout
     while waiting and time.monotonic() < deadline:
-        msgs = reader.consume(1000, 0.2)
+        # Short polls, and the positions checked after each: a partition whose last record is a transaction marker
+        # delivers no record at all, only a position past it (a transactional writer's partitions always end so).
+        # take(), not consume(): consume waits out its timeout unless 1,000 records come.
+        msgs = take(reader, 1000, PROBE_POLL_S)
         for msg in msgs:
             if not msg.error():
                 ends[msg.partition()] = max(ends[msg.partition()], msg.offset() + 1)

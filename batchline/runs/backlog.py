@@ -13,7 +13,8 @@ Used by lanes (``schedule.yield_to``): a job yields while a job it yields to has
 from __future__ import annotations
 
 import logging
-from collections.abc import Iterable, Mapping, Sequence
+import time
+from collections.abc import Mapping, Sequence
 
 from confluent_kafka import Consumer, KafkaException, TopicPartition
 
@@ -25,6 +26,7 @@ from batchline.runs.manifests import RunsView
 
 log = logging.getLogger(__name__)
 TIMEOUT_S = 10.0
+METADATA_EVERY_S = 30.0
 
 
 class JobBacklog:
@@ -36,6 +38,8 @@ class JobBacklog:
         self.view = RunsView(kafka, self.topics)
         self._meta = make_reader(kafka)
         self._groups: dict[str, Consumer] = {}
+        self._lows: dict[int, int] = {}
+        self._known: tuple[float, list[int]] | None = None  # when the partitions were read, and them
 
     def measure(self) -> int | None:
         """The backlog in records, or None when the job's request topic cannot be read."""
@@ -52,32 +56,33 @@ class JobBacklog:
         whole = sum(high - low for low, high in ends.values())
         return max(behind) if behind else whole
 
-    def least_behind(self, fingerprints: Iterable[str]) -> int | None:
-        """The backlog of the least behind of these fingerprints' worker groups, or None when it cannot be read.
-        The admitter's measure (``streams/admitter.py``): the runs it admits are read by their own fingerprints'
-        groups, and a group without workers must not hold the others back."""
-        try:
-            ends = self._watermarks()
-            if ends is None:
-                return None
-            behind = [self._group_backlog(self.topics.worker_group(fp), ends) for fp in sorted(set(fingerprints))]
-        except KafkaException as exc:
-            log.warning("backlog of %s unknown: %s", self.topics.job, exc)
-            return None
-        return min(behind) if behind else sum(high - low for low, high in ends.values())
-
     def _watermarks(self) -> dict[int, tuple[int, int]] | None:
         topic = self.topics.requests
-        meta = self._meta.list_topics(topic, timeout=TIMEOUT_S).topics.get(topic)
-        if meta is None or meta.error is not None:
+        partitions = self._partitions()
+        if partitions is None:
             return None
-        partitions = sorted(meta.partitions)
         ends = end_offsets(self._meta, topic, partitions, TIMEOUT_S)
-        lows = {
-            p: self._meta.get_watermark_offsets(TopicPartition(topic, p), TIMEOUT_S, cached=False)[0]
-            for p in partitions
-        }
-        return {p: (lows[p], ends[p]) for p in partitions}
+        return {p: (self._low(p), ends[p]) for p in partitions}
+
+    def _partitions(self) -> list[int] | None:
+        """The request topic's partitions, read again every :data:`METADATA_EVERY_S`: a metadata request on this
+        reader once it has been assigned takes ~0.5 s on the embedded broker."""
+        now = time.monotonic()
+        if self._known is None or now - self._known[0] >= METADATA_EVERY_S:
+            topic = self.topics.requests
+            meta = self._meta.list_topics(topic, timeout=TIMEOUT_S).topics.get(topic)
+            if meta is None or meta.error is not None or not meta.partitions:
+                return None
+            self._known = (now, sorted(meta.partitions))
+        return self._known[1]
+
+    def _low(self, partition: int) -> int:
+        """The partition's low watermark, read once: only a group that has committed nothing counts from it, and
+        retention moves it rarely (a backlog counted from an older low is larger, never smaller)."""
+        if partition not in self._lows:
+            tp = TopicPartition(self.topics.requests, partition)
+            self._lows[partition] = self._meta.get_watermark_offsets(tp, TIMEOUT_S, cached=False)[0]
+        return self._lows[partition]
 
     def _group_backlog(self, group: str, ends: dict[int, tuple[int, int]]) -> int:
         reader = self._groups.get(group)

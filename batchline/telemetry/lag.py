@@ -12,7 +12,7 @@ reads low by up to one producer batch (it is clamped at 0); on Kafka it is exact
 from __future__ import annotations
 
 import logging
-from collections.abc import Sequence
+from collections.abc import Callable, Sequence
 
 from confluent_kafka import ConsumerGroupTopicPartitions, IsolationLevel, KafkaException, TopicPartition
 from confluent_kafka.admin import AdminClient, OffsetSpec
@@ -41,23 +41,31 @@ class LagReader:
 
     def lag(self, partitions: Sequence[TP]) -> dict[TP, int]:
         """Lag per partition (``topic``, ``partition``); nothing committed yet counts from the log start."""
+        return {key: max(0, end - done) for key, (done, end) in self.positions(partitions).items()}
+
+    def positions(
+        self, partitions: Sequence[TP], ends_read: Callable[[], None] | None = None
+    ) -> dict[TP, tuple[int, int]]:
+        """(committed offset, end) per partition; the log start where the group has committed nothing. Empty when
+        they cannot be read. ``ends_read`` is called once the ends are read (what is written after is not in them)."""
         if not partitions:
             return {}
         tps = [TopicPartition(topic, partition) for topic, partition in partitions]
         try:
-            committed = self._committed(tps)
             ends = self._offsets(tps, OffsetSpec.latest())
+            if ends_read is not None:
+                ends_read()
+            committed = self._committed(tps)
             starts = self._offsets(
                 [tp for tp in tps if committed.get((tp.topic, tp.partition), -1) < 0], OffsetSpec.earliest()
             )
         except KafkaException as exc:
             log.debug("lag of %s not read: %s", self.group, exc)
             return {}
-        out: dict[TP, int] = {}
+        out: dict[TP, tuple[int, int]] = {}
         for key, end in ends.items():
             start = committed.get(key, -1)
-            start = start if start >= 0 else starts.get(key, 0)
-            out[key] = max(0, end - start)
+            out[key] = (start if start >= 0 else starts.get(key, 0), end)
         return out
 
     def _committed(self, tps: list[TopicPartition]) -> dict[TP, int]:

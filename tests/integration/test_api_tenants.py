@@ -76,8 +76,9 @@ def test_one_tenants_small_batch_finishes_while_anothers_large_batch_is_mostly_p
 ) -> None:
     topics = make_job(job_name, partitions=2, tiers=("1s", "2s"))
     fair = "[schedule]\nfair_share = true\nadmit_ahead = 128\n"
-    cfg = job_toml(tmp_path / "job.toml", kwargs="latency_ms = 2", max_records=16, extra=fair)
-    large, small = 3000, 10
+    cfg = job_toml(tmp_path / "job.toml", kwargs="latency_ms = 3", max_records=16, extra=fair)
+    cfg.write_text(cfg.read_text().replace("linger_ms = 50", "linger_ms = 50\nmax_in_flight_records = 64"))
+    large, small = 4000, 10
     streams_args = ["streams", topics.job, "--config", str(cfg), "--snapshot-interval", "0.2"]
     streams = CliProcess(streams_args, kafka.bootstrap, tmp_path / "streams.log")
     worker = CliProcess(["worker", topics.job, "--config", str(cfg)], kafka.bootstrap, tmp_path / "worker.log")

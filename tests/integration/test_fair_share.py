@@ -32,9 +32,15 @@ BIG = 5000
 SMALL = 10
 
 
+IN_FLIGHT = 64  # what a worker holds: a new run waits behind it and admit_ahead
+
+
 def _fair_job(path: Path, ahead: int, latency_ms: int, weights: str = "") -> Path:
+    """A fair-share job whose worker holds few records (``max_in_flight_records``)."""
     schedule = f"[schedule]\nfair_share = true\nadmit_ahead = {ahead}\n{weights}"
-    return job_toml(path, kwargs=f"latency_ms = {latency_ms}", max_records=16, extra=schedule)
+    job_toml(path, kwargs=f"latency_ms = {latency_ms}", max_records=16, extra=schedule)
+    path.write_text(path.read_text().replace("linger_ms = 50", f"linger_ms = 50\nmax_in_flight_records = {IN_FLIGHT}"))
+    return path
 
 
 def _processes(
@@ -168,7 +174,7 @@ def test_tenants_share_the_workers_by_weight_and_a_runs_priority_counts_within_i
     # within heavy the priority-1 run twice the priority-0 run. The first turns are left out: they admit what was
     # fetched first.
     cut = min(max(i for i, f in enumerate(flows) if f == flow) for flow in files)
-    window = Counter(flows[2 * 64 : cut + 1])
+    window = Counter(flows[4 * (IN_FLIGHT + 64) : cut + 1])
     light, heavy0, heavy1 = window[("light", 0)], window[("heavy", 0)], window[("heavy", 1)]
     print(f"admitted while all waited: {dict(window)}")
     assert abs((heavy0 + heavy1) / light - 3.0) <= 0.3, window
