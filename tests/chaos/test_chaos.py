@@ -19,11 +19,12 @@ import pytest
 from batchline.config import KafkaSettings, load_job_config
 from batchline.kafka.topics import JobTopics
 from batchline.runs.identity import fingerprint_of
+from batchline.runs.staging import Staging
 from batchline.runs.submit import submit_file
 from consumers.engines.deterministic import DeterministicEngine
 from tests.support.jobs import job_toml
 from tests.support.kafka import wait_for
-from tests.support.oracle import assert_exactly_once, outcome_ids
+from tests.support.oracle import assert_exactly_once, committed, outcome_ids
 from tests.support.procs import CliProcess
 
 pytestmark = pytest.mark.chaos
@@ -60,17 +61,26 @@ def _archive(path: Path, rng: random.Random) -> dict[str, str]:
     return texts
 
 
+@pytest.mark.parametrize("fair_share", [False, True], ids=["direct", "fair-share"])
 def test_chaos_no_id_lost_and_every_id_has_one_terminal_outcome(
-    kafka: KafkaSettings, job_name: str, make_job: Callable[..., JobTopics], tmp_path: Path, logs_dir: Path
+    fair_share: bool,
+    kafka: KafkaSettings,
+    job_name: str,
+    make_job: Callable[..., JobTopics],
+    tmp_path: Path,
+    logs_dir: Path,
 ) -> None:
+    """With ``fair_share`` the run is staged and admitted by the streams process, which is then among the victims
+    (the admitter is SIGKILLed mid-admission too)."""
     rng = random.Random(20261202)
     topics = make_job(job_name, partitions=4, tiers=("1s", "2s"))
-    cfg = job_toml(tmp_path / "job.toml", kwargs=KNOBS, max_records=100, max_attempts=MAX_ATTEMPTS)
+    extra = "[schedule]\nfair_share = true\n" if fair_share else ""
+    cfg = job_toml(tmp_path / "job.toml", kwargs=KNOBS, max_records=100, max_attempts=MAX_ATTEMPTS, extra=extra)
     config = load_job_config(job_name, cfg)
     texts = _archive(tmp_path / "in.jsonl", rng)
     engine = DeterministicEngine("generate", knobs=config.engine.deterministic, streaming=config.engine.streaming)
     expected = {rid: expected_outcome(engine, rid, text) for rid, text in texts.items()}
-    submit_file(kafka, topics, tmp_path / "in.jsonl", fingerprint_of(config))
+    submit_file(kafka, topics, tmp_path / "in.jsonl", fingerprint_of(config), staging=Staging.of(config))
 
     def worker(name: str) -> CliProcess:
         return CliProcess(
@@ -82,14 +92,21 @@ def test_chaos_no_id_lost_and_every_id_has_one_terminal_outcome(
     def terminal() -> int:
         return len(outcome_ids(kafka.bootstrap, topics))
 
-    scheduler = CliProcess(
-        ["streams", job_name, "--config", str(cfg)], kafka.bootstrap, logs_dir / "streams.log"
-    ).start()
+    def streams(n: int) -> CliProcess:
+        return CliProcess(
+            ["streams", job_name, "--config", str(cfg)], kafka.bootstrap, logs_dir / f"streams{n}.log"
+        ).start()
+
+    scheduler = streams(0)
     workers = [worker("a0"), worker("b0")]
     kill_points = sorted(rng.sample(range(1500, RECORDS - 1500), KILLS))
     try:
         for n, point in enumerate(kill_points, 1):
             wait_for(lambda p=point: terminal() >= p, RUN_TIMEOUT_S, f"{point} terminal outcomes", interval=1)
+            if fair_share and n == 2:  # the streams process, admitter and all, once mid-run
+                scheduler.kill()
+                scheduler = streams(n)
+                continue
             victim = rng.randrange(len(workers))
             workers[victim].kill()
             workers[victim] = worker(f"{'ab'[victim]}{n}")
@@ -100,6 +117,13 @@ def test_chaos_no_id_lost_and_every_id_has_one_terminal_outcome(
         scheduler.stop()
 
     outcomes = assert_exactly_once(kafka.bootstrap, topics, set(texts))
+    if fair_share:  # admitted exactly once: each id one committed copy on J.requests (retries come on top, stamped)
+        admitted = Counter(
+            (r.key or b"").decode()
+            for r in committed(kafka.bootstrap, topics.requests)
+            if not any(name == "batchline-retried-at" for name, _ in r.headers)
+        )
+        assert set(admitted) == set(texts) and set(admitted.values()) == {1}
     got = outcomes.placed()
     wrong = {rid: (got[rid], want) for rid, want in expected.items() if got[rid] != want}
     assert not wrong, f"{len(wrong)} ids ended in the wrong place, e.g. {list(wrong.items())[:5]}"
