@@ -48,6 +48,7 @@ from batchline.kafka.client import make_admin
 from batchline.kafka.groups import describe_group
 from batchline.kafka.liveness import BrokerDown, never_down
 from batchline.kafka.topics import JobTopics
+from batchline.runs.submit import PRIORITY_BOUND
 from batchline.telemetry.lag import LagReader
 from streams.fair_share import FairShare, Flow
 from streams.partition_queue import PartitionQueue
@@ -68,7 +69,6 @@ MARGIN_S = 0.3  # a turn's way to the workers (measure, admit, commit, fetch), i
 METADATA_EVERY_S = 30.0
 METADATA_TIMEOUT_S = 10.0
 JOIN_TIMEOUT_S = 15.0
-PRIORITY_BOUND = 16  # a run's priority counts within +-this (2**16 to 1 is as strong as a share gets)
 
 
 def run_of(held: Held) -> str:

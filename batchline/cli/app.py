@@ -157,11 +157,14 @@ def submit(
         str | None, typer.Option("--tenant", help="Fair admission: whose run this is (shares by tenant).")
     ] = None,
     priority: Annotated[
-        int,
+        int | None,
         typer.Option(
-            "--priority", min=-16, max=16, help="Fair admission: weighs 2**P against the tenant's other runs."
+            "--priority",
+            min=-16,
+            max=16,
+            help="Fair admission: weighs 2**P against the tenant's other runs (default: the records' highest).",
         ),
-    ] = 0,
+    ] = None,
     *,
     opts: JobOptions,
     bootstrap: str,
@@ -185,7 +188,7 @@ def submit(
     cfg = opts.load(job)
     check_model(cfg)
     topics = JobTopics(job, cfg.retry.tiers)
-    if (tenant is not None or priority) and not cfg.schedule.fair_share:
+    if (tenant is not None or priority is not None) and not cfg.schedule.fair_share:
         raise fail(f"--tenant and --priority need fair admission: set schedule.fair_share = true in {job}'s config")
     staging = Staging.of(cfg, tenant, priority)
     kafka = connect(bootstrap, topics, [topics.staged if staging.fair_share else topics.requests, topics.runs])

@@ -30,14 +30,16 @@ TIMEOUT_S = 10.0
 @dataclass(frozen=True)
 class Staging:
     """How a run enters its job: straight to ``J.requests``, or staged for the admitter (``fair_share``), where
-    it takes turns as ``tenant``'s run of ``priority``."""
+    it takes turns as ``tenant``'s run of ``priority``. A ``priority`` of None is the highest its records carry
+    (``Request.priority``; 0 when none does): a record's priority is its run's, as records of one run keep their
+    order."""
 
     fair_share: bool = False
     tenant: str | None = None
-    priority: int = 0
+    priority: int | None = None
 
     @classmethod
-    def of(cls, config: JobConfig, tenant: str | None = None, priority: int = 0) -> Staging:
+    def of(cls, config: JobConfig, tenant: str | None = None, priority: int | None = None) -> Staging:
         return cls(config.schedule.fair_share, tenant, priority)
 
 

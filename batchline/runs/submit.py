@@ -35,6 +35,7 @@ from schemas import PartitionBoundary, Request, RunManifest, codec_for
 Format = Literal["jsonl", "openai", "parquet"]
 FLUSH_TIMEOUT_S = 60.0
 PARQUET_BATCH_ROWS = 4096
+PRIORITY_BOUND = 16  # a run's priority counts within +-this (2**16 to 1 is as strong as a share gets)
 MAX_REFUSALS = 20  # OpenAI lines whose refusal a report names (the others are counted in ``invalid``)
 
 
@@ -130,10 +131,10 @@ def _file_tag(path: Path) -> str:
     return digest.hexdigest()[:12]
 
 
-def _encode(obj: dict[str, Any] | bytes, run_id: str, fallback_id: str) -> tuple[str, bytes, float, bool]:
-    """(request id, payload, value, valid) for one record."""
+def _encode(obj: dict[str, Any] | bytes, run_id: str, fallback_id: str) -> tuple[str, bytes, float, bool, int]:
+    """(request id, payload, value, valid, priority) for one record."""
     if isinstance(obj, bytes):
-        return fallback_id, obj, 1.0, False
+        return fallback_id, obj, 1.0, False, 0
     obj = {**obj, "run_id": run_id}
     if obj.get("id") in (None, ""):
         obj["id"] = fallback_id
@@ -141,8 +142,8 @@ def _encode(obj: dict[str, Any] | bytes, run_id: str, fallback_id: str) -> tuple
         req = Request.model_validate(obj)
     except ValidationError:
         rid = obj["id"] if isinstance(obj["id"], str) else fallback_id
-        return rid, json.dumps(obj, default=str).encode(), 1.0, False
-    return req.id, codec_for("request").encode(req), req.value, True
+        return rid, json.dumps(obj, default=str).encode(), 1.0, False, 0
+    return req.id, codec_for("request").encode(req), req.value, True, req.priority
 
 
 def submit_file(
@@ -246,7 +247,7 @@ def publish_run(
         idempotency_key=idempotency_key,
         staged=staging.fair_share,
         tenant=staging.tenant,
-        priority=staging.priority,
+        priority=staging.priority or 0,
     )
     # A staged run goes to one partition of J.staged, chosen before the manifest pins it (a broker that cannot
     # be read fails the submit before anything is written).
@@ -266,8 +267,10 @@ def publish_run(
     hdrs = [(h.RUN_ID, report.run_id.encode())]
     if parent_run_id:
         hdrs.append((h.REPLAYED_FROM, parent_run_id.encode()))
+    highest: int | None = None  # the records' own priority (Request.priority), the run's when none is given
     for fallback, obj in records:
-        rid, payload, value, valid = _encode(obj, report.run_id, fallback)
+        rid, payload, value, valid, priority = _encode(obj, report.run_id, fallback)
+        highest = priority if valid and (highest is None or priority > highest) else highest
         while True:
             try:
                 producer.produce(topic, payload, rid.encode(), headers=hdrs, on_delivery=delivered, **where)
@@ -297,11 +300,16 @@ def publish_run(
             "value_total": report.value_total,
             "invalid_count": report.invalid,
             "complete": True,
+            "priority": staging.priority if staging.priority is not None else _bounded(highest or 0),
         }
     )
     write_manifest(kafka, topics, report.manifest)
     report.manifest = _keep_cancel(kafka, topics, report.manifest, opened_at)
     return report
+
+
+def _bounded(priority: int) -> int:
+    return max(-PRIORITY_BOUND, min(PRIORITY_BOUND, priority))
 
 
 def _keep_cancel(kafka: KafkaSettings, topics: JobTopics, final: RunManifest, since: int) -> RunManifest:
