@@ -197,7 +197,7 @@ class Admitter(RetryScheduler):
     name = "admitter"
     STAMP = ADMITTED_AT
     # Only submit, replay and the API write J.staged, never in a transaction: no aborted record to leave out, so no
-    # aborted-record index in embedded mode (whose undecided records were read again only once a publish ended).
+    # aborted-record index in embedded mode.
     TRANSACTIONAL_SOURCES = False
 
     @staticmethod

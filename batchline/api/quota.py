@@ -47,19 +47,16 @@ def prompt_tokens(request: Request) -> int:
 
 
 def over_limit(limits: TenantLimits, now: Enqueued, adding: Enqueued, model: str, tenant: str) -> BatchError | None:
-    """The error a batch adding ``adding`` to ``now`` fails with, or None when it fits."""
-    if now.tokens + adding.tokens > limits.tokens:
-        message = (
-            f"Enqueued token limit reached for {model} for tenant {tenant}. Limit: {limits.tokens:,} enqueued tokens "
-            f"({now.tokens:,} enqueued, this batch {adding.tokens:,}). Please try again once some in_progress batches "
-            "have been completed."
-        )
-        return BatchError(code="token_limit_exceeded", message=message)
-    if now.requests + adding.requests > limits.requests:
-        message = (
-            f"Enqueued request limit reached for {model} for tenant {tenant}. Limit: {limits.requests:,} enqueued "
-            f"requests ({now.requests:,} enqueued, this batch {adding.requests:,}). Please try again once some "
-            "in_progress batches have been completed."
-        )
-        return BatchError(code="request_limit_exceeded", message=message)
+    """The error a batch adding ``adding`` to ``now`` fails with (tokens first, as OpenAI), or None when it fits."""
+    for what, limit, enqueued, more in (
+        ("token", limits.tokens, now.tokens, adding.tokens),
+        ("request", limits.requests, now.requests, adding.requests),
+    ):
+        if enqueued + more > limit:
+            message = (
+                f"Enqueued {what} limit reached for {model} for tenant {tenant}. Limit: {limit:,} enqueued {what}s "
+                f"({enqueued:,} enqueued, this batch {more:,}). Please try again once some in_progress batches have "
+                "been completed."
+            )
+            return BatchError(code=f"{what}_limit_exceeded", message=message)
     return None
