@@ -9,7 +9,7 @@ workers can hold (``batching.max_in_flight_records`` each) plus what must wait f
 ``2 ** priority``. A new run's first records are admitted on the next turn, whatever is staged ahead of it in
 other partitions; a run alone gets all the room.
 
-It is the retry scheduler's machine (``streams/retry_scheduler.py``): one consumer-group member over the staged
+It is the retry scheduler's machine (:class:`~streams.holding.HoldingMember`): one consumer-group member over the staged
 partitions, records held per partition in offset order, and each admission a Kafka transaction that carries the
 records to ``J.requests`` with the consumed offsets (``send_offsets_to_transaction``), so a SIGKILL at any point
 neither loses nor duplicates a record on Kafka (on the embedded broker an aborted admission's records are left out
@@ -51,9 +51,9 @@ from batchline.kafka.topics import JobTopics
 from batchline.runs.submit import PRIORITY_BOUND
 from batchline.telemetry.lag import LagReader
 from streams.fair_share import FairShare, Flow
+from streams.holding import MAX_TXN_RECORDS, MAX_WAIT_S, MIN_WAIT_S, TP, HoldingMember
 from streams.partition_queue import PartitionQueue
 from streams.republish import Held
-from streams.retry_scheduler import MAX_TXN_RECORDS, MAX_WAIT_S, MIN_WAIT_S, TP, RetryScheduler
 
 log = logging.getLogger(__name__)
 ADMITTED_AT = "batchline-admitted-at"  # epoch ms when the admitter moved the record to J.requests
@@ -191,7 +191,7 @@ class BacklogWatch:
             self._thread.join(JOIN_TIMEOUT_S)
 
 
-class Admitter(RetryScheduler):
+class Admitter(HoldingMember):
     """The admitter of one job: one member of ``J.admitter`` over ``J.staged``, admitting by fair turns."""
 
     name = "admitter"
@@ -240,8 +240,9 @@ class Admitter(RetryScheduler):
     def _wait_s(self) -> float:
         if not any(len(q) for q in self.queues.values()):
             return MAX_WAIT_S
-        if self._backoff_until > time.monotonic():
-            return super()._wait_s()
+        backoff = self._backoff_wait()
+        if backoff is not None:
+            return backoff
         return MIN_WAIT_S if self._room() > 0 else MEASURE_EVERY_S
 
     def _choose(self, at: int) -> dict[TP, int]:
