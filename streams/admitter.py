@@ -43,17 +43,16 @@ from typing import Any
 from confluent_kafka import KafkaException, Message
 
 from batchline.config import JobConfig, KafkaSettings
-from batchline.kafka import headers as h
 from batchline.kafka.client import make_admin
 from batchline.kafka.groups import describe_group
 from batchline.kafka.liveness import BrokerDown, never_down
 from batchline.kafka.topics import JobTopics
-from batchline.runs.submit import PRIORITY_BOUND
+from batchline.runs.submit import bounded_priority
 from batchline.telemetry.lag import LagReader
 from streams.fair_share import FairShare, Flow
 from streams.holding import MAX_TXN_RECORDS, MAX_WAIT_S, MIN_WAIT_S, TP, HoldingMember
 from streams.partition_queue import PartitionQueue
-from streams.republish import Held
+from streams.republish import Held, held_of
 
 log = logging.getLogger(__name__)
 ADMITTED_AT = "batchline-admitted-at"  # epoch ms when the admitter moved the record to J.requests
@@ -69,13 +68,6 @@ MARGIN_S = 0.3  # a turn's way to the workers (measure, admit, commit, fetch), i
 METADATA_EVERY_S = 30.0
 METADATA_TIMEOUT_S = 10.0
 JOIN_TIMEOUT_S = 15.0
-
-
-def run_of(held: Held) -> str:
-    for name, raw in held.headers:
-        if name == h.RUN_ID:
-            return raw.decode("utf-8", "replace")
-    return ""
 
 
 @dataclass(frozen=True)
@@ -117,6 +109,13 @@ class BacklogWatch:
         self._admin: Any = None
         self._stop = threading.Event()
         self._thread = threading.Thread(target=self._run, name="admission-backlog", daemon=True)
+
+    @property
+    def admin(self) -> Any:
+        """Made on the first measurement: an admitter with nothing waiting opens no extra connection."""
+        if self._admin is None:
+            self._admin = make_admin(self.kafka)
+        return self._admin
 
     def start(self) -> None:
         self._thread.start()
@@ -160,9 +159,7 @@ class BacklogWatch:
         known = self._members.get(group)
         if known is not None and (now - known[0] < MEMBERS_EVERY_S or self.broker_down()):
             return known[1]
-        if self._admin is None:
-            self._admin = make_admin(self.kafka)
-        view = describe_group(self._admin, group)
+        view = describe_group(self.admin, group)
         count = view.members if view is not None else (known[1] if known is not None else 0)
         self._members[group] = (now, count)
         return count
@@ -173,10 +170,8 @@ class BacklogWatch:
         now = time.monotonic()
         if self._partitions is None or now - self._partitions[0] >= METADATA_EVERY_S:
             topic = self.topics.requests
-            if self._admin is None:
-                self._admin = make_admin(self.kafka)
             try:
-                meta = self._admin.list_topics(topic, timeout=METADATA_TIMEOUT_S).topics.get(topic)
+                meta = self.admin.list_topics(topic, timeout=METADATA_TIMEOUT_S).topics.get(topic)
             except KafkaException as exc:
                 log.warning("admitter: cannot read the partitions of %s: %s", topic, exc.args[0].str())
                 return []
@@ -231,8 +226,7 @@ class Admitter(HoldingMember):
         return [self.topics.staged]
 
     def _held_of(self, msg: Message) -> Held:
-        raw: list[tuple[str, bytes]] = [(k, v or b"") for k, v in (msg.headers() or [])]
-        return Held(msg.topic(), msg.partition(), msg.offset(), msg.key(), msg.value(), raw, 0)
+        return held_of(msg, timed=False)
 
     def _holding(self, queue: PartitionQueue) -> bool:
         return len(queue) >= QUEUE_BOUND or queue.bytes >= QUEUE_BYTES
@@ -268,12 +262,12 @@ class Admitter(HoldingMember):
 
     def _runs_from(self, queue: PartitionQueue, start: int) -> Iterator[str]:
         for i in range(start, len(queue)):
-            yield run_of(queue.records[i])
+            yield queue.records[i].run_id
 
     def _flow(self, run_id: str) -> Flow:
         manifest = self.runs.get(run_id)
         tenant = (manifest.tenant if manifest is not None else None) or ""
-        priority = max(-PRIORITY_BOUND, min(PRIORITY_BOUND, manifest.priority if manifest is not None else 0))
+        priority = bounded_priority(manifest.priority if manifest is not None else 0)
         return Flow(tenant, self.schedule.tenant_weights.get(tenant, 1.0), 2.0**priority)
 
     def _room(self) -> int:
@@ -283,7 +277,7 @@ class Admitter(HoldingMember):
         self.watch.wanted = bool(waiting)
         fingerprints = set()
         for held in waiting:
-            manifest = self.runs.get(run_of(held))
+            manifest = self.runs.get(held.run_id)
             if manifest is not None and manifest.fingerprint:
                 fingerprints.add(manifest.fingerprint)
         if fingerprints != self.watch.fingerprints:
@@ -306,7 +300,7 @@ class Admitter(HoldingMember):
     def _waiting(self) -> dict[str, int]:
         counts: Counter[str] = Counter()
         for queue in self.queues.values():
-            runs = Counter(run_of(held) for held in queue.records)
+            runs = Counter(held.run_id for held in queue.records)
             for run, n in runs.items():
                 counts[self._flow(run).tenant] += n
         return dict(counts)
@@ -315,7 +309,7 @@ class Admitter(HoldingMember):
         admitted = len(batch) - len(stops)
         self.admitted += admitted
         self.watch.admitted = self.admitted
-        by_tenant = Counter(self._flow(run_of(held)).tenant for i, held in enumerate(batch) if i not in stops)
+        by_tenant = Counter(self._flow(held.run_id).tenant for i, held in enumerate(batch) if i not in stops)
         self.admitted_by_tenant = dict(Counter(self.admitted_by_tenant) + by_tenant)
 
     def close(self) -> None:

@@ -48,7 +48,6 @@ from itertools import islice
 from confluent_kafka import OFFSET_BEGINNING, Consumer, KafkaError, KafkaException, Message, TopicPartition
 
 from batchline.config import JobConfig, KafkaSettings
-from batchline.kafka import headers as h
 from batchline.kafka.client import make_consumer, take
 from batchline.kafka.embedded.aborted import AbortedIndex
 from batchline.kafka.embedded.takeover import TakeoverGate
@@ -249,8 +248,7 @@ class HoldingMember:
 
     def _stop(self, held: Held) -> str | None:
         """``cancelled`` / ``expired`` when the held record's run stopped (cancelled, or past its window), else None."""
-        run_id = h.text(h.as_dict(held.headers), h.RUN_ID)
-        stop = self.runs.stops.get(run_id or "")
+        stop = self.runs.stops.get(held.run_id)
         return stop[1] if stop is not None and time.time() >= stop[0] else None
 
     def _settle(self) -> bool:

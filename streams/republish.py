@@ -60,13 +60,24 @@ class Held:
                 return raw
         return self.key
 
+    @property
+    def run_id(self) -> str:
+        """The run id header ("" for none: the open stream)."""
+        for name, raw in self.headers:
+            if name == h.RUN_ID:
+                return raw.decode("utf-8", "replace")
+        return ""
+
     def __str__(self) -> str:
         return f"{self.topic}[{self.partition}]@{self.offset}"
 
 
-def held_of(msg: Message) -> Held:
-    """A consumed message as a held record. A missing or unreadable due time means due now (nothing is lost)."""
+def held_of(msg: Message, timed: bool = True) -> Held:
+    """A consumed message as a held record. A missing or unreadable due time means due now (nothing is lost).
+    ``timed=False``: a record without a due time (a staged one), due now."""
     raw: list[tuple[str, bytes]] = [(k, v or b"") for k, v in (msg.headers() or [])]
+    if not timed:
+        return Held(msg.topic(), msg.partition(), msg.offset(), msg.key(), msg.value(), raw, 0)
     due = h.integer(h.as_dict(raw), h.DUE_AT, 0)
     if due <= 0:
         log.warning("%s[%d]@%d has no %s header: due now", msg.topic(), msg.partition(), msg.offset(), h.DUE_AT)
@@ -152,7 +163,7 @@ class Republisher:
     def stopped_letter(self, held: Held, why: str, small: bool = False) -> Outgoing:
         """The ``cancelled`` / ``expired`` dead letter of a retry whose run stopped: not re-published. It keeps its
         payload unless ``small`` (a letter too large for J.dlq)."""
-        run_id = h.text(h.as_dict(held.headers), h.RUN_ID)
+        run_id = held.run_id
         kind = "RunCancelled" if why == CANCELLED else "RunExpired"
         letter = self._letter(held, why, kind, stop_message(why, run_id) + " (held for a retry)")
         return self._outgoing(held, letter.without_payload() if small else letter)

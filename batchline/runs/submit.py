@@ -300,7 +300,7 @@ def publish_run(
             "value_total": report.value_total,
             "invalid_count": report.invalid,
             "complete": True,
-            "priority": staging.priority if staging.priority is not None else _bounded(highest or 0),
+            "priority": staging.priority if staging.priority is not None else bounded_priority(highest or 0),
         }
     )
     write_manifest(kafka, topics, report.manifest)
@@ -308,7 +308,8 @@ def publish_run(
     return report
 
 
-def _bounded(priority: int) -> int:
+def bounded_priority(priority: int) -> int:
+    """A run's priority as it counts: within +-:data:`PRIORITY_BOUND`."""
     return max(-PRIORITY_BOUND, min(PRIORITY_BOUND, priority))
 
 
