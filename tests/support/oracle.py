@@ -84,7 +84,11 @@ def settle(batches: Iterable[Batch]) -> Settlement:
 
     Each producer id has at most one transaction in progress per partition: its transactional data batches
     since its last marker. A COMMIT marker commits them, an ABORT marker aborts them; a marker with nothing
-    in progress (a control batch first in the log, or a second marker) settles nothing.
+    in progress (a control batch first in the log, or a second marker) settles nothing. A data batch of the same
+    producer id with a newer epoch aborts them: its producer was initialised again (a restart with the same
+    transactional id), which on Apache Kafka aborts the transaction it left open - the marker the embedded broker
+    may leave out (docs/brokers.md). Only data counts: with transactions v2 (KIP-890) a transaction's marker
+    carries the next epoch.
 
     A data batch with the same producer id, epoch and base sequence as an earlier one is a produce request the
     broker appended twice: librdkafka re-sends a request whose answer a connection reset lost, and Apache Kafka
@@ -93,6 +97,7 @@ def settle(batches: Iterable[Batch]) -> Settlement:
     """
     out = Settlement()
     pending: dict[int, list[Rec]] = {}
+    pending_epoch: dict[int, int] = {}
     sequences: set[tuple[int, int, int]] = set()
     for batch in batches:
         if not batch.control and batch.base_sequence >= 0:
@@ -101,11 +106,20 @@ def settle(batches: Iterable[Batch]) -> Settlement:
                 out.repeated.extend(batch.records)
                 continue
             sequences.add(sequence)
+        if (
+            not batch.control
+            and batch.transactional
+            and pending_epoch.get(batch.producer_id, batch.producer_epoch) < batch.producer_epoch
+        ):
+            out.aborted.extend(pending.pop(batch.producer_id))  # fenced by a newer epoch, never marked: aborted
+            del pending_epoch[batch.producer_id]
         if batch.control:
             records = pending.pop(batch.producer_id, [])
+            pending_epoch.pop(batch.producer_id, None)
             (out.committed if batch.commit else out.aborted).extend(records)
         elif batch.transactional:
             pending.setdefault(batch.producer_id, []).extend(batch.records)
+            pending_epoch[batch.producer_id] = batch.producer_epoch
         else:
             out.committed.extend(batch.records)
     for pid, records in pending.items():

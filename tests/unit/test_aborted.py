@@ -56,6 +56,20 @@ def test_every_record_of_an_open_batch_is_open_its_first_too() -> None:
     assert not part.pending and [o for o in range(3) if part.aborted_at(o)] == [0, 1, 2]
 
 
+def test_a_newer_epoch_aborts_what_the_older_left_without_a_marker_as_the_oracle_does() -> None:
+    """A restart in the same slot whose init wrote no ABORT marker: the dead epoch's batches are aborted."""
+    chunks = (
+        data(0, 1, ["dead-1", "dead-2"]),  # epoch 0, left open
+        data(2, 2, ["other"]),
+        data(3, 1, ["new"], epoch=1),
+        marker(4, 1, COMMIT, epoch=1),
+        marker(5, 2, COMMIT),
+    )
+    part = index(*chunks)
+    assert [o for o in range(6) if part.aborted_at(o)] == [0, 1] and not part.pending
+    assert sorted(r.offset for r in settle(log(*chunks)).aborted) == [0, 1]
+
+
 def written(steps: list[tuple[int, str]]) -> tuple[list[bytes], list[int]]:
     """The log of ``steps`` (one batch each: a record, or a producer's COMMIT or ABORT) and its records' offsets."""
     chunks, records = [], []

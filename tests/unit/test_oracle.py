@@ -29,20 +29,22 @@ def _finish(buf: bytearray, base: int, control: bool = False) -> bytes:
     return bytes(buf)
 
 
-def data(base: int, pid: int, values: list[str], txn: bool = True, codec: int = 0, seq: int | None = None) -> bytes:
+def data(
+    base: int, pid: int, values: list[str], txn: bool = True, codec: int = 0, seq: int | None = None, epoch: int = 0
+) -> bytes:
     """A batch of ``values`` at offsets ``base``...; ``pid`` -1 with ``txn`` False is a plain producer's. ``seq``:
     its base sequence (default: one no other batch has)."""
     sequence = (next(SEQUENCES) if seq is None else seq) if pid >= 0 else -1
-    b = Builder(magic=2, compression_type=codec, is_transactional=txn, producer_id=pid, producer_epoch=0,
+    b = Builder(magic=2, compression_type=codec, is_transactional=txn, producer_id=pid, producer_epoch=epoch,
                 base_sequence=sequence, batch_size=1 << 20)  # fmt: skip
     for i, v in enumerate(values):
         b.append(i, timestamp=1_000 + i, key=v.encode(), value=(v * 40).encode(), headers=[("h", b"x")])
     return _finish(b.build(), base)
 
 
-def marker(offset: int, pid: int, kind: int) -> bytes:
+def marker(offset: int, pid: int, kind: int, epoch: int = 0) -> bytes:
     """A control batch: one record, key = version 0 + type (0 ABORT, 1 COMMIT), value = version + epoch."""
-    b = Builder(magic=2, compression_type=0, is_transactional=True, producer_id=pid, producer_epoch=0,
+    b = Builder(magic=2, compression_type=0, is_transactional=True, producer_id=pid, producer_epoch=epoch,
                 base_sequence=-1, batch_size=1 << 10)  # fmt: skip
     b.append(0, timestamp=2_000, key=struct.pack(">hh", 0, kind), value=struct.pack(">hi", 0, 0), headers=[])
     return _finish(b.build(), offset, control=True)
@@ -119,6 +121,26 @@ def test_records_without_a_marker_are_open_and_named_by_producer_and_offsets() -
     assert keys(out.committed) == ["a", "p"]
     assert out.open == [OpenTxn("t", 0, 1, 2, 3, 2)]
     assert str(out.open[0]) == "t[0] producer 1: 2 records open at offsets 2-3"
+
+
+def test_a_newer_epoch_of_the_producer_aborts_its_transaction_left_without_a_marker() -> None:
+    """A producer restarted in its slot (same transactional id: same producer id, next epoch) whose init wrote no
+    ABORT for the transaction it left open: that transaction is aborted, not committed by the new epoch's marker."""
+    out = settle(
+        log(
+            data(0, 1, ["a"]),
+            marker(1, 1, COMMIT),
+            data(2, 1, ["dead-1", "dead-2"]),  # epoch 0, no marker: its process was SIGKILLed
+            data(4, 2, ["other"]),
+            data(5, 1, ["new"], epoch=1),
+            marker(6, 1, COMMIT, epoch=1),
+            marker(7, 2, COMMIT),
+            data(8, 3, ["v2"]),
+            marker(9, 3, COMMIT, epoch=1),  # transactions v2: the marker carries the next epoch and commits
+        )
+    )
+    assert keys(out.committed) == ["a", "other", "new", "v2"]
+    assert keys(out.aborted) == ["dead-1", "dead-2"] and not out.open
 
 
 # A log as a list of steps: (producer, "data" | "commit" | "abort"); producer 0 writes non-transactionally.

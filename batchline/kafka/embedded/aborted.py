@@ -5,7 +5,9 @@ embedded broker (tansu 0.6) never does, so there its read_committed readers get 
 at the last stable offset: an open transaction's records are not delivered). :class:`AbortedIndex` finds the
 aborted records the way a broker does: it reads a partition's record batches raw (kafka-python's Fetch at
 read_uncommitted, batch headers only - data is never decompressed) and decides each producer's transactional
-batches by its next control record, ABORT or COMMIT. A reader asks :meth:`AbortedIndex.aborted` about each
+batches by its next control record, ABORT or COMMIT, or by a data batch of a newer epoch of the same producer id (its
+producer was initialised again, which aborts what it left open: Apache Kafka writes that ABORT marker, the embedded
+broker may not, docs/brokers.md). A reader asks :meth:`AbortedIndex.aborted` about each
 record it got; the index reads ahead on that partition as far as the record.
 
 It speaks plaintext Kafka only, and reads only where the embedded broker's workarounds are built
@@ -66,6 +68,7 @@ class _Partition:
     asked: int  # the last offset asked about (readers ask in offset order)
     read_to: int
     pending: dict[int, list[tuple[int, int]]] = field(default_factory=dict)  # producer -> its open batches
+    pending_epoch: dict[int, int] = field(default_factory=dict)  # producer -> the epoch of its open batches
     aborted: list[tuple[int, int]] = field(default_factory=list)  # sorted (first, last) offsets
 
     def add(self, batch: DefaultRecordBatch) -> None:
@@ -73,13 +76,24 @@ class _Partition:
         if last < self.read_to:
             return  # a fetch starts at the batch holding the offset asked for: already decided
         self.read_to = last + 1
+        pid, epoch = batch.producer_id, batch.producer_epoch
+        if not batch.is_control_batch and batch.is_transactional and self.pending_epoch.get(pid, epoch) < epoch:
+            # Its producer was initialised again (a restart in the same slot) and the transaction it left open has
+            # no marker: the init aborted it (Apache Kafka writes the marker; the embedded broker may not). Data
+            # only: with transactions v2 a transaction's own marker carries the next epoch.
+            self._settle(pid, abort=True)
         if batch.is_control_batch:
-            ranges = self.pending.pop(batch.producer_id, [])
-            if ranges and any(record.abort for record in batch):
-                for r in ranges:
-                    bisect.insort(self.aborted, r)
+            self._settle(pid, abort=any(record.abort for record in batch))
         elif batch.is_transactional:
-            self.pending.setdefault(batch.producer_id, []).append((first, last))
+            self.pending.setdefault(pid, []).append((first, last))
+            self.pending_epoch[pid] = epoch
+
+    def _settle(self, pid: int, abort: bool) -> None:
+        ranges = self.pending.pop(pid, [])
+        self.pending_epoch.pop(pid, None)
+        if abort:
+            for r in ranges:
+                bisect.insort(self.aborted, r)
 
     def open_at(self, offset: int) -> bool:
         """Whether ``offset`` lies in a batch of a transaction still in progress (each producer's ranges are
