@@ -26,16 +26,14 @@ from __future__ import annotations
 
 import itertools
 import logging
-import threading
-import time
-from collections.abc import Iterable, Iterator, Sequence
-from contextlib import contextmanager
+from collections.abc import Iterable, Sequence
 from pathlib import Path
 from typing import Any
 
 from batchline.config import JobConfig
 from consumers.engines.base import EngineInput, EngineOutput, Options, Outcome
 from consumers.engines.vllm_records import choice_of, constraint, field_of, tool_parser
+from consumers.engines.vllm_watchdog import Watchdog, is_oom
 from consumers.exceptions import EngineError, EngineOOM, EngineStartError
 from consumers.work import Failure
 
@@ -46,11 +44,6 @@ SCORE_TEMPERATURE = 0.05
 # vLLM's engine-core processes take ~5 s to exit on their own after SIGTERM (their worker polls slowly); by the
 # time close() runs every result is committed, so they are killed after this grace period.
 SHUTDOWN_GRACE_S = 2.0
-WATCH_INTERVAL_S = 1.0
-
-
-class EngineGone(EngineError):
-    """vLLM's engine-core process exited, or a call outran ``infer_timeout_s``: the engine is restarted."""
 
 
 class VLLMEngine:
@@ -83,7 +76,7 @@ class VLLMEngine:
         self._calls = itertools.count()  # request ids of call-by-call records (streamed ones are r<key>)
         self._tool_parser: Any = tool_parser(eng.tool_parser) if eng.tool_parser else None
         self._llm: Any = None
-        self._watchdog: _Watchdog | None = None
+        self._watchdog: Watchdog | None = None
         self._label_vectors: Any = None  # numpy (labels x dim) unit vectors, set at start for classify by embedding
         self.restarts = 0  # read by the batchline.engine.restarts metric
         self._start()
@@ -100,7 +93,7 @@ class VLLMEngine:
             self._llm = self._vllm.LLM(model=self.model, **kwargs)
         except Exception as exc:
             raise EngineStartError(f"vLLM could not start {self.model}: {type(exc).__name__}: {exc}") from exc
-        self._watchdog = _Watchdog(self._llm, timeout)
+        self._watchdog = Watchdog(self._llm, timeout)
         self.tokenizer = self._llm.get_tokenizer()
         if self._tool_parser is not None:
             try:
@@ -416,7 +409,7 @@ class VLLMEngine:
             if size == 1:  # bisection has isolated the record
                 return Failure("invalid_input", type(exc).__name__, str(exc)[:500])
             raise EngineError(f"vLLM rejected a record of the batch: {exc}") from exc
-        if _is_oom(exc):
+        if is_oom(exc):
             raise EngineOOM(f"{type(exc).__name__}: {exc}") from exc
         if names & {"EngineDeadError", "EngineGone", "TimeoutError"}:
             log.error("vLLM engine died or hung (%s); it restarts on the next batch", exc)
@@ -425,53 +418,3 @@ class VLLMEngine:
         if "EngineGenerateError" in names:
             raise EngineError(f"{type(exc).__name__}: {exc}") from exc
         return None
-
-
-def _is_oom(exc: BaseException) -> bool:
-    if isinstance(exc, MemoryError) or type(exc).__name__ == "OutOfMemoryError":
-        return True
-    return isinstance(exc, RuntimeError) and "out of memory" in str(exc).lower()
-
-
-class _Watchdog:
-    """Unblocks a call stuck on a dead engine. vLLM's offline client waits forever for outputs when its
-    engine-core process dies mid-call (its liveness monitor only fails later calls); this thread hands the
-    client's output queue an error instead - also, with ``infer_timeout_s``, for a call that runs too long."""
-
-    def __init__(self, llm: Any, timeout_s: float | None) -> None:
-        core = llm.llm_engine.engine_core
-        manager = getattr(getattr(core, "resources", None), "engine_manager", None)
-        self._procs: list[Any] = list(getattr(manager, "processes", None) or [])
-        self._queue: Any = getattr(core, "outputs_queue", None)  # private to vLLM: absent, we only detect
-        self.timeout_s = timeout_s
-        self._started: float | None = None
-        self._stopped = threading.Event()
-        threading.Thread(target=self._loop, name="vllm-watchdog", daemon=True).start()
-
-    def alive(self) -> bool:
-        return all(p.is_alive() for p in self._procs)
-
-    @contextmanager
-    def call(self) -> Iterator[None]:
-        self._started = time.monotonic()
-        try:
-            yield
-        finally:
-            self._started = None
-
-    def stop(self) -> None:
-        self._stopped.set()
-
-    def _loop(self) -> None:
-        while not self._stopped.wait(WATCH_INTERVAL_S):
-            started = self._started
-            if started is None or self._queue is None:
-                continue
-            if not self.alive():
-                problem = "vLLM's engine-core process exited mid-call"
-            elif self.timeout_s is not None and time.monotonic() - started > self.timeout_s:
-                problem = f"vLLM call ran over infer_timeout_s={self.timeout_s}"
-            else:
-                continue
-            self._started = None
-            self._queue.put_nowait(EngineGone(problem))
