@@ -13,6 +13,9 @@ from batchline.cli.options import FileFormat, JobOptions, ReplaySource, uses
 from batchline.config import JobConfig
 from batchline.exceptions import NotFoundError
 
+FINISHED = {"complete", "incomplete-with-quarantine", "complete-via-replay", "cancelled", "expired"}
+WAIT_POLL_S = 0.5  # between reads of the run's status by `status --wait` (the ledger snapshots every second)
+
 
 @uses
 def status(
@@ -20,6 +23,15 @@ def status(
     run: Annotated[str | None, typer.Option("--run", help="One run and its replays.")] = None,
     json_out: Annotated[bool, typer.Option("--json", help="Stable JSON (docs/cli.md).")] = False,
     watch: Annotated[bool, typer.Option("--watch", help="Refresh every 2 s until Ctrl-C.")] = False,
+    wait: Annotated[
+        float | None,
+        typer.Option(
+            "--wait",
+            metavar="SECONDS",
+            help="With --run: wait up to SECONDS for the run to finish (complete, quarantine, cancelled, expired), "
+            "then show it; exit 1 if it has not.",
+        ),
+    ] = None,
     *,
     opts: JobOptions,
     bootstrap: str,
@@ -33,6 +45,7 @@ def status(
     from rich.live import Live
 
     from batchline.cli.render import run_panel
+    from batchline.exceptions import BatchlineError, UsageError
     from batchline.kafka.client import make_admin
     from batchline.kafka.groups import UnstableSince, job_groups, rebalance_timeout_s
     from batchline.kafka.topics import JobTopics
@@ -63,6 +76,14 @@ def status(
             return None
         return lanes_state(kafka, schedule.yield_to, schedule.yield_threshold)
 
+    if wait is not None:
+        if run is None or watch:
+            raise UsageError("status --wait needs --run and no --watch")
+        deadline = time.monotonic() + wait
+        while (state := snapshot()[0]["state"]) not in FINISHED:
+            if time.monotonic() >= deadline:
+                raise BatchlineError(f"run {run!r} of {job} has not finished after {wait:g}s (state {state})")
+            time.sleep(WAIT_POLL_S)
     if json_out:
         runs = snapshot()
         shown = {"job": job, "lanes": lanes(), "groups": groups(runs), "tenants": tenant_shares(runs), "runs": runs}
