@@ -24,7 +24,7 @@ from batchline.runs.submit import submit_file
 from consumers.engines.deterministic import DeterministicEngine
 from tests.support.jobs import job_toml
 from tests.support.kafka import wait_for
-from tests.support.oracle import assert_exactly_once, committed, outcome_ids
+from tests.support.oracle import assert_exactly_once, committed, outcome_ids, report_stall
 from tests.support.procs import CliProcess
 
 pytestmark = pytest.mark.chaos
@@ -70,9 +70,10 @@ def test_chaos_no_id_lost_and_every_id_has_one_terminal_outcome(
     tmp_path: Path,
     logs_dir: Path,
 ) -> None:
-    """With ``fair_share`` the run is staged and admitted by the streams process while workers are SIGKILLed. (The
-    streams process itself is not killed here: on the embedded broker a SIGKILL mid-transaction of a writer of
-    J.requests can leave its read_committed view stuck, docs/brokers.md.)"""
+    """With ``fair_share`` the run is staged and admitted by the streams process, and the streams process (the
+    admitter and the retry scheduler, both writing J.requests in transactions) is SIGKILLed too, at the first and
+    last kill points, beside a worker: each id admitted once. A run that stops making progress leaves the log of
+    J.requests and each topic's ends in the logs folder (``stall/``) to trace it."""
     rng = random.Random(20261202)
     topics = make_job(job_name, partitions=4, tiers=("1s", "2s"))
     extra = "[schedule]\nfair_share = true\n" if fair_share else ""
@@ -106,8 +107,14 @@ def test_chaos_no_id_lost_and_every_id_has_one_terminal_outcome(
             wait_for(lambda p=point: terminal() >= p, RUN_TIMEOUT_S, f"{point} terminal outcomes", interval=1)
             victim = rng.randrange(len(workers))
             workers[victim].kill()
+            if fair_share and n in (1, KILLS):
+                scheduler.kill()
+                scheduler = streams(n)
             workers[victim] = worker(f"{'ab'[victim]}{n}")
         wait_for(lambda: terminal() >= RECORDS, RUN_TIMEOUT_S, "every id's terminal outcome", interval=2)
+    except AssertionError:
+        report_stall(kafka, topics, logs_dir / "stall")
+        raise
     finally:
         for w in workers:
             w.stop()

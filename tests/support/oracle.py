@@ -15,11 +15,14 @@ dead letter), no committed copy twice, nothing open on the job's requests, resul
 
 from __future__ import annotations
 
+import json
 import time
 from collections.abc import Iterable
 from dataclasses import dataclass, field
 from pathlib import Path
+from typing import Any
 
+from batchline.config import KafkaSettings
 from batchline.kafka import headers as h
 from batchline.kafka.topics import JobTopics
 from schemas import DeadLetter, Lineage, Result, codec_for
@@ -37,6 +40,7 @@ __all__ = [
     "lineage_of",
     "open_transactions",
     "outcome_ids",
+    "report_stall",
     "settle",
     "settle_topics",
 ]
@@ -258,6 +262,31 @@ def dump_batches(bootstrap: str, topics: Iterable[str], path: Path) -> None:
                     f"{topic}[{partition}] {b.base_offset}-{b.last_offset} pid {b.producer_id} epoch "
                     f"{b.producer_epoch} seq {b.base_sequence} {kind} {keys}\n"
                 )
+
+
+def report_stall(kafka: KafkaSettings, topics: JobTopics, folder: Path) -> None:
+    """What a fault test that stopped making progress leaves to trace it: each job topic's high watermark and last
+    stable offset as the broker answers them (``ends.json``), and every batch of J.requests and the retry tiers
+    (``requests.txt``), with producer ids and epochs."""
+    from confluent_kafka import IsolationLevel, TopicPartition
+    from confluent_kafka.admin import OffsetSpec
+
+    from batchline.kafka.client import make_admin
+
+    folder.mkdir(parents=True, exist_ok=True)
+    admin = make_admin(kafka)
+    ends: dict[str, Any] = {}
+    for topic in topics.all():
+        try:
+            parts = admin.list_topics(topic, timeout=10).topics[topic].partitions
+            for level in (IsolationLevel.READ_UNCOMMITTED, IsolationLevel.READ_COMMITTED):
+                asked = {TopicPartition(topic, p): OffsetSpec.latest() for p in parts}
+                answers = admin.list_offsets(asked, isolation_level=level, request_timeout=10)
+                ends.setdefault(topic, {})[level.name] = {tp.partition: f.result().offset for tp, f in answers.items()}
+        except Exception as exc:  # a report of a failure must not hide it
+            ends[topic] = repr(exc)
+    (folder / "ends.json").write_text(json.dumps(ends, indent=1, sort_keys=True))
+    dump_batches(kafka.bootstrap, [topics.requests, *topics.retries], folder / "requests.txt")
 
 
 def assert_exactly_once(
