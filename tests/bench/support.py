@@ -73,11 +73,15 @@ def outputs(kafka: KafkaSettings, topics: JobTopics) -> Outputs:
 
 
 def run_measured_worker(
-    config: JobConfig, kafka: KafkaSettings, engine: Engine | None = None, idle_exit_s: float = 3.0
+    config: JobConfig,
+    kafka: KafkaSettings,
+    engine: Engine | None = None,
+    idle_exit_s: float = 3.0,
+    flights: list[Any] | None = None,
 ) -> tuple[Any, float]:
     """Run a worker in this process until idle; returns its stats and the wall-clock time (epoch ms) at which
     its first micro-batch reached the engine - the start of the steady-state span (model load and group join
-    excluded)."""
+    excluded). ``flights`` gets every micro-batch handed to the engine (their ``started_ns``/``ended_ns``)."""
     from consumers.worker import Worker
 
     worker = Worker(config, kafka, engine=engine, idle_exit_s=idle_exit_s)
@@ -87,6 +91,8 @@ def run_measured_worker(
     def timed_submit(flight: Any) -> None:
         if not first:
             first.append(time.time() * 1000)
+        if flights is not None:
+            flights.append(flight)
         submit(flight)
 
     worker.feeder.submit = timed_submit  # type: ignore[method-assign]
@@ -206,3 +212,23 @@ class PeakRss:
 
 def lineage_of(msg: Any) -> Any:
     return codec_for("lineage").decode(h.as_dict(msg.headers())[h.LINEAGE])
+
+
+def engine_busy(flights: list[Any]) -> dict[str, float]:
+    """How the engine was used over the micro-batches: the share of the span from the first one's start to the
+    last one's end during which some micro-batch was in the engine, the mean micro-batch and the mean time in the
+    engine of one (the gaps between them are what the pipeline did not hand over in time)."""
+    spans = sorted((f.started_ns, f.ended_ns) for f in flights if f.started_ns and f.ended_ns)
+    if not spans:
+        return {}
+    busy, end = 0, spans[0][0]
+    for start, stop in spans:
+        busy += max(0, stop - max(start, end))
+        end = max(end, stop)
+    whole = end - spans[0][0]
+    return {
+        "engine_busy_share": round(busy / whole, 3) if whole else 1.0,
+        "micro_batches": len(spans),
+        "mean_records": round(sum(f.runnable for f in flights) / len(flights), 1),
+        "mean_engine_ms": round(sum(b - a for a, b in spans) / len(spans) / 1e6, 2),
+    }

@@ -5,7 +5,8 @@
     ``LLM.generate(all prompts)`` in one call. Output tokens per second.
 (a') generate with a JSON schema of its own on every record (four schemas, bounded outputs), against
     ``LLM.generate`` given the same per-request structured outputs (``StructuredOutputsParams(json=...)``).
-(b) classify by embedding: the packaged MiniLM, ticket texts, against ``LLM.embed(all texts)``. Records per second.
+(b) classify by embedding and embed: the packaged MiniLM, and its first layer alone (a faster engine), ticket texts,
+    against ``LLM.embed(all texts)``. Records per second.
 
 Baseline rates are outputs over the wall time of the one call; pipeline rates are outputs over the span from the
 worker's first micro-batch reaching the engine to the last output's broker timestamp (model load and the group join
@@ -28,13 +29,16 @@ from batchline.cli.sample_data import LABEL_TEXTS, LABELS, tickets
 from batchline.config import KafkaSettings, load_job_config
 from batchline.kafka.topics import JobTopics
 from tests.bench.conftest import record
-from tests.bench.support import outputs, publish, run_end_to_end, run_measured_worker
-from tests.support.models import build_tiny_llama, minilm_path
+from tests.bench.support import engine_busy, outputs, publish, run_end_to_end, run_measured_worker
+from tests.support.models import build_tiny_llama, cut_minilm, minilm_path
 
 pytest.importorskip("vllm")
 
 GENERATE_CASES = [(384, 64), (768, 256)]  # (prompts, max_records)
 EMBED_TEXTS = int(os.environ.get("BENCH_EMBED_TEXTS", "1000"))
+EMBED_LAYERS = [int(n) for n in os.environ.get("BENCH_EMBED_LAYERS", "6,1").split(",") if n]
+EMBED_REPEATS = int(os.environ.get("BENCH_EMBED_REPEATS", "2"))
+EMBED_MAX_RECORDS = os.environ.get("BENCH_EMBED_MAX_RECORDS")  # micro-batch size; unset: the config's default
 MAX_MODEL_LEN = 512
 END_TO_END_PROMPTS = int(os.environ.get("BENCH_END_TO_END_PROMPTS", "384"))
 
@@ -230,47 +234,68 @@ def test_generate_with_a_json_schema_per_record_against_llm_generate(
     _record_measured(f"generate_json_schema_per_record_{n}", config, kafka, topics, n, alone_s, alone_tokens, extra)
 
 
-def test_classify_by_embedding_against_llm_embed(
-    kafka: KafkaSettings, make_job: Callable[..., JobTopics], job_name: str
+@pytest.mark.parametrize("layers", EMBED_LAYERS)
+@pytest.mark.parametrize("task", ["classify", "embed"])
+def test_embedding_tasks_against_llm_embed(
+    task: str,
+    layers: int,
+    kafka: KafkaSettings,
+    make_job: Callable[..., JobTopics],
+    job_name: str,
+    tmp_path: Path,
 ) -> None:
+    """Classify (by embedding, against label texts) and embed, at two engine speeds: the packaged MiniLM (6
+    layers) and its first layer alone (a faster engine). ``EMBED_REPEATS`` pairs (``LLM.embed``, then the worker),
+    and their median: one pair moves by +-20 % here from one minute to the next."""
+    import statistics
+
     import vllm
 
     sample = tickets(EMBED_TEXTS, seed=5)
-    model = str(minilm_path())
-    llm = vllm.LLM(model=model, runner="pooling", max_model_len=64, enforce_eager=True, seed=0)
-    started = time.perf_counter()
-    llm.embed([t.text for t in sample], use_tqdm=False)
-    alone_rate = len(sample) / (time.perf_counter() - started)
-    _shutdown(llm)
+    model = str(minilm_path() if layers == 6 else cut_minilm(tmp_path / "minilm", layers))
+    overrides = {
+        "task": task,
+        "engine.name": "vllm",
+        "engine.model": model,
+        "engine.max_model_len": 64,
+        "engine.engine_kwargs": {"enforce_eager": True},
+    } | ({"engine.labels": list(LABELS), "engine.label_texts": LABEL_TEXTS} if task == "classify" else {})
+    if EMBED_MAX_RECORDS:
+        overrides["batching.max_records"] = int(EMBED_MAX_RECORDS)
+    pairs: list[dict[str, Any]] = []
+    for n in range(EMBED_REPEATS):
+        llm = vllm.LLM(model=model, runner="pooling", max_model_len=64, enforce_eager=True, seed=0)
+        llm.embed([t.text for t in sample[:8]], use_tqdm=False)  # warm, as the worker is by its first micro-batch
+        started = time.perf_counter()
+        llm.embed([t.text for t in sample], use_tqdm=False)
+        alone_rate = len(sample) / (time.perf_counter() - started)
+        _shutdown(llm)
 
-    topics = make_job(job_name, partitions=4)
-    publish(
-        kafka, topics.requests, [(t.id.encode(), f'{{"id": "{t.id}", "text": "{t.text}"}}'.encode()) for t in sample]
-    )
-    config = load_job_config(
-        job_name,
-        None,
-        {
-            "task": "classify",
-            "engine.name": "vllm",
-            "engine.model": model,
-            "engine.max_model_len": 64,
-            "engine.engine_kwargs": {"enforce_eager": True},
-            "engine.labels": list(LABELS),
-            "engine.label_texts": LABEL_TEXTS,
-        },
-    )
-    stats, first = run_measured_worker(config, kafka)
-    out = outputs(kafka, topics)
-    assert out.count == len(sample) == stats.results
-    pipeline_rate = out.count / ((out.last_ms - first) / 1000)
+        job = f"{job_name}-{n}"
+        topics = make_job(job, partitions=4)
+        rows = [(t.id.encode(), f'{{"id": "{t.id}", "text": "{t.text}"}}'.encode()) for t in sample]
+        publish(kafka, topics.requests, rows)
+        flights: list[Any] = []
+        stats, first = run_measured_worker(load_job_config(job, None, overrides), kafka, flights=flights)
+        out = outputs(kafka, topics)
+        assert out.count == len(sample) == stats.results
+        pipeline_rate = out.count / ((out.last_ms - first) / 1000)
+        pairs.append(
+            {
+                "llm_embed_texts_per_s": round(alone_rate, 1),
+                "batchline_records_per_s": round(pipeline_rate, 1),
+                "ratio": round(pipeline_rate / alone_rate, 3),
+            }
+            | engine_busy(flights)
+        )
     record(
-        "classify_embedding",
+        ("classify_embedding" if task == "classify" else "embed") + ("" if layers == 6 else f"_{layers}_layer"),
         {
             "device": _device(),
+            "layers": layers,
             "texts": len(sample),
-            "llm_embed_texts_per_s": round(alone_rate, 1),
-            "batchline_records_per_s": round(pipeline_rate, 1),
-            "ratio": round(pipeline_rate / alone_rate, 3),
+            "max_records": overrides.get("batching.max_records", "default"),
+            "pairs": pairs,
+            "median_ratio": round(statistics.median(p["ratio"] for p in pairs), 3),
         },
     )
