@@ -157,7 +157,8 @@ class EngineConfig(_Frozen):
         True,
         description="Continuous batching: records join and leave the engine's running batch one by one, so it "
         "stays full across micro-batches. false: the worker drives the engine one micro-batch call at a time "
-        "(`batching.pipeline_depth` calls queued). vllm pooling (embed, classify by embedding) never streams.",
+        "(`batching.pipeline_depth` calls queued). vllm pooling (embed, classify by embedding) streams too, one "
+        "request per text to embed.",
     )
     deterministic: DeterministicConfig = Field(default_factory=DeterministicConfig)
     tool_parser: str | None = Field(

@@ -12,8 +12,9 @@ longer restarts the engine. Only local model paths are accepted: nothing is down
   vLLM's scheduler one iteration (``LLMEngine.step``) and returns the records that finished, so vLLM's running
   batch stays full across micro-batches exactly as in ``LLM.generate(all prompts)``; ``engine.streaming = false``
   turns it off (one ``infer`` call per micro-batch).
-- ``embed``: the pooling runner's vector per record (one call per micro-batch: a pooling request finishes in a
-  single forward pass, so streaming would gain nothing).
+- ``embed``: the pooling runner's vector per record (a record with several ``inputs``: one vLLM request per text,
+  the record finished when all are). Pooling streams too: a call per micro-batch left vLLM's last steps of each
+  call part-empty and a 64-record call does less per second than vLLM fed continuously (docs/benchmarks.md).
 - ``classify``: ``classify_mode="embedding"`` scores each record by cosine similarity of its embedding to each
   label text's embedding (computed once at start), softmaxed; ``"generation"`` constrains the completion to
   the label set.
@@ -69,9 +70,10 @@ class VLLMEngine:
         self.labels = tuple(eng.labels)
         self.label_texts = tuple(eng.label_texts.get(label, label) for label in self.labels)
         self.by_embedding = config.task == "embed" or (config.task == "classify" and eng.classify_mode == "embedding")
-        self.streaming = eng.streaming and not self.by_embedding
-        self._keys: dict[int, str] = {}  # running record -> vLLM request id
+        self.streaming = eng.streaming
+        self._keys: dict[int, list[str]] = {}  # running record -> its vLLM request ids (one per text to embed)
         self._ids: dict[str, int] = {}
+        self._vectors: dict[int, dict[str, tuple[list[float], int]]] = {}  # a pooled record's finished texts
         self._inputs: dict[int, EngineInput] = {}  # running record -> its input (its options shape its output)
         self._calls = itertools.count()  # request ids of call-by-call records (streamed ones are r<key>)
         self._tool_parser: Any = tool_parser(eng.tool_parser) if eng.tool_parser else None
@@ -116,6 +118,7 @@ class VLLMEngine:
         self._keys.clear()
         self._ids.clear()
         self._inputs.clear()
+        self._vectors.clear()
         llm, self._llm = self._llm, None
         if self._watchdog is not None:
             self._watchdog.stop()
@@ -167,21 +170,34 @@ class VLLMEngine:
                 outcomes[i] = outcome
         return [o for o in outcomes if o is not None]
 
-    # -- continuous batching (generation) ----------------------------------------------------------
+    # -- continuous batching ---------------------------------------------------------------------
+    # Records join vLLM's running batch one by one (LLMEngine.add_request) and leave it when finished (step), as
+    # LLM.generate and LLM.embed feed it themselves: a pooled record is one request per text to embed.
     def add(self, key: int, inp: EngineInput) -> Failure | None:
         self._ensure_running()
         checked = self._tokens(inp)
         if isinstance(checked, Failure):
             return checked
-        request_id = f"r{key}"
+        engine = self._llm.llm_engine
+        added: list[str] = []
         try:
-            params = self._sampling(inp, len(checked))
-            params.output_kind = self._final_only  # only finished records come back from step()
-            self._llm.llm_engine.add_request(request_id, self._vllm.TokensPrompt(prompt_token_ids=checked), params)
-        except Exception as exc:  # vLLM refused this request alone (its SamplingParams, its structured output...)
+            if self.by_embedding:
+                params = self._pooling(inp)
+                requests = [(f"r{key}.{j}", t) for j, t in enumerate(self._texts(inp, checked))]
+            else:
+                params = self._sampling(inp, len(checked))
+                params.output_kind = self._final_only  # only finished records come back from step()
+                requests = [(f"r{key}", checked)]
+            for request_id, tokens in requests:
+                engine.add_request(request_id, self._vllm.TokensPrompt(prompt_token_ids=tokens), params)
+                added.append(request_id)
+        except Exception as exc:  # vLLM refused this request alone (its parameters, its structured output...)
+            if added:  # a record with several texts: none of them runs
+                engine.abort_request(added)
             return self._refused(exc, inp)
-        self._keys[key] = request_id
-        self._ids[request_id] = key
+        self._keys[key] = added
+        for request_id, _ in requests:
+            self._ids[request_id] = key
         self._inputs[key] = inp
         return None
 
@@ -196,9 +212,19 @@ class VLLMEngine:
         done: list[tuple[int, Outcome]] = []
         for o in outs:
             key = self._ids.pop(o.request_id, None) if o.finished else None
-            if key is not None:
+            if key is None:
+                continue
+            if not self.by_embedding:
                 del self._keys[key]
                 done.append((key, self._generated(o, self._inputs.pop(key).options)))
+                continue
+            vector = self._vllm.EmbeddingRequestOutput.from_base(o).outputs.embedding
+            parts = self._vectors.setdefault(key, {})
+            parts[o.request_id] = (list(vector), len(o.prompt_token_ids))
+            if len(parts) == len(self._keys[key]):
+                ordered = [parts[rid] for rid in self._keys.pop(key)]
+                del self._vectors[key]
+                done.append((key, self._embedded(self._inputs.pop(key), ordered)))
         return done
 
     def running(self) -> int:
@@ -206,9 +232,10 @@ class VLLMEngine:
 
     def abort(self, keys: Iterable[int] | None = None) -> list[int]:
         gone = list(self._keys) if keys is None else [k for k in keys if k in self._keys]
-        request_ids = [self._keys.pop(k) for k in gone]
+        request_ids = [rid for k in gone for rid in self._keys.pop(k)]
         for k in gone:
             self._inputs.pop(k, None)
+            self._vectors.pop(k, None)
         for request_id in request_ids:
             self._ids.pop(request_id, None)
         if request_ids and self._llm is not None:
@@ -283,37 +310,45 @@ class VLLMEngine:
         params: list[Any] = []
         spans: dict[int, tuple[int, int]] = {}
         for i, (inp, tokens) in enumerate(zip(inputs, ids, strict=True)):
-            o = inp.options
-            texts = [tokens] if o is None or o.inputs is None else [self.tokenizer.encode(x) for x in o.inputs]
-            pooling = self._vllm.PoolingParams()
-            if o is not None:
-                pooling = self._vllm.PoolingParams(dimensions=o.dimensions, use_activation=o.normalize)
-                try:
-                    checked = pooling.clone()
-                    checked.task = "embed"
-                    checked.verify(self._llm.llm_engine.model_config)
-                except Exception as exc:  # this record's parameters alone
-                    outcomes[i] = self._refused(exc, inputs[i])
-                    continue
+            try:
+                pooling = self._pooling(inp)
+            except Exception as exc:  # this record's parameters alone
+                outcomes[i] = self._refused(exc, inputs[i])
+                continue
+            texts = self._texts(inp, tokens)
             spans[i] = (len(prompts), len(prompts) + len(texts))
             prompts += [self._vllm.TokensPrompt(prompt_token_ids=t) for t in texts]
             params += [pooling] * len(texts)
         outs = self._llm.embed(prompts, pooling_params=params, use_tqdm=False) if prompts else []
-        if self.task == "classify":
-            scored = self._by_similarity([o.outputs.embedding for o in outs], [len(o.prompt_token_ids) for o in outs])
-            for i, outcome in zip(spans, scored, strict=True):
-                outcomes[i] = outcome
-        else:
-            for i, (start, end) in spans.items():
-                mine = outs[start:end]
-                used = sum(len(o.prompt_token_ids) for o in mine)
-                vectors = [list(o.outputs.embedding) for o in mine]
-                options = inputs[i].options
-                if options is not None and options.inputs is not None:
-                    outcomes[i] = EngineOutput(embeddings=vectors, prompt_tokens=used, finish_reason="stop")
-                else:
-                    outcomes[i] = EngineOutput(embedding=vectors[0], prompt_tokens=used, finish_reason="stop")
+        for i, (start, end) in spans.items():
+            mine = [(list(o.outputs.embedding), len(o.prompt_token_ids)) for o in outs[start:end]]
+            outcomes[i] = self._embedded(inputs[i], mine)
         return [o for o in outcomes if o is not None]
+
+    def _pooling(self, inp: EngineInput) -> Any:
+        """The record's PoolingParams (``dimensions``, ``normalize``), verified against the model: raises if this
+        record's parameters cannot run (a model without Matryoshka dimensions refuses that record, not the call)."""
+        o = inp.options
+        pooling = self._vllm.PoolingParams()
+        if o is not None:
+            pooling = self._vllm.PoolingParams(dimensions=o.dimensions, use_activation=o.normalize)
+        pooling.task = "embed"
+        pooling.verify(self._llm.llm_engine.model_config)
+        return pooling
+
+    def _texts(self, inp: EngineInput, tokens: list[int]) -> list[list[int]]:
+        """The token ids of each text a record embeds: its prompt, or each of its ``inputs``."""
+        o = inp.options
+        return [tokens] if o is None or o.inputs is None else [list(self.tokenizer.encode(x)) for x in o.inputs]
+
+    def _embedded(self, inp: EngineInput, vectors: list[tuple[list[float], int]]) -> Outcome:
+        """A pooled record's outcome from the vector (and prompt tokens) of each of its texts."""
+        if self.task == "classify":
+            return self._by_similarity([vectors[0][0]], [vectors[0][1]])[0]
+        used = sum(n for _, n in vectors)
+        if inp.options is not None and inp.options.inputs is not None:
+            return EngineOutput(embeddings=[v for v, _ in vectors], prompt_tokens=used, finish_reason="stop")
+        return EngineOutput(embedding=vectors[0][0], prompt_tokens=used, finish_reason="stop")
 
     def _generated(self, o: Any, options: Options | None) -> EngineOutput:
         c = o.outputs[0]
