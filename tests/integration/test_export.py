@@ -82,6 +82,10 @@ def test_openai_batch_round_trip(
     kafka: KafkaSettings, finished_run: tuple[JobTopics, str, dict[str, set[str]]], tmp_path: Path
 ) -> None:
     topics, run_id, ids = finished_run
+    # No `batchline streams` here: no ledger snapshot, so the run never shows as finished and `status --wait` says so.
+    waited = run_cli(kafka.bootstrap, "status", topics.job, "--run", run_id, "--wait", "0.5", check=False)
+    assert waited.returncode == 1
+    assert f"run '{run_id}' of {topics.job} has not finished after 0.5s (state no-ledger)" in waited.stderr
     out = tmp_path / "output.jsonl"
     done = run_cli(kafka.bootstrap, "export", topics.job, "--run", run_id, "--format", "openai", "--out", str(out))
     assert f"{len(ids['good'])} results" in done.stderr

@@ -105,8 +105,6 @@ def test_a_small_run_finishes_while_the_backfill_ahead_of_it_is_mostly_pending(
         big = _submit(kafka, topics.job, cfg, tmp_path / "big.jsonl", "--tenant", "archive")
         wait_for(lambda: _alive(worker, streams) or len(results(kafka, topics)) >= 200, RUN_TIMEOUT_S, "under way")
         small = _submit(kafka, topics.job, cfg, tmp_path / "small.jsonl", "--tenant", "daily")
-        waited = run_cli(kafka.bootstrap, "status", topics.job, "--run", big, "--wait", "0.5", check=False)
-        assert waited.returncode == 1 and f"run '{big}' of {topics.job} has not finished after 0.5s" in waited.stderr
 
         def small_done() -> dict[str, int] | None:
             _alive(worker, streams)
