@@ -33,15 +33,12 @@ from typing import Any
 
 from batchline.config import JobConfig
 from consumers.engines.base import EngineInput, EngineOutput, Options, Outcome
-from consumers.engines.vllm_records import choice_of, constraint, field_of, tool_parser
+from consumers.engines.vllm_records import by_similarity, choice_of, constraint, field_of, tool_parser
 from consumers.engines.vllm_watchdog import Watchdog, is_oom
 from consumers.exceptions import EngineError, EngineOOM, EngineStartError
 from consumers.work import Failure
 
 log = logging.getLogger(__name__)
-# Softmax temperature over cosine similarities: sentence-embedding similarities spread over ~0.1-0.3, so a
-# CLIP-like logit scale of 20 turns them into scores that separate without saturating.
-SCORE_TEMPERATURE = 0.05
 # vLLM's engine-core processes take ~5 s to exit on their own after SIGTERM (their worker polls slowly); by the
 # time close() runs every result is committed, so they are killed after this grace period.
 SHUTDOWN_GRACE_S = 2.0
@@ -344,7 +341,7 @@ class VLLMEngine:
     def _embedded(self, inp: EngineInput, vectors: list[tuple[list[float], int]]) -> Outcome:
         """A pooled record's outcome from the vector (and prompt tokens) of each of its texts."""
         if self.task == "classify":
-            return self._by_similarity([vectors[0][0]], [vectors[0][1]])[0]
+            return by_similarity(self.labels, self._label_vectors, [vectors[0][0]], [vectors[0][1]])[0]
         used = sum(n for _, n in vectors)
         if inp.options is not None and inp.options.inputs is not None:
             return EngineOutput(embeddings=[v for v, _ in vectors], prompt_tokens=used, finish_reason="stop")
@@ -417,23 +414,6 @@ class VLLMEngine:
         if field is None or failure.failure_class != "invalid_input":
             return failure
         return Failure("invalid_input", failure.error_type, f"{field}: {failure.message}"[:500])
-
-    def _by_similarity(self, vectors: Sequence[Sequence[float]], tokens: Sequence[int]) -> list[Outcome]:
-        """Each vector's softmaxed cosine similarity to each label's, as one matrix product per call."""
-        import numpy as np
-
-        v = np.asarray(vectors, dtype=np.float64)
-        v /= np.maximum(np.linalg.norm(v, axis=1, keepdims=True), 1e-12)
-        logits = v @ self._label_vectors.T / SCORE_TEMPERATURE
-        logits -= logits.max(axis=1, keepdims=True)
-        probs = np.exp(logits)
-        probs /= probs.sum(axis=1, keepdims=True)
-        out: list[Outcome] = []
-        for row, n in zip(probs.tolist(), tokens, strict=True):
-            scores = dict(zip(self.labels, row, strict=True))
-            label = max(scores, key=lambda k: scores[k])
-            out.append(EngineOutput(label=label, scores=scores, prompt_tokens=n, finish_reason="stop"))
-        return out
 
     # -- failures --------------------------------------------------------------------------------
     def _failure_of(self, exc: Exception, size: int) -> Failure | None:

@@ -1,6 +1,7 @@
 """A record's options in vLLM's words and back: the structured-output constraint of its request, the Request field a
-refusal of vLLM's is about, and one of vLLM's completions as a Result choice (log-probabilities, tool calls).
-Pure functions of the record and what vLLM returned; :class:`~consumers.engines.vllm.VLLMEngine` calls them."""
+refusal of vLLM's is about, one of vLLM's completions as a Result choice (log-probabilities, tool calls), and a
+classify-by-embedding record's label from its vector. Pure functions of the record and what vLLM returned;
+:class:`~consumers.engines.vllm.VLLMEngine` calls them."""
 
 from __future__ import annotations
 
@@ -8,13 +9,17 @@ import hashlib
 import json
 import logging
 import re
+from collections.abc import Sequence
 from typing import Any
 
-from consumers.engines.base import EngineInput, Options
+from consumers.engines.base import EngineInput, EngineOutput, Options
 from consumers.exceptions import EngineStartError
 from schemas.models import EXTENDED_SAMPLING, Choice, TokenLogprob, ToolCall, TopLogprob
 
 log = logging.getLogger(__name__)
+# Softmax temperature over cosine similarities: sentence-embedding similarities spread over ~0.1-0.3, so a
+# CLIP-like logit scale of 20 turns them into scores that separate without saturating.
+SCORE_TEMPERATURE = 0.05
 
 
 # vLLM's parameter names -> a Request's field paths, for the dead letter of a record vLLM refuses
@@ -171,3 +176,24 @@ def _tool_calls(
         for i, call in enumerate(found.tool_calls)
     ]
     return made, found.content
+
+
+def by_similarity(
+    labels: Sequence[str], label_vectors: Any, vectors: Sequence[Sequence[float]], tokens: Sequence[int]
+) -> list[EngineOutput]:
+    """Each vector's softmaxed cosine similarity to each label's (``label_vectors``: unit rows, one per label), as
+    one matrix product; the label scored highest, and ``tokens`` as each record's prompt tokens."""
+    import numpy as np
+
+    v = np.asarray(vectors, dtype=np.float64)
+    v /= np.maximum(np.linalg.norm(v, axis=1, keepdims=True), 1e-12)
+    logits = v @ label_vectors.T / SCORE_TEMPERATURE
+    logits -= logits.max(axis=1, keepdims=True)
+    probs = np.exp(logits)
+    probs /= probs.sum(axis=1, keepdims=True)
+    out: list[EngineOutput] = []
+    for row, n in zip(probs.tolist(), tokens, strict=True):
+        scores = dict(zip(labels, row, strict=True))
+        label = max(scores, key=lambda k: scores[k])
+        out.append(EngineOutput(label=label, scores=scores, prompt_tokens=n, finish_reason="stop"))
+    return out
