@@ -193,7 +193,7 @@ class VLLMEngine:
                 engine.abort_request(added)
             return self._refused(exc, inp)
         self._keys[key] = added
-        for request_id, _ in requests:
+        for request_id in added:
             self._ids[request_id] = key
         self._inputs[key] = inp
         return None
@@ -207,6 +207,7 @@ class VLLMEngine:
             self._failure_of(exc, len(self._keys) + 1)  # raises the engine-level error, if it is one
             raise
         done: list[tuple[int, Outcome]] = []
+        pooled: list[tuple[int, EngineInput, list[tuple[list[float], int]]]] = []
         for o in outs:
             key = self._ids.pop(o.request_id, None) if o.finished else None
             if key is None:
@@ -221,7 +222,9 @@ class VLLMEngine:
             if len(parts) == len(self._keys[key]):
                 ordered = [parts[rid] for rid in self._keys.pop(key)]
                 del self._vectors[key]
-                done.append((key, self._embedded(self._inputs.pop(key), ordered)))
+                pooled.append((key, self._inputs.pop(key), ordered))
+        outcomes = self._embedded([(inp, vectors) for _, inp, vectors in pooled])
+        done += [(key, outcome) for (key, _, _), outcome in zip(pooled, outcomes, strict=True)]
         return done
 
     def running(self) -> int:
@@ -317,9 +320,12 @@ class VLLMEngine:
             prompts += [self._vllm.TokensPrompt(prompt_token_ids=t) for t in texts]
             params += [pooling] * len(texts)
         outs = self._llm.embed(prompts, pooling_params=params, use_tqdm=False) if prompts else []
-        for i, (start, end) in spans.items():
-            mine = [(list(o.outputs.embedding), len(o.prompt_token_ids)) for o in outs[start:end]]
-            outcomes[i] = self._embedded(inputs[i], mine)
+        records = [
+            (inputs[i], [(list(o.outputs.embedding), len(o.prompt_token_ids)) for o in outs[start:end]])
+            for i, (start, end) in spans.items()
+        ]
+        for i, outcome in zip(spans, self._embedded(records), strict=True):
+            outcomes[i] = outcome
         return [o for o in outcomes if o is not None]
 
     def _pooling(self, inp: EngineInput) -> Any:
@@ -338,14 +344,22 @@ class VLLMEngine:
         o = inp.options
         return [tokens] if o is None or o.inputs is None else [list(self.tokenizer.encode(x)) for x in o.inputs]
 
-    def _embedded(self, inp: EngineInput, vectors: list[tuple[list[float], int]]) -> Outcome:
-        """A pooled record's outcome from the vector (and prompt tokens) of each of its texts."""
+    def _embedded(self, records: list[tuple[EngineInput, list[tuple[list[float], int]]]]) -> list[Outcome]:
+        """Pooled records' outcomes, each from the vector (and prompt tokens) of each of its texts; a classify job
+        scores them all in one matrix product."""
+        if not records:
+            return []
         if self.task == "classify":
-            return by_similarity(self.labels, self._label_vectors, [vectors[0][0]], [vectors[0][1]])[0]
-        used = sum(n for _, n in vectors)
-        if inp.options is not None and inp.options.inputs is not None:
-            return EngineOutput(embeddings=[v for v, _ in vectors], prompt_tokens=used, finish_reason="stop")
-        return EngineOutput(embedding=vectors[0][0], prompt_tokens=used, finish_reason="stop")
+            firsts = [vectors[0] for _, vectors in records]
+            return list(by_similarity(self.labels, self._label_vectors, [v for v, _ in firsts], [n for _, n in firsts]))
+        out: list[Outcome] = []
+        for inp, vectors in records:
+            used = sum(n for _, n in vectors)
+            if inp.options is not None and inp.options.inputs is not None:
+                out.append(EngineOutput(embeddings=[v for v, _ in vectors], prompt_tokens=used, finish_reason="stop"))
+            else:
+                out.append(EngineOutput(embedding=vectors[0][0], prompt_tokens=used, finish_reason="stop"))
+        return out
 
     def _generated(self, o: Any, options: Options | None) -> EngineOutput:
         c = o.outputs[0]
