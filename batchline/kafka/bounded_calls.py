@@ -9,7 +9,7 @@ from typing import Any, TypeVar
 from batchline.exceptions import BatchlineError
 
 T = TypeVar("T")
-HANG_GRACE_S = 10.0  # a call still blocked this long past its own timeout is hung (librdkafka #5456): abandoned
+HANG_GRACE_S = 10.0  # a call still blocked this long past its own timeout is hung (see BoundedCalls): abandoned
 
 
 class CallHung(BatchlineError):
@@ -20,7 +20,7 @@ class BoundedCalls:
     """Runs one producer's blocking transactional calls on a daemon thread of their own, so the caller waits at most
     the call's timeout plus :data:`HANG_GRACE_S`. librdkafka 2.16 may block such a call for good whatever timeout it
     is given: ``send_offsets_to_transaction`` after a connection reset or behind a blackhole waits in
-    ``rd_kafka_txn_op_req0`` for a coordinator request that never times out (librdkafka issue #5456). A call that
+    ``rd_kafka_txn_op_req0`` for a coordinator request that never times out (reported to librdkafka). A call that
     hangs keeps its thread: the runner is abandoned with its producer (see
     :meth:`~batchline.kafka.producer_lifecycle.ProducerLifecycle.recreate`), and a daemon thread never holds the
     process's exit.
