@@ -11,6 +11,7 @@ from __future__ import annotations
 
 import threading
 import uuid
+from collections.abc import Callable
 
 from confluent_kafka import Consumer
 
@@ -41,6 +42,10 @@ from consumers.schedule import Schedule
 from consumers.work import WorkerStats
 
 
+def not_loaded(text: str) -> int:
+    raise AssertionError("a record was taken in before the engine loaded (its partitions are paused until then)")
+
+
 class WorkerParts:
     """Every part of one worker, wired; the loop (:class:`consumers.worker.Worker`) adds what it does with them."""
 
@@ -64,14 +69,16 @@ class WorkerParts:
         self.worker_id = self.slot.slot
         self.sweeper = SlotSweeper(kafka, self.group, self.slot.slot)
         self._incarnation = uuid.uuid4().hex[:6]  # batch ids stay unique across restarts of one slot
-        self.engine = engine or create_engine(config)
-        self.health.set_engine_loaded()  # readiness
-        self.intake = Intake(config, self.engine.count_tokens)
+        # Intake counts tokens with the engine's tokenizer once the engine is loaded (Worker._engine_loaded); no
+        # record arrives before: the partitions stay paused for the reason "engine" until then.
+        self.intake = Intake(config, engine.count_tokens if engine is not None else not_loaded)
         self.batcher = Batcher(config.batching)
         self.wake = threading.Event()
         self.pinning = Pinning(kafka, self.topics, self.fingerprint)
+        # The engine thread loads the engine (unless given one), so the worker can join its group meanwhile.
         # Cancels and completion windows reach the engine thread through the runs view's stops (read-only there).
-        self.feeder = Feeder(self.engine, config, self.wake.set, self.pinning.view.stops)
+        load: Engine | Callable[[], Engine] = engine if engine is not None else lambda: create_engine(config)
+        self.feeder = Feeder(load, config, self.wake.set, self.pinning.view.stops)
         self.router = Router(config, self.fingerprint, self.topics, self.worker_id)
         # requests of aborted transactions (a scheduler's failed re-publish) are passed over: the embedded broker's
         # read_committed shows them (batchline/kafka/embedded/aborted.py); asked on this thread, in _poll

@@ -43,7 +43,7 @@ from consumers.engines.base import (
     Sampling,
     StreamingEngine,
 )
-from consumers.exceptions import EngineOOM
+from consumers.exceptions import EngineOOM, EngineStartError
 from consumers.intake import render_prompt
 from consumers.isolate import AdaptiveLimit, IsolatingRunner
 from consumers.options import options_of
@@ -157,22 +157,32 @@ class FeederStats:
 
 
 class Feeder:
+    """Drives the engine on its own thread. Given an engine, the feeder is ready at once; given a way to make one
+    (``load``, e.g. ``lambda: create_engine(config)``), the engine thread makes it first, so a worker can join its
+    group while the model loads. Hand-off: the engine thread binds ``engine`` (and what it declares), then sets
+    ``loaded`` last and calls ``wake``; the worker reads ``engine`` only after it has seen ``loaded``. A load that
+    fails is ``error``, as a failure of the engine thread is."""
+
+    engine: Engine
+    stream: StreamingEngine | None  # only a StreamingEngine has a running batch to drive
+    runner: IsolatingRunner
+
     def __init__(
         self,
-        engine: Engine,
+        engine: Engine | Callable[[], Engine],
         config: JobConfig,
         wake: Callable[[], None],
         stops: Mapping[str, tuple[float, str]] | None = None,
     ) -> None:
-        self.engine = engine
         self._stops: Mapping[str, tuple[float, str]] = stops if stops is not None else {}
         self.config = config
-        # What the engine declares; only a StreamingEngine has a running batch to drive.
-        self.stream: StreamingEngine | None = (
-            engine if engine.streaming and isinstance(engine, StreamingEngine) else None
-        )
-        self.streaming = self.stream is not None
-        self.runner = IsolatingRunner(engine, config.batching.max_records)
+        self.loaded = False
+        self.streaming = False
+        self._load: Callable[[], Engine] | None = None
+        if isinstance(engine, Engine):
+            self._bind(engine)
+        else:
+            self._load = engine
         self.validator = OutputValidator(config)
         self.retries = config.retry.invalid_output_retries
         job = config.engine.sampling
@@ -192,6 +202,13 @@ class Feeder:
         self._running: set[int] = set()  # keys in the engine's running batch
         self._thread = threading.Thread(target=self._run, name="engine", daemon=True)
 
+    def _bind(self, engine: Engine) -> None:
+        self.engine = engine
+        self.stream = engine if engine.streaming and isinstance(engine, StreamingEngine) else None
+        self.streaming = self.stream is not None
+        self.runner = IsolatingRunner(engine, self.config.batching.max_records)
+        self.loaded = True  # last: what it announces is set
+
     # -- the worker's side -----------------------------------------------------------------------
     def start(self) -> None:
         self._thread.start()
@@ -210,6 +227,16 @@ class Feeder:
             self._cancelling = True
             self._cond.notify()
 
+    @property
+    def restarts(self) -> int:
+        """The engine's restarts, if it counts them (read by the batchline.engine.restarts metric)."""
+        return int(getattr(self.engine, "restarts", 0)) if self.loaded else 0
+
+    def close_engine(self) -> None:
+        """The engine's own shutdown (its processes), after :meth:`close`; nothing if it never loaded."""
+        if self.loaded:
+            self.engine.close()
+
     def close(self, timeout: float = 30.0) -> None:
         with self._cond:
             self._stopping = True
@@ -220,6 +247,9 @@ class Feeder:
     # -- the engine thread -------------------------------------------------------------------------
     def _run(self) -> None:
         try:
+            if self._load is not None:
+                self._bind(self._load())
+                self._wake()
             while True:
                 with self._cond:
                     while not (self._stopping or self._queue or self._cancelling or self._busy()):
@@ -239,6 +269,10 @@ class Feeder:
                         self._step()
                 elif self._backlog:
                     self._call()
+        except EngineStartError as exc:  # a clear message (a model that cannot load), not a traceback
+            log.error("the engine did not start: %s", exc)
+            self.error = exc
+            self._wake()
         except BaseException as exc:  # the worker sees it and stops; nothing uncommitted is lost
             log.exception("engine thread failed")
             self.error = exc

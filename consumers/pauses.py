@@ -1,9 +1,10 @@
 """Why the worker's partitions are paused, kept as state that survives rebalances.
 
-A pause has reasons: ``flow`` (records buffered or inferring reached ``max_in_flight_records``), ``window``
-(outside the job's time windows), ``lanes`` (a job this one yields to has lag). The reasons hold for every
-partition the worker owns, so the book keeps one set of reasons and the set of assigned partitions, and makes the
-consumer's pause state follow them on every change - and on every assignment: librdkafka keeps an application
+A pause has reasons: ``engine`` (the engine is still loading: a worker may join its group meanwhile), ``flow``
+(records buffered or inferring reached ``max_in_flight_records``), ``window`` (outside the job's time windows),
+``lanes`` (a job this one yields to has lag). The reasons hold for every partition the worker owns, so the book
+keeps one set of reasons and the set of assigned partitions, and makes the consumer's pause state follow them on
+every change - and on every assignment: librdkafka keeps an application
 pause across a revoke and a re-assign, so a partition that comes back is paused or resumed explicitly, never left
 as it was. A partition that is assigned while no reason holds is always fetching.
 
@@ -24,7 +25,7 @@ from typing import Literal
 from confluent_kafka import Consumer, KafkaException, TopicPartition
 
 log = logging.getLogger(__name__)
-Reason = Literal["flow", "window", "lanes"]
+Reason = Literal["engine", "flow", "window", "lanes"]
 WAKE_TIMEOUT_S = 1.0
 TP = tuple[str, int]
 

@@ -28,11 +28,12 @@ Who owns what, and how work crosses (docs/architecture.md#threads counts them in
   flights, its transactions not yet harvested, spans, counts). It alone reads the consumer; it refreshes the group
   membership for the commit thread (``Ownership.observe``) every turn and fences partitions in the callbacks
   (``Ownership.release``).
-- **engine** (:class:`~consumers.infer.Feeder`): the engine (the only thread that calls it) and the feeder's
-  slots and backlog. Hand-off: the worker submits a flight (``Feeder.submit``, a condition-guarded queue); the
-  engine thread fills in ``Flight.outcomes`` and the flight's counts (runnable, passed over, tokens), sets
-  ``Flight.done`` last, then ``wake``. Cancellation:
-  ``Feeder.cancel``.
+- **engine** (:class:`~consumers.infer.Feeder`): loads the engine first unless it was given one (the loop meanwhile
+  holds its partitions paused for the reason ``engine``, and joins its group only if the group has no member);
+  then the engine (the only thread that calls it) and the feeder's seats and backlog. Hand-off: the worker
+  submits a flight (``Feeder.submit``, a condition-guarded queue); the engine thread fills in ``Flight.outcomes``
+  and the flight's counts (runnable, passed over, tokens), sets ``Flight.done`` last, then ``wake``. Cancellation:
+  ``Feeder.cancel``. The load: ``Feeder.loaded`` is set last, then ``wake``.
 - **commit** (:class:`~consumers.commit.CommitLine`): the transactional producer (the only thread that calls
   it). Hand-off: the worker queues a routed transaction (condition-guarded); the commit thread writes its outcome
   (replacements, error), sets ``done`` last, then ``wake``. It checks each transaction's claim against what the
@@ -62,11 +63,12 @@ from confluent_kafka import Consumer, KafkaError, KafkaException, TopicPartition
 from batchline.config import JobConfig, KafkaSettings
 from batchline.exceptions import BatchlineError
 from batchline.kafka.client import take
-from batchline.kafka.groups import close_member
+from batchline.kafka.groups import close_member, nobody_in
 from batchline.kafka.transaction_errors import TransactionalIdTaken
 from batchline.telemetry import Health
 from consumers.assembly import WorkerParts
 from consumers.engines import Engine
+from consumers.exceptions import EngineError, EngineStartError
 from consumers.infer import Flight, stopped_failure
 from consumers.work import WorkerStats, WorkItem
 
@@ -103,6 +105,8 @@ class Worker(WorkerParts):
         self._seq = 0
         self._last_record = time.monotonic()
         self._abandoned = False
+        self._engine_ready = False  # the loop has seen the engine loaded (_engine_loaded)
+        self._subscribed = False
 
     # -- lifecycle -------------------------------------------------------------------------------
     def run(self) -> WorkerStats:
@@ -115,26 +119,30 @@ class Worker(WorkerParts):
         )
         self.pinning.start()
         self.lanes.start()
-        gc.collect()
-        gc.freeze()
-        gc.set_threshold(GC_YOUNG, 20, 100)
-        self.feeder.start()
+        self.feeder.start()  # the engine thread loads the engine first, unless it was given one
         self.commits.start()
         self.liveness.start()
         self.sweeper.start()
         self.group_sampler.start()
-        self.consumer.subscribe(
-            [self.topics.requests], on_assign=self._on_assign, on_revoke=self._on_revoke, on_lost=self._on_lost
-        )
+        # While the engine loads, the worker joins its group only if the group has no member: it then takes
+        # partitions from no one, and a new job's first workers are in their group when their model is ready (the
+        # first join of a group waits out the broker's initial rebalance delay). A member that joined a serving
+        # group would hold the partitions it took, paused, for the whole load.
+        if not self.feeder.loaded:
+            self.pauses.hold("engine")
+            if nobody_in(self.kafka, self.group):
+                log.info("joining group %s while the engine loads (the group has no member)", self.group)
+                self._subscribe()
         # observable metrics: in-flight records, lag, transactions, rewinds, engine restarts
         self.metrics.watch(
             self.stats,
-            self.engine,
+            lambda: self.feeder.restarts,
             self.kafka,
             in_flight=self._held,
             assigned=lambda: list(self.pauses.assigned),
         )
         try:
+            self._check_engine()  # an engine given ready-made: subscribe now
             while not self.stop_event.is_set() and not self._idle_done():
                 self._heartbeat()  # /healthz; BrokerLost, MissingTopicError
                 self._poll()  # fetched records -> intake -> pinning -> batcher; the loop's only wait
@@ -145,8 +153,10 @@ class Worker(WorkerParts):
                 self._commit()  # committed micro-batches off the line, finished ones queued to commit
                 self.admission.flow_control(self._held())  # pause above max_in_flight_records, resume below half
             self._drain()
-        except (BatchlineError, KafkaException):
-            self._abandon()  # nothing more is committed: the partitions' next owner re-reads it
+        except (BatchlineError, KafkaException) as exc:
+            # nothing more is committed: the partitions' next owner re-reads it; with the broker fine (the engine
+            # failed) the group is still left the stable way
+            self._abandon(broker_fine=isinstance(exc, EngineError | EngineStartError))
             raise
         finally:
             self.close()
@@ -173,7 +183,7 @@ class Worker(WorkerParts):
         finally:
             self.sweeper.close()
             self.slot.release()
-            self.engine.close()
+            self.feeder.close_engine()
 
     def _idle_done(self) -> bool:
         if self.idle_exit_s is None or self.commits or len(self.batcher) or not self.pauses.assigned:
@@ -181,12 +191,33 @@ class Worker(WorkerParts):
         return time.monotonic() - self._last_record >= self.idle_exit_s
 
     def _heartbeat(self) -> None:
-        self.health.beat(waiting=bool(self.commits))  # liveness: records wait on the engine or the commit thread
+        if self._engine_ready:  # until then the worker is starting, bounded by startup_bound_s, however its loop runs
+            self.health.beat(waiting=bool(self.commits))  # liveness: records wait on the engine or the commit thread
         self.liveness.check()  # BrokerLost after broker_loss_timeout_s; MissingTopicError
 
     def _check_engine(self) -> None:
         if self.feeder.error is not None:
-            raise self.feeder.error
+            raise self.feeder.error  # a failure of the engine thread, or a load that failed
+        if not self._engine_ready and self.feeder.loaded:
+            self._engine_loaded()
+
+    def _engine_loaded(self) -> None:
+        """The engine thread has loaded the engine (or was given one): records may come in."""
+        self._engine_ready = True
+        self.intake.count_tokens = self.feeder.engine.count_tokens
+        self.health.set_engine_loaded()  # readiness
+        gc.collect()
+        gc.freeze()
+        gc.set_threshold(GC_YOUNG, 20, 100)
+        if not self._subscribed:
+            self._subscribe()
+        self.pauses.lift("engine")
+
+    def _subscribe(self) -> None:
+        self._subscribed = True
+        self.consumer.subscribe(
+            [self.topics.requests], on_assign=self._on_assign, on_revoke=self._on_revoke, on_lost=self._on_lost
+        )
 
     # -- intake ----------------------------------------------------------------------------------
     def _poll(self) -> None:
@@ -199,7 +230,7 @@ class Worker(WorkerParts):
         want = min(POLL_BATCH, room) if self.pauses.fetching() else POLL_BATCH
         msgs = self.consumer.consume(want, 0) if want > 0 else []
         if not msgs and not self._work_ready():
-            if want <= 0 or self.commits or (self.pauses.assigned and not self.pauses.fetching()):
+            if want <= 0 or self.commits or self.pauses.holding:  # woken by a finished flight, commit or engine load
                 self.wake.wait(WAIT_FETCHING_S if self.pauses.fetching() else WAIT_PAUSED_S)
                 msgs = self.consumer.consume(want, 0) if want > 0 else []
             else:  # nothing in flight: records are what we wait for (take() returns with the first one)
@@ -328,10 +359,10 @@ class Worker(WorkerParts):
             self.commits.queue()
         return True
 
-    def _abandon(self) -> None:
+    def _abandon(self, broker_fine: bool = False) -> None:
         """Stop without committing anything more (the broker is lost, a topic is gone): in-flight and buffered
         records are dropped, and their partitions' next owner re-reads them from the committed offsets."""
-        self._abandoned = True
+        self._abandoned = not broker_fine  # close() then waits for nothing
         self.feeder.cancel(self.commits.abandon())
         self.batcher.drop({(i.source.topic, i.source.partition) for i in self.batcher.items()})
 
@@ -367,7 +398,8 @@ class Worker(WorkerParts):
     def _while_taking_over(self) -> None:
         """What the loop keeps doing while an assignment waits (TakeoverGate): alive, and still looking at the group
         membership, so the claims of transactions in flight for the partitions it holds stay good."""
-        self.health.beat(waiting=True)
+        if self._engine_ready:
+            self.health.beat(waiting=True)
         self.ownership.observe(OBSERVE_EVERY_S)
 
     def _on_revoke(self, consumer: Consumer, partitions: list[TopicPartition]) -> None:

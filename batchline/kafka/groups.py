@@ -87,6 +87,13 @@ def describe_group(admin: Any, group: str, timeout_s: float = DESCRIBE_TIMEOUT_S
     return GroupView(group, desc.state.name, len(members), assigned)
 
 
+def nobody_in(kafka: KafkaSettings, group: str) -> bool:
+    """``group`` has no member (it is new, or every member has left): a member that joins now takes partitions from
+    no one. False when the broker cannot say."""
+    view = describe_group(make_admin(kafka), group)
+    return view is not None and view.state in {ConsumerGroupState.EMPTY.name, ConsumerGroupState.DEAD.name}
+
+
 def job_groups(
     admin: Any, job: str, known: Iterable[str] = (), timeout_s: float = DESCRIBE_TIMEOUT_S
 ) -> list[GroupView]:

@@ -127,7 +127,7 @@ class WorkerMetrics:
     def watch(
         self,
         counters: WorkerCounters,
-        engine: object,
+        restarts: Callable[[], int],
         kafka: KafkaSettings,
         *,
         in_flight: Callable[[], int],
@@ -135,7 +135,7 @@ class WorkerMetrics:
     ) -> None:
         """Observe the worker: ``in_flight()`` records buffered or inferring, the lag of the ``assigned()``
         partitions (read for its group by an admin client on ``kafka``: the worker's own consumer is not called from
-        the collecting thread), transactions and rewinds from ``counters``, ``engine.restarts`` if it counts them.
+        the collecting thread), transactions and rewinds from ``counters``, the engine's ``restarts()``.
         The callbacks run on the collecting thread: they must only read."""
         attrs, worker = self.attrs, self.attrs | {COMPONENT: "worker"}
         lag = LagReader(kafka, self.messaging.get("messaging.consumer.group.name", ""))
@@ -171,7 +171,7 @@ class WorkerMetrics:
         )
         w.add(
             feed("batchline.engine.restarts", "counter", "{restart}", "Engine restarts (a dead or hung engine)"),
-            lambda: [Observation(int(getattr(engine, "restarts", 0)), attrs)],
+            lambda: [Observation(restarts(), attrs)],
         )
 
     def close(self) -> None:

@@ -8,6 +8,7 @@ worker does with it.
 
 from __future__ import annotations
 
+import time
 from collections.abc import Callable
 from pathlib import Path
 
@@ -27,6 +28,7 @@ READY_TIMEOUT_S = 60.0  # engine loaded and the group joined (the embedded broke
 UNHEALTHY_TIMEOUT_S = 60.0  # progress bound (3 s) plus a probe
 RUN_TIMEOUT_S = 120.0
 PROGRESS_BOUND_S = 3
+LOAD_WINDOW_S = 10.0  # how long the second worker's model stays loading before it may join
 HANG = "HANG-HERE"
 
 
@@ -73,15 +75,65 @@ def test_a_loading_worker_is_live_but_not_ready(
     with _worker(job_name, cfg, kafka, port, logs_dir / "worker.log") as worker:
         _wait_status(port, "/healthz", 200, LISTEN_TIMEOUT_S, "the probe port of a loading worker")
         status, body = get(port, "/readyz")
-        assert status == 503, body
-        assert "engine loaded" in body and "partitions assigned" in body, body
+        assert status == 503 and "engine loaded" in body, body
+        # Its group has no member, so it joins while the model loads: in its group, holding both partitions paused.
+        wait_for(
+            lambda: get(port, "/readyz")[1].strip() == "waiting for: engine loaded",
+            READY_TIMEOUT_S,
+            "the loading worker to hold its partitions",
+        )
         assert worker.alive() and results(kafka, topics) == {}, "a loading worker processes nothing"
+        assert "joining group" in worker.log() and "while the engine loads" in worker.log()
 
         gate.touch()  # the model has loaded
         _wait_status(port, "/readyz", 200, READY_TIMEOUT_S, "the worker to become ready")
         done = wait_for(lambda: (r := results(kafka, topics)) and set(r) == set(ids) and r, RUN_TIMEOUT_S, "results")
         assert all(len(copies) == 1 for copies in done.values())
         assert get(port, "/healthz")[0] == 200, worker.log()
+
+
+def test_a_loading_worker_joins_a_serving_group_only_once_its_model_has_loaded(
+    kafka: KafkaSettings, job_name: str, make_job: Callable[..., JobTopics], tmp_path: Path, logs_dir: Path
+) -> None:
+    """Joining while the model loads would take partitions from a member that serves them and hold them paused for
+    the whole load: a second worker joins only when its engine is ready, and the first one serves everything
+    published meanwhile."""
+    topics = make_job(job_name, partitions=2)
+    gate = tmp_path / "model-loaded"
+    serving = job_toml(tmp_path / "serving.toml", max_records=10)
+    loading = job_toml(tmp_path / "loading.toml", kwargs=f'load_gate = "{gate}"', max_records=10)
+    assert fingerprint_of(load_job_config(job_name, serving)) == fingerprint_of(load_job_config(job_name, loading))
+    first, second = free_port(), free_port()
+    ids = [f"s-{i:02d}" for i in range(40)]
+    with _worker(job_name, serving, kafka, first, logs_dir / "first.log"):
+        _wait_status(first, "/readyz", 200, READY_TIMEOUT_S, "the first worker to become ready")
+        with _worker(job_name, loading, kafka, second, logs_dir / "second.log") as late:
+            _wait_status(second, "/healthz", 200, LISTEN_TIMEOUT_S, "the probe port of the loading worker")
+            wait_for(lambda: "fingerprint" in late.log(), LISTEN_TIMEOUT_S, "the loading worker's loop")
+            # a join would have assigned it partitions within about 4 s here (the first worker's join: ~3.5 s)
+            deadline = time.monotonic() + LOAD_WINDOW_S
+            while time.monotonic() < deadline:
+                assert "assigned" not in late.log(), "joined a serving group while loading"
+                time.sleep(0.5)
+            produce_raw(
+                kafka,
+                topics.requests,
+                [(rid.encode(), f'{{"id": "{rid}", "prompt": "p {rid}"}}'.encode()) for rid in ids[:20]],
+            )
+            # both partitions are the first worker's: what was published during the load is answered
+            wait_for(lambda: set(results(kafka, topics)) == set(ids[:20]), RUN_TIMEOUT_S, "results during the load")
+            assert get(second, "/readyz")[1].strip() == "waiting for: engine loaded, partitions assigned"
+            assert get(first, "/readyz")[0] == 200 and "joining group" not in late.log()
+
+            gate.touch()
+            _wait_status(second, "/readyz", 200, READY_TIMEOUT_S, "the second worker in the group")
+            produce_raw(
+                kafka,
+                topics.requests,
+                [(rid.encode(), f'{{"id": "{rid}", "prompt": "p {rid}"}}'.encode()) for rid in ids[20:]],
+            )
+            done = wait_for(lambda: (r := results(kafka, topics)) and set(r) == set(ids) and r, RUN_TIMEOUT_S, "all")
+    assert {rid: len(copies) for rid, copies in done.items()} == dict.fromkeys(ids, 1)
 
 
 def test_a_model_that_never_loads_turns_the_worker_unhealthy(
