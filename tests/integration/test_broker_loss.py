@@ -9,7 +9,7 @@ the test) reaches it through the proxy, and cutting the proxy (listener closed, 
 broker outage as the clients see it. With the proxy back, the test reads what the worker committed: every
 request below the group's committed offsets has an outcome on the topics (nothing committed is lost, no
 offset ran ahead of its results), and a second worker finishes the run. Outcomes are read through the oracle
-(tests/support/oracle.py: the log settled by its COMMIT/ABORT markers, since tansu's ``read_committed`` shows
+(tests/support/oracle.py: the log decided by its COMMIT/ABORT markers, since tansu's ``read_committed`` shows
 aborted records too): every id ends with exactly one committed outcome and no transaction is left open.
 """
 

@@ -30,7 +30,7 @@ from batchline.kafka.transactions import TransactionalProducer
 from batchline.runs.identity import fingerprint_of
 from batchline.runs.submit import submit_file
 from tests.support.jobs import job_toml, requests_file
-from tests.support.oracle import assert_exactly_once, open_transactions, settle_topics
+from tests.support.oracle import assert_exactly_once, decide_topics, open_transactions
 from tests.support.transactions import Sent
 
 OPEN_TIMEOUT_S = 30.0
@@ -118,7 +118,7 @@ def test_a_restarted_worker_fences_the_transaction_its_slot_left_open(
 
     assert _run_worker(kafka, cfg) == slot  # the lowest free slot on this host: the dead one's
 
-    log = settle_topics(kafka.bootstrap, [topics.results])
+    log = decide_topics(kafka.bootstrap, [topics.results])
     assert sorted(r.key for r in log.aborted) == [f"zombie-{i}".encode() for i in range(ZOMBIES)]
     assert _stable_offset(kafka, topics.results) > stuck_at + ZOMBIES  # readers got past it, and read the results
     assert set(assert_exactly_once(kafka.bootstrap, topics, valid).results) == valid
@@ -138,7 +138,7 @@ def test_a_slot_that_never_comes_back_is_fenced_by_a_live_worker(
 
     assert _run_worker(kafka, cfg, worker_id="worker-0") == "worker-0"
 
-    log = settle_topics(kafka.bootstrap, [topics.results])
+    log = decide_topics(kafka.bootstrap, [topics.results])
     assert sorted(r.key for r in log.aborted) == [f"zombie-{i}".encode() for i in range(ZOMBIES)]
     assert set(assert_exactly_once(kafka.bootstrap, topics, valid).results) == valid
 
@@ -179,7 +179,7 @@ def test_a_producer_whose_id_a_newer_one_took_stops_instead_of_fencing_back(
         consumer.close()
         older.close(5)
         newer.close()
-    log = settle_topics(kafka.bootstrap, [topics.results])
+    log = decide_topics(kafka.bootstrap, [topics.results])
     assert [r.value for r in log.committed] == [b"fresh"] and not log.open
 
 
@@ -198,5 +198,5 @@ def test_a_restarted_retry_scheduler_fences_what_its_slot_left_open_on_the_reque
         assert scheduler.instance_id == slot
     finally:
         scheduler.close()
-    log = settle_topics(kafka.bootstrap, [topics.requests])
+    log = decide_topics(kafka.bootstrap, [topics.requests])
     assert not log.open and sorted(r.key for r in log.aborted) == [f"zombie-{i}".encode() for i in range(ZOMBIES)]

@@ -127,7 +127,7 @@ def test_no_loss_no_duplicate_and_bounded_stalls_through_a_lossy_link(
             proc.stop()
     # Every connection reset may make librdkafka re-send a produce request the broker had appended: the embedded
     # broker appends it again (it does not enforce idempotence), Apache Kafka drops it. The oracle leaves such
-    # repeats out (tests/support/oracle.settle) and they are reported below; two transactions committing one id
+    # repeats out (tests/support/oracle.decide) and they are reported below; two transactions committing one id
     # would still fail here.
     try:
         outcomes = assert_exactly_once(kafka.bootstrap, topics, ids, repeated_ok=True)

@@ -15,7 +15,7 @@ from batchline.config import KafkaSettings
 from batchline.kafka.client import make_producer
 from batchline.kafka.scan import scan
 from batchline.kafka.topics import JobTopics
-from tests.support.oracle import OpenTxn, committed, open_transactions, settle_topics
+from tests.support.oracle import OpenTxn, committed, decide_topics, open_transactions
 
 
 def test_the_oracle_shows_committed_records_only_where_read_committed_shows_aborted_ones_too(
@@ -42,7 +42,7 @@ def test_the_oracle_shows_committed_records_only_where_read_committed_shows_abor
     try:
         keys = sorted((r.key or b"").decode() for r in committed(kafka.bootstrap, topic))
         assert keys == [f"c-{i}" for i in range(6)]
-        log = settle_topics(kafka.bootstrap, [topic])
+        log = decide_topics(kafka.bootstrap, [topic])
         assert sorted((r.key or b"").decode() for r in log.aborted) == [f"a-{i}" for i in range(4)]
         opened = open_transactions(kafka.bootstrap, [topic])
         assert [(t.partition, t.records) for t in opened] == [(0, 2), (1, 1)]
@@ -50,7 +50,7 @@ def test_the_oracle_shows_committed_records_only_where_read_committed_shows_abor
         assert all(r.transactional for r in log.committed)
     finally:
         producer.abort_transaction(30)
-    assert open_transactions(kafka.bootstrap, [topic]) == [], "the abort marker settles the open transaction"
+    assert open_transactions(kafka.bootstrap, [topic]) == [], "the abort marker decides the open transaction"
 
     assert sorted(m.key().decode() for m in scan(kafka, topic)) == [f"c-{i}" for i in range(6)]
     seen = sorted(m.key().decode() for m in scan(kafka, topic, committed_only=False))

@@ -2,7 +2,7 @@
 of its is in progress, for longer than its session timeout, while another member takes its partitions; then healed.
 
 The zombie's transaction must never commit (its partitions' new owner commits those records), nothing may stall,
-and the committed log, settled by the oracle, must hold exactly one outcome per id and nothing open. A cut keeps
+and the committed log, decided by the oracle, must hold exactly one outcome per id and nothing open. A cut keeps
 TCP connections open (tests/support/netns.py): what the zombie wrote arrives after the heal, as in a real
 partition. Its transaction is in progress at the cut because the engine goes on finishing the records it holds:
 each finished micro-batch begins a transaction that blocks on the cut link.
@@ -35,7 +35,7 @@ from tests.integration.test_streams import _retry_records
 from tests.support.jobs import job_toml
 from tests.support.kafka import produce_raw, wait_for
 from tests.support.netns import Namespace, Network, netns_unavailable
-from tests.support.oracle import assert_exactly_once, job_outcomes, settle_topics
+from tests.support.oracle import assert_exactly_once, decide_topics, job_outcomes
 from tests.support.procs import CliProcess
 
 WORKER_RECORDS = 3000
@@ -222,7 +222,7 @@ def test_a_retry_scheduler_cut_off_mid_transaction_never_commits_it(
             n += len(wave)
 
     def republished() -> Counter[str]:
-        log = settle_topics(kafka.bootstrap, [topics.requests])
+        log = decide_topics(kafka.bootstrap, [topics.requests])
         return Counter((r.key or b"").decode() for r in log.committed if RETRIED_AT in dict(r.headers))
 
     pattern = r"retry scheduler assigned"
@@ -255,7 +255,7 @@ def test_a_retry_scheduler_cut_off_mid_transaction_never_commits_it(
     twice = {rid: n for rid, n in counts.items() if n > 1}
     assert not twice, f"{len(twice)} retries re-published twice (committed), e.g. {sorted(twice.items())[:5]}"
     assert set(counts) == set(written)
-    still_open = settle_topics(kafka.bootstrap, [topics.requests, *topics.retries]).open
+    still_open = decide_topics(kafka.bootstrap, [topics.requests, *topics.retries]).open
     assert not still_open, [str(t) for t in still_open]
     log = zombie.log()
     assert LAPSED in log, f"in {CUT_TRIES} cuts the cut scheduler never had a transaction to fence:\n{log[-3000:]}"

@@ -3,11 +3,11 @@
 The embedded broker never fills a fetch response's aborted-transactions list, so a read_committed consumer
 there sees aborted records too and cannot tell "committed once" from "committed twice". The oracle reads each
 partition raw (tests/support/wire.py: kafka-python's protocol and record parser, read_uncommitted, control
-batches included) and settles every transactional batch by its producer's next control record in the same
+batches included) and decides every transactional batch by its producer's next control record in the same
 partition, as a broker that fills the aborted list would: COMMIT -> committed, ABORT -> aborted; records whose
 transaction has no marker yet are *open*. Non-transactional records are committed as written.
 
-:func:`settle` is the pure part (one partition's batches in, a :class:`Settlement` out; unit tested on
+:func:`decide` is the pure part (one partition's batches in, a :class:`Decisions` out; unit tested on
 hand-built logs). :func:`committed`, :func:`open_transactions` and :func:`job_outcomes` read a broker;
 :func:`assert_exactly_once` is what fault tests end with: every id one committed outcome (one result xor one
 dead letter), no committed copy twice, nothing open on the job's requests, results, retry and DLQ topics.
@@ -30,22 +30,22 @@ from tests.support.wire import Batch, Rec, read_batches
 
 __all__ = [
     "Batch",
+    "Decisions",
     "OpenTxn",
     "Outcomes",
     "Rec",
-    "Settlement",
     "assert_exactly_once",
     "committed",
+    "decide",
+    "decide_topics",
     "job_outcomes",
     "lineage_of",
     "open_transactions",
     "outcome_ids",
     "report_stall",
-    "settle",
-    "settle_topics",
 ]
 
-SETTLE_TIMEOUT_S = 30.0
+DECIDE_TIMEOUT_S = 30.0
 SHOW = 8  # how many ids or transactions a failure message names
 
 
@@ -68,27 +68,27 @@ class OpenTxn:
 
 
 @dataclass
-class Settlement:
+class Decisions:
     """A log's records by fate. ``committed`` and ``aborted`` are in (topic, partition, offset) order."""
 
     committed: list[Rec] = field(default_factory=list)
     aborted: list[Rec] = field(default_factory=list)
     open: list[OpenTxn] = field(default_factory=list)
-    repeated: list[Rec] = field(default_factory=list)  # a batch the broker appended again (see settle)
+    repeated: list[Rec] = field(default_factory=list)  # a batch the broker appended again (see decide)
 
-    def extend(self, other: Settlement) -> None:
+    def extend(self, other: Decisions) -> None:
         self.committed.extend(other.committed)
         self.aborted.extend(other.aborted)
         self.open.extend(other.open)
         self.repeated.extend(other.repeated)
 
 
-def settle(batches: Iterable[Batch]) -> Settlement:
-    """Settle one partition's batches (in offset order). Pure.
+def decide(batches: Iterable[Batch]) -> Decisions:
+    """Decide one partition's batches (in offset order). Pure.
 
     Each producer id has at most one transaction in progress per partition: its transactional data batches
     since its last marker. A COMMIT marker commits them, an ABORT marker aborts them; a marker with nothing
-    in progress (a control batch first in the log, or a second marker) settles nothing. A data batch of the same
+    in progress (a control batch first in the log, or a second marker) decides nothing. A data batch of the same
     producer id with a newer epoch aborts them: its producer was initialised again (a restart with the same
     transactional id), which on Apache Kafka aborts the transaction it left open - the marker the embedded broker
     may leave out (docs/brokers.md). Only data counts: with transactions v2 (KIP-890) a transaction's marker
@@ -96,10 +96,10 @@ def settle(batches: Iterable[Batch]) -> Settlement:
 
     A data batch with the same producer id, epoch and base sequence as an earlier one is a produce request the
     broker appended twice: librdkafka re-sends a request whose answer a connection reset lost, and Apache Kafka
-    drops the repeat by its sequence number (idempotence), the embedded broker does not. The repeat is settled
+    drops the repeat by its sequence number (idempotence), the embedded broker does not. The repeat is decided
     as a broker that enforces idempotence would: left out, and listed in ``repeated``.
     """
-    out = Settlement()
+    out = Decisions()
     pending: dict[int, list[Rec]] = {}
     pending_epoch: dict[int, int] = {}
     sequences: set[tuple[int, int, int]] = set()
@@ -136,22 +136,22 @@ def settle(batches: Iterable[Batch]) -> Settlement:
     return out
 
 
-def settle_topics(bootstrap: str, topics: Iterable[str]) -> Settlement:
-    """Every partition of ``topics`` read raw to its end and settled."""
-    out = Settlement()
+def decide_topics(bootstrap: str, topics: Iterable[str]) -> Decisions:
+    """Every partition of ``topics`` read raw to its end and decided."""
+    out = Decisions()
     for _, batches in sorted(read_batches(bootstrap, topics).items()):
-        out.extend(settle(batches))
+        out.extend(decide(batches))
     return out
 
 
 def committed(bootstrap: str, topic: str) -> list[Rec]:
     """The committed records of ``topic``, by partition and offset."""
-    return settle_topics(bootstrap, [topic]).committed
+    return decide_topics(bootstrap, [topic]).committed
 
 
 def open_transactions(bootstrap: str, topics: Iterable[str]) -> list[OpenTxn]:
     """The transactions with records on ``topics`` and no marker yet."""
-    return settle_topics(bootstrap, topics).open
+    return decide_topics(bootstrap, topics).open
 
 
 @dataclass
@@ -163,7 +163,7 @@ class Outcomes:
     dead: dict[str, list[tuple[DeadLetter, Rec]]]
     open: list[OpenTxn]
     aborted: int
-    repeated: list[Rec] = field(default_factory=list)  # records the broker appended twice (Settlement.repeated)
+    repeated: list[Rec] = field(default_factory=list)  # records the broker appended twice (Decisions.repeated)
 
     def ids(self) -> set[str]:
         return set(self.results) | set(self.dead)
@@ -226,7 +226,7 @@ def job_outcomes(bootstrap: str, topics: JobTopics, outcomes_only: bool = False)
     data = [topics.results, topics.dlq]
     if not outcomes_only:
         data = [topics.requests, *data, *topics.retries]
-    log = settle_topics(bootstrap, data)
+    log = decide_topics(bootstrap, data)
     results: dict[str, list[tuple[Result, Rec]]] = {}
     dead: dict[str, list[tuple[DeadLetter, Rec]]] = {}
     result_codec, letter_codec = codec_for("result"), codec_for("dead_letter")
@@ -293,15 +293,15 @@ def assert_exactly_once(
     bootstrap: str,
     topics: JobTopics,
     ids: set[str] | None = None,
-    settle_timeout_s: float = SETTLE_TIMEOUT_S,
+    decide_timeout_s: float = DECIDE_TIMEOUT_S,
     repeated_ok: bool = False,
 ) -> Outcomes:
     """Assert that each of ``ids`` (or each id seen) has exactly one committed outcome, that no id has two, and
-    that nothing is open on the job's data topics. A transaction still open is given ``settle_timeout_s`` to
+    that nothing is open on the job's data topics. A transaction still open is given ``decide_timeout_s`` to
     end (a stopping worker may be committing its last one); duplicates and losses fail at once. Records the
-    broker appended twice (a retried produce request, :func:`settle`) fail too, unless ``repeated_ok`` (a test
+    broker appended twice (a retried produce request, :func:`decide`) fail too, unless ``repeated_ok`` (a test
     that resets connections on the embedded broker, which does not enforce idempotence)."""
-    deadline = time.monotonic() + settle_timeout_s
+    deadline = time.monotonic() + decide_timeout_s
     outcomes = job_outcomes(bootstrap, topics)
     while outcomes.open and time.monotonic() < deadline:
         time.sleep(0.5)

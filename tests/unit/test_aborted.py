@@ -1,5 +1,5 @@
 """The product's aborted-transaction index (batchline/kafka/embedded/aborted.py) on hand-built logs, checked against the
-tests' oracle: both settle the same log, by different code, to the same aborted records."""
+tests' oracle: both decide the same log, by different code, to the same aborted records."""
 
 from __future__ import annotations
 
@@ -12,7 +12,7 @@ from kafka.record.memory_records import MemoryRecords
 from batchline.config import KafkaSettings
 from batchline.kafka.broker import free_port
 from batchline.kafka.embedded.aborted import DECIDE_TRIES, AbortedIndex, Undecided, _Partition
-from tests.support.oracle import settle
+from tests.support.oracle import decide
 from tests.unit.test_oracle import ABORT, COMMIT, STEPS, data, log, marker
 
 
@@ -38,7 +38,7 @@ def test_aborted_and_open_offsets_of_interleaved_producers() -> None:
     assert [o for o in range(6) if part.aborted_at(o)] == [0, 1]
 
 
-def test_a_read_started_mid_log_settles_what_follows() -> None:
+def test_a_read_started_mid_log_decides_what_follows() -> None:
     """The ledger resumes from a checkpoint: the index starts there, knowing nothing of earlier batches."""
     part = index(data(10, 3, ["x", "y"]), marker(12, 3, ABORT), marker(13, 4, COMMIT), start=10)
     assert part.aborted_at(10) and part.aborted_at(11) and not part.aborted_at(12) and not part.pending
@@ -67,7 +67,7 @@ def test_a_newer_epoch_aborts_what_the_older_left_without_a_marker_as_the_oracle
     )
     part = index(*chunks)
     assert [o for o in range(6) if part.aborted_at(o)] == [0, 1] and not part.pending
-    assert sorted(r.offset for r in settle(log(*chunks)).aborted) == [0, 1]
+    assert sorted(r.offset for r in decide(log(*chunks)).aborted) == [0, 1]
 
 
 def written(steps: list[tuple[int, str]]) -> tuple[list[bytes], list[int]]:
@@ -84,17 +84,17 @@ def written(steps: list[tuple[int, str]]) -> tuple[list[bytes], list[int]]:
 
 @settings(max_examples=150, deadline=None)
 @given(STEPS)
-def test_the_index_finds_the_records_the_oracle_settles_as_aborted(steps: list[tuple[int, str]]) -> None:
+def test_the_index_finds_the_records_the_oracle_decides_as_aborted(steps: list[tuple[int, str]]) -> None:
     chunks, offsets = written(steps)
     records = set(offsets)
-    oracle = settle(log(*chunks))
+    oracle = decide(log(*chunks))
     part = index(*chunks)
-    settled = {r.offset for r in [*oracle.committed, *oracle.aborted]}
-    assert {o for o in records if part.open_at(o)} == records - settled
+    decided = {r.offset for r in [*oracle.committed, *oracle.aborted]}
+    assert {o for o in records if part.open_at(o)} == records - decided
     assert {o for o in range(len(steps)) if part.aborted_at(o)} == {r.offset for r in oracle.aborted}
 
 
-def test_an_unreachable_broker_leaves_records_unsettled_not_trusted(caplog: pytest.LogCaptureFixture) -> None:
+def test_an_unreachable_broker_leaves_records_undecided_not_trusted(caplog: pytest.LogCaptureFixture) -> None:
     """No broker at the address: the index never answers 'not aborted' (the embedded broker's read_committed serves
     aborted records): it raises Undecided, says so once, and does not read again on every record for a moment;
     aborted_waiting asks again until its wait is over."""
@@ -112,7 +112,7 @@ def test_an_unreachable_broker_leaves_records_unsettled_not_trusted(caplog: pyte
     assert AbortedIndex(KafkaSettings(security_protocol="SSL")).enabled is False
 
 
-def test_a_reader_that_polls_on_seeks_back_once_to_the_unsettled_record_and_skips_the_rest_of_its_partition() -> None:
+def test_a_reader_that_polls_on_seeks_back_once_to_the_undecided_record_and_skips_the_rest_of_its_partition() -> None:
     index_ = AbortedIndex(KafkaSettings(bootstrap=f"127.0.0.1:{free_port()}"))
     seeks: list[tuple[str, int, int]] = []
     held_back: set[tuple[str, int]] = set()
@@ -160,4 +160,4 @@ def test_asking_once_a_run_up_to_clear_to_finds_the_aborted_records_asking_each_
             asked_in_runs.add(o)
         else:
             clear = runs.clear_to("t", 0, o)
-    assert asked_in_runs == asked_each == {r.offset for r in settle(log(*chunks)).aborted}
+    assert asked_in_runs == asked_each == {r.offset for r in decide(log(*chunks)).aborted}

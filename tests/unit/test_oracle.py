@@ -1,6 +1,6 @@
-"""The oracle's settlement on hand-built logs: record batches written with kafka-python's builder (control
+"""The oracle's decisions on hand-built logs: record batches written with kafka-python's builder (control
 batches patched per the spec: attribute bit 5, the marker's key version + type, the CRC-32C recomputed), parsed
-back with kafka-python's parser, settled by tests/support/oracle.settle."""
+back with kafka-python's parser, decided by tests/support/oracle.decide."""
 
 from __future__ import annotations
 
@@ -12,7 +12,7 @@ from hypothesis import strategies as st
 from kafka.record.default_records import DefaultRecordBatchBuilder as Builder
 from kafka.record.util import calc_crc32c
 
-from tests.support.oracle import OpenTxn, Outcomes, settle
+from tests.support.oracle import OpenTxn, Outcomes, decide
 from tests.support.wire import Batch, Rec, parse_batches
 
 GZIP, LZ4 = Builder.CODEC_GZIP, Builder.CODEC_LZ4
@@ -59,7 +59,7 @@ def keys(recs: list[Rec]) -> list[str]:
 
 
 def test_a_committed_transaction_is_committed_with_its_offsets_headers_and_producer() -> None:
-    out = settle(log(data(0, 7, ["a", "b"]), marker(2, 7, COMMIT)))
+    out = decide(log(data(0, 7, ["a", "b"]), marker(2, 7, COMMIT)))
     assert keys(out.committed) == ["a", "b"] and not out.aborted and not out.open
     first = out.committed[0]
     assert (first.offset, first.producer_id, first.transactional, first.headers) == (0, 7, True, (("h", b"x"),))
@@ -67,13 +67,13 @@ def test_a_committed_transaction_is_committed_with_its_offsets_headers_and_produ
 
 
 def test_an_aborted_transaction_commits_nothing() -> None:
-    out = settle(log(data(0, 7, ["a", "b"]), marker(2, 7, ABORT), data(3, -1, ["plain"], txn=False)))
+    out = decide(log(data(0, 7, ["a", "b"]), marker(2, 7, ABORT), data(3, -1, ["plain"], txn=False)))
     assert keys(out.aborted) == ["a", "b"]
     assert keys(out.committed) == ["plain"], "a non-transactional record is committed as written"
 
 
-def test_interleaved_producers_are_settled_each_by_its_own_marker() -> None:
-    out = settle(
+def test_interleaved_producers_are_decided_each_by_its_own_marker() -> None:
+    out = decide(
         log(
             data(0, 1, ["a1"]),
             data(1, 2, ["b1", "b2"]),
@@ -91,8 +91,8 @@ def test_interleaved_producers_are_settled_each_by_its_own_marker() -> None:
     assert keys(out.aborted) == ["b1", "b2"] and not out.open
 
 
-def test_compressed_batches_settle_like_plain_ones() -> None:
-    out = settle(
+def test_compressed_batches_decide_like_plain_ones() -> None:
+    out = decide(
         log(
             data(0, 4, ["g1", "g2", "g3"], codec=GZIP),
             data(3, 5, ["z1", "z2"], codec=LZ4),
@@ -104,8 +104,8 @@ def test_compressed_batches_settle_like_plain_ones() -> None:
     assert [r.offset for r in out.committed] == [3, 4] and out.committed[0].value == b"z1" * 40
 
 
-def test_a_control_record_first_settles_nothing_and_a_second_marker_neither() -> None:
-    out = settle(
+def test_a_control_record_first_decides_nothing_and_a_second_marker_neither() -> None:
+    out = decide(
         log(
             marker(0, 9, COMMIT),  # e.g. the log's start was deleted up to the marker
             data(1, 9, ["a"]),
@@ -117,7 +117,7 @@ def test_a_control_record_first_settles_nothing_and_a_second_marker_neither() ->
 
 
 def test_records_without_a_marker_are_open_and_named_by_producer_and_offsets() -> None:
-    out = settle(log(data(0, 1, ["a"]), marker(1, 1, COMMIT), data(2, 1, ["b", "c"]), data(4, -1, ["p"], txn=False)))
+    out = decide(log(data(0, 1, ["a"]), marker(1, 1, COMMIT), data(2, 1, ["b", "c"]), data(4, -1, ["p"], txn=False)))
     assert keys(out.committed) == ["a", "p"]
     assert out.open == [OpenTxn("t", 0, 1, 2, 3, 2)]
     assert str(out.open[0]) == "t[0] producer 1: 2 records open at offsets 2-3"
@@ -126,7 +126,7 @@ def test_records_without_a_marker_are_open_and_named_by_producer_and_offsets() -
 def test_a_newer_epoch_of_the_producer_aborts_its_transaction_left_without_a_marker() -> None:
     """A producer restarted in its slot (same transactional id: same producer id, next epoch) whose init wrote no
     ABORT for the transaction it left open: that transaction is aborted, not committed by the new epoch's marker."""
-    out = settle(
+    out = decide(
         log(
             data(0, 1, ["a"]),
             marker(1, 1, COMMIT),
@@ -150,7 +150,7 @@ STEPS = st.lists(st.tuples(st.integers(0, 3), st.sampled_from(["data", "data", "
 @settings(max_examples=150, deadline=None)
 @given(STEPS)
 def test_each_record_has_the_fate_of_its_producers_next_marker(steps: list[tuple[int, str]]) -> None:
-    """Settlement read another way: a record's fate is the type of the first marker of its producer after it
+    """Decisions read another way: a record's fate is the type of the first marker of its producer after it
     (none: open); a non-transactional record is committed."""
     chunks, fate = [], {}
     for offset, (pid, kind) in enumerate(steps):
@@ -163,11 +163,11 @@ def test_each_record_has_the_fate_of_its_producers_next_marker(steps: list[tuple
         else:
             chunks.append(data(offset, -1, [f"r{offset}"], txn=False))
             fate[f"r{offset}"] = "commit"
-    out = settle(log(*chunks))
+    out = decide(log(*chunks))
     got = dict.fromkeys(keys(out.committed), "commit") | dict.fromkeys(keys(out.aborted), "abort")
-    assert len(got) == len(out.committed) + len(out.aborted), "no record settled twice"
+    assert len(got) == len(out.committed) + len(out.aborted), "no record decided twice"
     assert got == {k: f for k, f in fate.items() if f != "open"}
-    for txn in out.open:  # each open transaction spans its producer's unsettled records
+    for txn in out.open:  # each open transaction spans its producer's undecided records
         mine = [o for o, (p, k) in enumerate(steps) if p == txn.producer_id and fate.get(f"r{o}") == "open"]
         assert (txn.first_offset, txn.last_offset, txn.records) == (mine[0], mine[-1], len(mine))
     assert sum(t.records for t in out.open) == sum(1 for f in fate.values() if f == "open")
@@ -197,7 +197,7 @@ def test_problems_name_the_ids_the_places_and_the_open_transactions() -> None:
 def test_a_batch_the_broker_appended_twice_is_left_out_and_listed() -> None:
     """A produce request re-sent after a connection reset, appended again by a broker that does not enforce
     idempotence (the embedded one): same producer, epoch and base sequence. Apache Kafka would have dropped it."""
-    out = settle(
+    out = decide(
         log(
             data(0, 4, ["a", "b"], seq=100),
             data(2, 4, ["a", "b"], seq=100),  # the repeat

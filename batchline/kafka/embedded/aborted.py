@@ -81,14 +81,14 @@ class _Partition:
             # Its producer was initialised again (a restart in the same slot) and the transaction it left open has
             # no marker: the init aborted it (Apache Kafka writes the marker; the embedded broker may not). Data
             # only: with transactions v2 a transaction's own marker carries the next epoch.
-            self._settle(pid, abort=True)
+            self._decide(pid, abort=True)
         if batch.is_control_batch:
-            self._settle(pid, abort=any(record.abort for record in batch))
+            self._decide(pid, abort=any(record.abort for record in batch))
         elif batch.is_transactional:
             self.pending.setdefault(pid, []).append((first, last))
             self.pending_epoch[pid] = epoch
 
-    def _settle(self, pid: int, abort: bool) -> None:
+    def _decide(self, pid: int, abort: bool) -> None:
         ranges = self.pending.pop(pid, [])
         self.pending_epoch.pop(pid, None)
         if abort:
