@@ -370,8 +370,8 @@ class RunStats(_Record):
     engine_seconds: float = 0.0
     top_quarantined: list[QuarantinedRecord] = Field(default_factory=list)
     updated_at: datetime
-    slot: int = 0
-    slots: int = 0  # > 0: a partial snapshot of slot ``slot`` of ``slots``; 0: a whole-run snapshot
+    shard: int = 0
+    shards: int = 0  # > 0: a partial snapshot of shard ``shard`` of ``shards``; 0: a whole-run snapshot
     position: int = 0
     instance: str = ""
     cancelled: int = 0  # ids whose outcome is a ``cancelled`` dead letter (not counted in ``quarantined``)

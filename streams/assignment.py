@@ -1,8 +1,8 @@
-"""Which slots a ledger process reads (``streams/ledger.py``): started from the store's checkpoint (re-reading the
+"""Which shards a ledger process reads (``streams/ledger.py``): started from the store's checkpoint (re-reading the
 last folded record of each partition) or from the beginning, checkpointed and stopped, given and taken away by the
 group ``J.ledger``, laid out again when an outcome topic grows.
 
-:class:`SlotAssignment` is the :class:`~streams.ledger.Ledger`'s base: the attributes below are set by
+:class:`ShardAssignment` is the :class:`~streams.ledger.Ledger`'s base: the attributes below are set by
 ``Ledger.__init__`` and ``Ledger.start``.
 """
 
@@ -18,7 +18,7 @@ from batchline.kafka.embedded.aborted import AbortedIndex
 from batchline.kafka.groups import AssignmentWatch
 from batchline.kafka.topics import JobTopics
 from streams.exceptions import StreamsError
-from streams.slots import TP, Layout
+from streams.shards import TP, Layout
 from streams.store import LedgerStore
 
 log = logging.getLogger("streams.ledger")  # the ledger's log, whichever of its modules writes
@@ -26,8 +26,8 @@ METADATA_TIMEOUT_S = 10.0
 
 
 @dataclass
-class SlotProgress:
-    """A slot being read: how far it must read before its snapshots may go out, and what changed since."""
+class ShardProgress:
+    """A shard being read: how far it must read before its snapshots may go out, and what changed since."""
 
     targets: dict[TP, int]
     verify: dict[TP, tuple[int, int]]  # partition -> (offset, timestamp) of the last record the store folded
@@ -35,8 +35,8 @@ class SlotProgress:
     dirty: set[str] = field(default_factory=set)
 
 
-class SlotAssignment:
-    """The slots a ledger reads, and the checkpoint of the store that holds their state."""
+class ShardAssignment:
+    """The shards a ledger reads, and the checkpoint of the store that holds their state."""
 
     topics: JobTopics
     reader: Consumer
@@ -45,15 +45,15 @@ class SlotAssignment:
     store: LedgerStore | None
     cluster: str
     layout: Layout | None
-    reading: dict[int, SlotProgress]
+    reading: dict[int, ShardProgress]
     owned: set[int]
     confirmed: bool
     consumed: dict[TP, tuple[int, int]]  # partition -> (next offset, timestamp of the last record)
-    slot_of: dict[TP, int]
+    shard_of: dict[TP, int]
     _last_commit: float
     _last_refresh: float
     _empty_rounds: int
-    _verifying: bool  # some slot still has a checkpointed record to re-read (SlotProgress.verify)
+    _verifying: bool  # some shard still has a checkpointed record to re-read (ShardProgress.verify)
 
     @property
     def outcome_topics(self) -> list[str]:
@@ -65,10 +65,10 @@ class SlotAssignment:
         return self.store
 
     def _checkpoint(self) -> None:
-        self._store.checkpoint(self.consumed, self.slot_of)
+        self._store.checkpoint(self.consumed, self.shard_of)
         self._last_commit = time.monotonic()
 
-    # -- slots -------------------------------------------------------------------------------------
+    # -- shards -------------------------------------------------------------------------------------
     @property
     def _layout(self) -> Layout:
         assert self.layout is not None, "Ledger.start() reads the layout"
@@ -81,82 +81,82 @@ class SlotAssignment:
             raise StreamsError(f"ledger of {self.topics.job}: {self.topics.results} does not exist")
         return Layout.of(self.topics.results, counts)
 
-    def _start_slot(self, slot: int) -> None:
-        self._start_slots([slot])
+    def _start_shard(self, shard: int) -> None:
+        self._start_shards([shard])
 
-    def _start_slots(self, slots: list[int]) -> None:
-        """Read slots from their checkpoint (re-reading the last folded record to verify it), else from the start.
+    def _start_shards(self, shards: list[int]) -> None:
+        """Read shards from their checkpoint (re-reading the last folded record to verify it), else from the start.
 
         Every watermark is asked for before any partition is assigned: once the reader fetches, each ListOffsets
         request waits behind a fetch the broker holds for ``fetch.wait.max.ms`` (12 partitions took 3 s to resume
-        when asked slot by slot)."""
-        starting = [s for s in dict.fromkeys(slots) if s not in self.reading and s < self._layout.slots]
+        when asked shard by shard)."""
+        starting = [s for s in dict.fromkeys(shards) if s not in self.reading and s < self._layout.shards]
         if starting:
-            self._empty_rounds = 0  # polls before a slot read anything (the group join) say nothing of its catch-up
+            self._empty_rounds = 0  # polls before a shard read anything (the group join) say nothing of its catch-up
         highs = {
             tp: self.reader.get_watermark_offsets(TopicPartition(*tp), METADATA_TIMEOUT_S, cached=False)[1]
-            for slot in starting
-            for tp in self._layout.partitions(slot)
+            for shard in starting
+            for tp in self._layout.partitions(shard)
         }
         assign = []
-        for slot in starting:
-            checkpoint = self._store.offsets(slot)
-            if any(checkpoint.get(tp, (0, 0))[0] > 0 and highs[tp] == 0 for tp in self._layout.partitions(slot)):
-                log.warning("ledger store of slot %d: a partition is empty now: rebuilding the slot", slot)
-                self._store.drop_slot(slot)
+        for shard in starting:
+            checkpoint = self._store.offsets(shard)
+            if any(checkpoint.get(tp, (0, 0))[0] > 0 and highs[tp] == 0 for tp in self._layout.partitions(shard)):
+                log.warning("ledger store of shard %d: a partition is empty now: rebuilding the shard", shard)
+                self._store.drop_shard(shard)
                 checkpoint = {}
-            progress = SlotProgress(targets={}, verify={})
-            for tp in self._layout.partitions(slot):
+            progress = ShardProgress(targets={}, verify={})
+            for tp in self._layout.partitions(shard):
                 progress.targets[tp] = highs[tp]
                 nxt, ts = checkpoint.get(tp, (0, 0))
                 if nxt > 0:
                     progress.verify[tp] = (nxt - 1, ts)
                     self._verifying = True
                 self.consumed[tp] = (nxt, ts)
-                self.slot_of[tp] = slot
+                self.shard_of[tp] = shard
                 assign.append(TopicPartition(*tp, nxt - 1 if nxt > 0 else OFFSET_BEGINNING))
-            self.reading[slot] = progress
+            self.reading[shard] = progress
         if assign:
             self.reader.incremental_assign(assign)
 
-    def _stop_slot(self, slot: int) -> None:
-        """Checkpoint a slot and stop reading it; its state stays on disk for a later resume."""
-        if slot not in self.reading:
+    def _stop_shard(self, shard: int) -> None:
+        """Checkpoint a shard and stop reading it; its state stays on disk for a later resume."""
+        if shard not in self.reading:
             return
         self._checkpoint()
-        tps = self._layout.partitions(slot)
+        tps = self._layout.partitions(shard)
         self.reader.incremental_unassign([TopicPartition(*tp) for tp in tps])
         for tp in tps:
-            self.slot_of.pop(tp, None)
+            self.shard_of.pop(tp, None)
             self.consumed.pop(tp, None)
             self.aborted.forget(*tp)
-        del self.reading[slot]
-        self._store.release(slot)
+        del self.reading[shard]
+        self._store.release(shard)
 
     def _on_assign(self, consumer: Consumer, partitions: list[TopicPartition]) -> None:
         consumer.incremental_assign(partitions)
         consumer.pause(partitions)  # the group only says who owns what; the reader reads
-        given = [s for tp in partitions if (s := self._layout.slot_of_assigned(tp.partition)) is not None]
+        given = [s for tp in partitions if (s := self._layout.shard_of_assigned(tp.partition)) is not None]
         self.owned.update(given)
-        self._start_slots(given)
+        self._start_shards(given)
         self.group_watch.assigned(len(self.owned))
         self._confirm()
 
     def _on_revoke(self, consumer: Consumer, partitions: list[TopicPartition]) -> None:
         for tp in partitions:
-            slot = self._layout.slot_of_assigned(tp.partition)
-            if slot is not None:
-                self.owned.discard(slot)
-                self._stop_slot(slot)
+            shard = self._layout.shard_of_assigned(tp.partition)
+            if shard is not None:
+                self.owned.discard(shard)
+                self._stop_shard(shard)
         self.group_watch.assigned(len(self.owned))
         self._confirm()
 
     def _confirm(self) -> None:
-        """The group has answered: slots resumed on speculation that it did not give this process are let go."""
+        """The group has answered: shards resumed on speculation that it did not give this process are let go."""
         self.confirmed = True
-        for slot in [s for s in self.reading if s not in self.owned]:
-            log.info("ledger of %s lets go of slot %d (owned by another process)", self.topics.job, slot)
-            self._stop_slot(slot)
+        for shard in [s for s in self.reading if s not in self.owned]:
+            log.info("ledger of %s lets go of shard %d (owned by another process)", self.topics.job, shard)
+            self._stop_shard(shard)
 
     def _refresh_layout(self) -> None:
         """A grown outcome topic changes where ids land: start over in the new layout (the group rebalances too)."""
@@ -169,8 +169,8 @@ class SlotAssignment:
         layout = self._layout_of(meta)
         if layout == self.layout:
             return
-        for slot in list(self.reading):
-            self._stop_slot(slot)
+        for shard in list(self.reading):
+            self._stop_shard(shard)
         self.layout = layout
         self._store.reset(f"layout changed to {layout.describe()}", layout=layout.describe(), cluster=self.cluster)
-        self._start_slots(sorted(self.owned))
+        self._start_shards(sorted(self.owned))

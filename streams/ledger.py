@@ -1,21 +1,21 @@
 """Completion ledger: per-run counts from the job's outcome topics, published as partial RunStats to ``J.ledger``.
 
-It reads ``J.results``, ``J.dlq`` and every ``J.retry.<tier>``, split into slots (``streams/slots.py``) so that all
-records of one request id meet in one process. Ledger processes of a job share the slots through the consumer
-group ``J.ledger`` (subscribed to ``J.results``: owning results partition ``s`` means owning slot ``s``); a separate
-group-less reader reads each owned slot's partitions from the offsets checkpointed in the process's store
+It reads ``J.results``, ``J.dlq`` and every ``J.retry.<tier>``, split into shards (``streams/shards.py``) so that all
+records of one request id meet in one process. Ledger processes of a job share the shards through the consumer
+group ``J.ledger`` (subscribed to ``J.results``: owning results partition ``s`` means owning shard ``s``); a separate
+group-less reader reads each owned shard's partitions from the offsets checkpointed in the process's store
 (``streams/store.py``). Each id's state lives there, on disk, so memory does not grow with the run.
 
-Snapshots: once a slot has caught up with what was on its partitions when it started, every run it changed gets a
-partial RunStats (``slot`` of ``slots``, keyed ``run#slot/slots``), at most once per ``snapshot_interval_s``; each
+Snapshots: once a shard has caught up with what was on its partitions when it started, every run it changed gets a
+partial RunStats (``shard`` of ``shards``, keyed ``run#shard/shards``), at most once per ``snapshot_interval_s``; each
 costs O(1) counts plus one indexed query for the top quarantined. ``batchline status`` merges the partials.
 The store is committed right before each round of snapshots, so no published snapshot is ahead of the store, and
 a restart never shows a run going backwards.
 
-Restart: a process resumes the slots its store holds at once, before the group has answered (it may still own
-them; a partial from a process that no longer owns its slot is still exact, and status keeps the furthest one),
+Restart: a process resumes the shards its store holds at once, before the group has answered (it may still own
+them; a partial from a process that no longer owns its shard is still exact, and status keeps the furthest one),
 and re-reads the last record of each partition to check the store matches the topics (a recreated topic, a broker
-without the data): a mismatch rebuilds the slot from the beginning, as does a lost or unreadable store.
+without the data): a mismatch rebuilds the shard from the beginning, as does a lost or unreadable store.
 
 Committed records only: every record the reader gets is checked against an
 :class:`~batchline.kafka.embedded.aborted.AbortedIndex` (the embedded broker's read_committed shows aborted
@@ -46,10 +46,10 @@ from batchline.runs.status import TOP_QUARANTINED
 from schemas import codec_for
 from schemas.codec import HEADER_LEN, DecodeError
 from schemas.skim import UNSURE, Walk
-from streams.assignment import METADATA_TIMEOUT_S, SlotAssignment, SlotProgress
+from streams.assignment import METADATA_TIMEOUT_S, ShardAssignment, ShardProgress
 from streams.memory import GC_THRESHOLDS, READER_LIMITS, TRIM_EVERY, malloc_trim
 from streams.outcomes import OutcomeReader
-from streams.slots import TP, Layout
+from streams.shards import TP, Layout
 from streams.store import LedgerStore
 from streams.tally import Sighting
 
@@ -59,17 +59,17 @@ POLL_BATCH = 1000
 POLL_TIMEOUT_S = 0.2
 REFRESH_S = 10.0  # how often partition counts are checked (a grown topic changes the layout)
 FLUSH_TIMEOUT_S = 30.0
-RECHECK_EMPTY_POLLS = 25  # empty polls in a row (5 s) after which a slot's targets still ahead are checked again
-CHECKPOINT_S = 5.0  # longest time between commits while a slot is still catching up
+RECHECK_EMPTY_POLLS = 25  # empty polls in a row (5 s) after which a shard's targets still ahead are checked again
+CHECKPOINT_S = 5.0  # longest time between commits while a shard is still catching up
 SNAPSHOT_SHARE = 10  # the next snapshot round waits at least this many times as long as the last one took
-UNCONFIRMED_S = 60.0  # resumed slots the group has not confirmed by then are let go
+UNCONFIRMED_S = 60.0  # resumed shards the group has not confirmed by then are let go
 
 
 def _never(data: bytes, pos: int = 0) -> None:
     """A stand-in walk and read before the first results or DLQ run of a poll (never called)."""
 
 
-class Ledger(SlotAssignment):
+class Ledger(ShardAssignment):
     """The ledger of one job in one process. ``step()`` reads and folds; snapshots go out once caught up."""
 
     def __init__(
@@ -94,11 +94,11 @@ class Ledger(SlotAssignment):
         self.store: LedgerStore | None = None
         self.cluster = ""
         self.layout: Layout | None = None
-        self.reading: dict[int, SlotProgress] = {}
+        self.reading: dict[int, ShardProgress] = {}
         self.owned: set[int] = set()
         self.confirmed = False
         self.consumed: dict[TP, tuple[int, int]] = {}  # partition -> (next offset, timestamp of the last record)
-        self.slot_of: dict[TP, int] = {}
+        self.shard_of: dict[TP, int] = {}
         self.events = 0
         self.undecodable = 0
         self.snapshots = 0
@@ -108,7 +108,7 @@ class Ledger(SlotAssignment):
         self._last_commit = self._last_refresh = time.monotonic()
         self._empty_rounds = 0
         self._polls = 0
-        self._verifying = False  # some slot still has a checkpointed record to re-read (SlotProgress.verify)
+        self._verifying = False  # some shard still has a checkpointed record to re-read (ShardProgress.verify)
 
     @property
     def runs(self) -> int:
@@ -123,10 +123,10 @@ class Ledger(SlotAssignment):
         described, cluster = self.layout.describe(), self.cluster
         if self.store.meta("layout") != described or self.store.meta("cluster") != cluster:
             self.store.reset(f"new layout or cluster ({described}, {cluster})", layout=described, cluster=cluster)
-        resumed = sorted(self.store.held_slots())
-        self._start_slots(resumed)
+        resumed = sorted(self.store.held_shards())
+        self._start_shards(resumed)
         log.info(
-            "ledger of %s in %s: %s; resuming slots %s from their checkpoint",
+            "ledger of %s in %s: %s; resuming shards %s from their checkpoint",
             self.topics.job,
             self.store.folder,
             described,
@@ -142,11 +142,11 @@ class Ledger(SlotAssignment):
 
     @property
     def caught_up(self) -> bool:
-        """Every slot this process reads has caught up with its partitions (its snapshots are current)."""
+        """Every shard this process reads has caught up with its partitions (its snapshots are current)."""
         return self.confirmed and all(p.caught_up for p in self.reading.values())
 
     def idle_for(self) -> float:
-        """Seconds since the last record or snapshot; 0 until the group answered, a slot catches up or owes one."""
+        """Seconds since the last record or snapshot; 0 until the group answered, a shard catches up or owes one."""
         busy = any(not p.caught_up or p.dirty for p in self.reading.values())
         if busy or not self.confirmed:
             return 0.0
@@ -177,17 +177,17 @@ class Ledger(SlotAssignment):
             self._checkpoint()
 
     def _fold(self, msgs: list[Message]) -> None:
-        """Fold one poll's records, slot by slot (one store batch each); the hot loop of the ledger.
+        """Fold one poll's records, shard by shard (one store batch each); the hot loop of the ledger.
 
-        A poll holds runs of records of one partition: what depends on the partition (its slot, how its records
+        A poll holds runs of records of one partition: what depends on the partition (its shard, how its records
         are read, the check of its first record after a restart, how far no record is aborted) is looked up once a
         run, and the aborted-transaction index is asked about a record only past what it already cleared."""
         batches: dict[int, list[Sighting]] = {}
         last: dict[TP, Message] = {}
         stale: set[int] = set()
-        slot_of, retry = self.slot_of, self.outcomes.retry
+        shard_of, retry = self.shard_of, self.outcomes.retry
         aborted, clear_to = self.aborted.aborted_waiting, self.aborted.clear_to  # waits out a failed raw read
-        topic, partition, slot, batch, fast, clear, prev = "", -1, None, [], None, 0, None
+        topic, partition, shard, batch, fast, clear, prev = "", -1, None, [], None, 0, None
         header = b""
         walk: Walk = _never
         skim: Callable[[bytes], Sighting | None] = _never
@@ -200,19 +200,19 @@ class Ledger(SlotAssignment):
                     last[(topic, partition)] = prev
                 topic, partition, prev, clear = msg.topic(), msg.partition(), None, 0
                 tp = (topic, partition)
-                slot = slot_of.get(tp)
-                if slot is None or slot in stale:
-                    slot = None  # a partition let go of since the fetch
+                shard = shard_of.get(tp)
+                if shard is None or shard in stale:
+                    shard = None  # a partition let go of since the fetch
                     continue
-                if self._verifying and not self._verified(slot, tp, msg):
-                    stale.add(slot)
-                    slot = None
+                if self._verifying and not self._verified(shard, tp, msg):
+                    stale.add(shard)
+                    shard = None
                     continue
-                batch = batches.setdefault(slot, [])
+                batch = batches.setdefault(shard, [])
                 fast = self.outcomes.fast(topic)
                 if fast is not None:
                     header, walk, skim = fast
-            elif slot is None:
+            elif shard is None:
                 continue
             prev = msg  # an aborted record moves the checkpoint too
             offset = msg.offset()
@@ -242,31 +242,31 @@ class Ledger(SlotAssignment):
         if prev is not None:
             last[(topic, partition)] = prev
         for tp, msg in last.items():
-            # a slot found stale is not folded: _stop_slot's checkpoint must not commit offsets past its records
-            if slot_of[tp] not in stale:
+            # a shard found stale is not folded: _stop_shard's checkpoint must not commit offsets past its records
+            if shard_of[tp] not in stale:
                 self.consumed[tp] = (msg.offset() + 1, msg.timestamp()[1])
-        for slot_, outcomes in batches.items():
-            if outcomes and slot_ not in stale:
-                self.reading[slot_].dirty |= self._store.fold(slot_, outcomes)
+        for shard_, outcomes in batches.items():
+            if outcomes and shard_ not in stale:
+                self.reading[shard_].dirty |= self._store.fold(shard_, outcomes)
                 self.events += len(outcomes)
-        for slot_ in stale:
-            self._stop_slot(slot_)
-            self._store.drop_slot(slot_)
-            self._start_slot(slot_)
+        for shard_ in stale:
+            self._stop_shard(shard_)
+            self._store.drop_shard(shard_)
+            self._start_shard(shard_)
         if self._verifying:
             self._verifying = any(p.verify for p in self.reading.values())
 
-    def _verified(self, slot: int, tp: TP, msg: Message) -> bool:
+    def _verified(self, shard: int, tp: TP, msg: Message) -> bool:
         """The first record read from a checkpoint must be the one the store folded last, else the store is stale."""
-        expected = self.reading[slot].verify.pop(tp, None)
+        expected = self.reading[shard].verify.pop(tp, None)
         if expected is None:
             return True
         offset, ts = expected
         if msg.offset() > offset or (msg.offset() == offset and msg.timestamp()[1] == ts):
             return True
         log.warning(
-            "ledger store of slot %d does not match %s[%d] (record %d@%d, stored %d@%d): rebuilding the slot",
-            slot,
+            "ledger store of shard %d does not match %s[%d] (record %d@%d, stored %d@%d): rebuilding the shard",
+            shard,
             *tp,
             msg.offset(),
             msg.timestamp()[1],
@@ -276,11 +276,11 @@ class Ledger(SlotAssignment):
         return False
 
     def _check_caught_up(self) -> None:
-        """A slot is caught up once a poll that emptied the queue finds every one of its partitions at or past the
-        high watermark it had when the slot started (waiting for an empty poll cost a poll timeout per restart).
+        """A shard is caught up once a poll that emptied the queue finds every one of its partitions at or past the
+        high watermark it had when the shard started (waiting for an empty poll cost a poll timeout per restart).
 
-        Nothing else counts: a partition whose reads fail holds its slot back however many polls come back empty
-        (ten empty polls in a row used to count, and let a restarted slot publish counts without the tail of a
+        Nothing else counts: a partition whose reads fail holds its shard back however many polls come back empty
+        (ten empty polls in a row used to count, and let a restarted shard publish counts without the tail of a
         partition still being re-read). librdkafka's position steps over a transaction's trailing COMMIT/ABORT
         marker, so a read_committed reader does reach the watermark; an open transaction holds it back until it
         ends (workers fence a dead one's). (The embedded broker under-reports high watermarks - the last batch's
@@ -288,19 +288,19 @@ class Ledger(SlotAssignment):
         target (a topic recreated) is caught up at its new end: after :data:`RECHECK_EMPTY_POLLS` empty polls the
         targets still ahead are lowered to the partitions' high watermarks now, never raised.
         """
-        waiting = {slot: p for slot, p in self.reading.items() if not p.caught_up}
+        waiting = {shard: p for shard, p in self.reading.items() if not p.caught_up}
         if self._empty_rounds and self._empty_rounds % RECHECK_EMPTY_POLLS == 0:
             self._lower_targets(waiting.values())
         targets = {tp: high for p in waiting.values() for tp, high in p.targets.items() if high > 0}
         positions = self.reader.position([TopicPartition(t, p) for t, p in targets]) if targets else []
-        behind = {self.slot_of[key] for tp in positions if tp.offset < targets[key := (tp.topic, tp.partition)]}
-        for slot, progress in waiting.items():
-            if slot not in behind:
+        behind = {self.shard_of[key] for tp in positions if tp.offset < targets[key := (tp.topic, tp.partition)]}
+        for shard, progress in waiting.items():
+            if shard not in behind:
                 progress.caught_up = True
-                progress.dirty.update(self._store.runs_of(slot))  # the first round re-publishes all of its runs
-                log.info("ledger slot %d of %s caught up (%d records folded)", slot, self.topics.job, self.events)
+                progress.dirty.update(self._store.runs_of(shard))  # the first round re-publishes all of its runs
+                log.info("ledger shard %d of %s caught up (%d records folded)", shard, self.topics.job, self.events)
 
-    def _lower_targets(self, waiting: Iterable[SlotProgress]) -> None:
+    def _lower_targets(self, waiting: Iterable[ShardProgress]) -> None:
         """Targets above their partition's high watermark now (a log that shrank) come down to it."""
         for progress in waiting:
             for tp, target in progress.targets.items():
@@ -309,30 +309,30 @@ class Ledger(SlotAssignment):
                 except KafkaException:
                     continue  # unreadable now: the target stays
                 if 0 <= high < target:
-                    log.warning("ledger: %s[%d] ends at %d now, below %d when its slot started", *tp, high, target)
+                    log.warning("ledger: %s[%d] ends at %d now, below %d when its shard started", *tp, high, target)
                     progress.targets[tp] = high
 
     # -- snapshots ---------------------------------------------------------------------------------
     def publish(self) -> int:
-        """Commit the store, then produce a partial snapshot of every changed run of every caught-up slot."""
+        """Commit the store, then produce a partial snapshot of every changed run of every caught-up shard."""
         started = time.monotonic()
         self._checkpoint()
         layout, now, codec, sent = self._layout, datetime.now(UTC), codec_for("run_stats"), 0
-        for slot, progress in sorted(self.reading.items()):
+        for shard, progress in sorted(self.reading.items()):
             if not progress.caught_up:
                 continue
-            position = sum(self.consumed.get(tp, (0, 0))[0] for tp in layout.partitions(slot))
+            position = sum(self.consumed.get(tp, (0, 0))[0] for tp in layout.partitions(shard))
             for run in sorted(progress.dirty):
-                stats = self._store.counts(slot, run).stats(
+                stats = self._store.counts(shard, run).stats(
                     run,
-                    self._store.top_quarantined(slot, run, TOP_QUARANTINED),
+                    self._store.top_quarantined(shard, run, TOP_QUARANTINED),
                     now,
-                    slot=slot,
-                    slots=layout.slots,
+                    shard=shard,
+                    shards=layout.shards,
                     position=position,
                     instance=self.settings.instance,
                 )
-                key = f"{run}#{slot}/{layout.slots}".encode()
+                key = f"{run}#{shard}/{layout.shards}".encode()
                 self.producer.produce(self.topics.ledger, codec.encode(stats), key, on_delivery=self._delivered)
                 sent += 1
             self.published_runs |= progress.dirty
@@ -351,9 +351,9 @@ class Ledger(SlotAssignment):
         key = (msg.key() or b"").decode("utf-8", "replace")
         log.error("ledger snapshot %s not delivered: %s", key, err.str())
         run, _, where = key.rpartition("#")
-        slot = int(where.split("/")[0]) if where.split("/")[0].isdigit() else -1
-        if slot in self.reading:
-            self.reading[slot].dirty.add(run)  # published again with the next round
+        shard = int(where.split("/")[0]) if where.split("/")[0].isdigit() else -1
+        if shard in self.reading:
+            self.reading[shard].dirty.add(run)  # published again with the next round
 
     def close(self) -> None:
         self.group_sampler.close()

@@ -7,7 +7,7 @@ flushed into the transaction first). A process killed at any point restarts from
 records after it changes nothing (folding is idempotent).
 
 Memory is bounded by SQLite's page cache (``CACHE_KIB``), the write buffer (``BUFFER_IDS``) and the counts of the
-runs of held slots, whatever the number of ids. Why SQLite (measured, docs/streams.md): read-modify-write of 1M
+runs of held shards, whatever the number of ids. Why SQLite (measured, docs/streams.md): read-modify-write of 1M
 ids in batches of 1,000 ran at 155k records/s in 30 MB RSS; RocksDB (``rocksdict``) at 292k/s in 70 MB, but the
 ledger is bound by Kafka and Avro decoding well below either, SQLite needs no new native dependency, commits
 several tables atomically, and answers "top quarantined by value" from a partial index. LMDB maps the whole file:
@@ -35,7 +35,7 @@ from streams.exceptions import LedgerStoreError
 from streams.tally import QUARANTINED, IdState, RunCounts, Sighting, fold_batch, run_of
 
 log = logging.getLogger(__name__)
-SCHEMA_VERSION = "2"  # 2: ids keyed (id, slot, rid), was (slot, rid, id); a store of another version is rebuilt
+SCHEMA_VERSION = "3"  # a store of another version is rebuilt from the topics
 CACHE_KIB = 16 * 1024
 MAX_FOLDERS = 64
 CHUNK = 512  # ids per SELECT ... IN (...)
@@ -51,28 +51,28 @@ ROWS_PER_INSERT = 64
 _INSERT_ROW = "INSERT OR REPLACE INTO ids VALUES (?, ?, ?, ?, ?, ?, ?)"
 _INSERT_ROWS = "INSERT OR REPLACE INTO ids VALUES " + ",".join(["(?1, ?2, ?, ?, ?, ?, ?)"] * ROWS_PER_INSERT)
 # "No class" is "" in an id's state (streams/tally.py IdState); stores written before hold NULL there.
-_SELECT = "SELECT id, status, IFNULL(class, ''), attempts, value FROM ids WHERE slot = ? AND rid = ? AND id IN ({})"
+_SELECT = "SELECT id, status, IFNULL(class, ''), attempts, value FROM ids WHERE shard = ? AND rid = ? AND id IN ({})"
 _SELECT_IDS = {1 << n: _SELECT.format(",".join("?" * (1 << n))) for n in range(CHUNK.bit_length())}
 _REQUEST_ID, _RUN_ID = itemgetter(1), itemgetter(2)  # of an Sighting
 TP = tuple[str, int]
 Checkpoint = dict[TP, tuple[int, int]]  # (topic, partition) -> (next offset, timestamp of the last record read)
 
 # The id leads the key of ``ids``: SQLite compares keys whose first column is text on a fast path that stops at the
-# first column when it differs (nearly always), where a key led by slot and run took its general comparison for every
+# first column when it differs (nearly always), where a key led by shard and run took its general comparison for every
 # step of a descent. 1M ids alone, alternated: a lookup 2.4-3.4 -> 1.7 us, a row written 3.1-3.6 -> 3.0-3.1 us. The
-# slot's rows are no longer together: dropping a slot (a stale store, rare) scans the table.
+# shard's rows are no longer together: dropping a shard (a stale store, rare) scans the table.
 SCHEMA = """
 CREATE TABLE IF NOT EXISTS meta (k TEXT PRIMARY KEY, v TEXT NOT NULL);
 CREATE TABLE IF NOT EXISTS runs (rid INTEGER PRIMARY KEY, run TEXT NOT NULL UNIQUE);
 CREATE TABLE IF NOT EXISTS ids (
-    slot INTEGER NOT NULL, rid INTEGER NOT NULL, id TEXT NOT NULL,
+    shard INTEGER NOT NULL, rid INTEGER NOT NULL, id TEXT NOT NULL,
     status INTEGER NOT NULL, class TEXT, attempts INTEGER NOT NULL, value REAL NOT NULL,
-    PRIMARY KEY (id, slot, rid)
+    PRIMARY KEY (id, shard, rid)
 ) WITHOUT ROWID;
-CREATE INDEX IF NOT EXISTS quarantined ON ids (slot, rid, value DESC, id) WHERE status = 2;
-CREATE TABLE IF NOT EXISTS counts (slot INTEGER NOT NULL, rid INTEGER NOT NULL, body TEXT NOT NULL,
-    PRIMARY KEY (slot, rid));
-CREATE TABLE IF NOT EXISTS offsets (topic TEXT NOT NULL, partition INTEGER NOT NULL, slot INTEGER NOT NULL,
+CREATE INDEX IF NOT EXISTS quarantined ON ids (shard, rid, value DESC, id) WHERE status = 2;
+CREATE TABLE IF NOT EXISTS counts (shard INTEGER NOT NULL, rid INTEGER NOT NULL, body TEXT NOT NULL,
+    PRIMARY KEY (shard, rid));
+CREATE TABLE IF NOT EXISTS offsets (topic TEXT NOT NULL, partition INTEGER NOT NULL, shard INTEGER NOT NULL,
     next INTEGER NOT NULL, ts INTEGER NOT NULL, PRIMARY KEY (topic, partition));
 """
 
@@ -96,14 +96,14 @@ def lock_folder(root: Path, job: str) -> tuple[Path, IO[str]]:
 
 
 class LedgerStore:
-    """Id states, run counts and offsets of the slots this process has held, in ``<folder>/ledger.sqlite``."""
+    """Id states, run counts and offsets of the shards this process has held, in ``<folder>/ledger.sqlite``."""
 
     def __init__(self, root: Path, job: str) -> None:
         self.folder, self._lock = lock_folder(root, job)
         self.path = self.folder / "ledger.sqlite"
         self._counts: dict[tuple[int, int], RunCounts] = {}
         self._dirty: set[tuple[int, int]] = set()
-        self._buffer: dict[tuple[int, int], dict[str, IdState]] = {}  # (slot, rid) -> id -> state not written yet
+        self._buffer: dict[tuple[int, int], dict[str, IdState]] = {}  # (shard, rid) -> id -> state not written yet
         self._buffered = 0
         self._rids: dict[str, int] = {}
         self._runs: dict[int, str] = {}
@@ -140,7 +140,7 @@ class LedgerStore:
         return str(row[0]) if row else None
 
     def reset(self, reason: str, **meta: str) -> None:
-        """Forget everything (the layout or the cluster changed): the slots are rebuilt from the topics."""
+        """Forget everything (the layout or the cluster changed): the shards are rebuilt from the topics."""
         log.warning("ledger store %s reset: %s", self.path, reason)
         self.db.close()
         self._delete_files()
@@ -154,38 +154,38 @@ class LedgerStore:
         self.db.execute("COMMIT")
         self.db.execute("BEGIN")
 
-    # -- slots -----------------------------------------------------------------------------------------
-    def held_slots(self) -> set[int]:
-        """Slots with a checkpoint: what this store can resume without re-reading from the beginning."""
-        return {int(row[0]) for row in self.db.execute("SELECT DISTINCT slot FROM offsets")}
+    # -- shards -----------------------------------------------------------------------------------------
+    def held_shards(self) -> set[int]:
+        """Shards with a checkpoint: what this store can resume without re-reading from the beginning."""
+        return {int(row[0]) for row in self.db.execute("SELECT DISTINCT shard FROM offsets")}
 
-    def offsets(self, slot: int) -> Checkpoint:
-        rows = self.db.execute("SELECT topic, partition, next, ts FROM offsets WHERE slot = ?", (slot,))
+    def offsets(self, shard: int) -> Checkpoint:
+        rows = self.db.execute("SELECT topic, partition, next, ts FROM offsets WHERE shard = ?", (shard,))
         return {(t, int(p)): (int(n), int(ts)) for t, p, n, ts in rows}
 
-    def drop_slot(self, slot: int) -> None:
-        """Forget a slot's state (it no longer matches the topics): it is rebuilt from the beginning."""
-        for key in [k for k in self._buffer if k[0] == slot]:
+    def drop_shard(self, shard: int) -> None:
+        """Forget a shard's state (it no longer matches the topics): it is rebuilt from the beginning."""
+        for key in [k for k in self._buffer if k[0] == shard]:
             self._buffered -= len(self._buffer.pop(key))
         for table in ("ids", "counts", "offsets"):
-            self.db.execute(f"DELETE FROM {table} WHERE slot = ?", (slot,))
-        self.release(slot)
+            self.db.execute(f"DELETE FROM {table} WHERE shard = ?", (shard,))
+        self.release(shard)
 
-    def release(self, slot: int) -> None:
-        """Drop a slot's counts from memory (its state stays on disk, valid for a later resume)."""
+    def release(self, shard: int) -> None:
+        """Drop a shard's counts from memory (its state stays on disk, valid for a later resume)."""
         self._flush()
-        for key in [k for k in self._counts if k[0] == slot]:
+        for key in [k for k in self._counts if k[0] == shard]:
             del self._counts[key]
             self._dirty.discard(key)
 
-    def runs_of(self, slot: int) -> list[str]:
-        rows = self.db.execute("SELECT rid FROM counts WHERE slot = ?", (slot,))
-        held = {rid for s, rid in self._counts if s == slot} | {int(r[0]) for r in rows}
+    def runs_of(self, shard: int) -> list[str]:
+        rows = self.db.execute("SELECT rid FROM counts WHERE shard = ?", (shard,))
+        held = {rid for s, rid in self._counts if s == shard} | {int(r[0]) for r in rows}
         return sorted(self._runs[rid] for rid in held)
 
     # -- folding ---------------------------------------------------------------------------------------
-    def fold(self, slot: int, outcomes: list[Sighting]) -> set[str]:
-        """Fold a batch of one slot's outcomes; returns the runs whose counts changed.
+    def fold(self, shard: int, outcomes: list[Sighting]) -> set[str]:
+        """Fold a batch of one shard's outcomes; returns the runs whose counts changed.
 
         An id's new state goes into the write buffer (:meth:`_flush`), where the next record of the same id finds
         it; only ids not in the buffer are looked up, with one SELECT per run and chunk. The fold itself is in
@@ -204,35 +204,35 @@ class LedgerStore:
         for run_id, events in by_run.items():
             run = run_of(run_id)
             rid = self._rid(run)
-            buffered = self._buffer.get((slot, rid))
+            buffered = self._buffer.get((shard, rid))
             if buffered is None:
-                buffered = self._buffer[(slot, rid)] = {}
+                buffered = self._buffer[(shard, rid)] = {}
             size = len(buffered)
-            stored = self._load(slot, rid, list(set(map(_REQUEST_ID, events)).difference(buffered)))
-            if fold_batch(self.counts(slot, run), events, buffered, stored):
+            stored = self._load(shard, rid, list(set(map(_REQUEST_ID, events)).difference(buffered)))
+            if fold_batch(self.counts(shard, run), events, buffered, stored):
                 changed.add(run)
             self._buffered += len(buffered) - size
         if changed:
-            self._dirty.update((slot, self._rids[run]) for run in changed)
+            self._dirty.update((shard, self._rids[run]) for run in changed)
         if self._buffered >= BUFFER_IDS:
             self._flush()
         return changed
 
-    def counts(self, slot: int, run: str) -> RunCounts:
-        key = (slot, self._rid(run))
+    def counts(self, shard: int, run: str) -> RunCounts:
+        key = (shard, self._rid(run))
         counts = self._counts.get(key)
         if counts is None:
-            row = self.db.execute("SELECT body FROM counts WHERE slot = ? AND rid = ?", key).fetchone()
+            row = self.db.execute("SELECT body FROM counts WHERE shard = ? AND rid = ?", key).fetchone()
             counts = self._counts[key] = RunCounts.from_json(json.loads(row[0])) if row else RunCounts()
         return counts
 
-    def top_quarantined(self, slot: int, run: str, limit: int) -> list[QuarantinedRecord]:
-        """The slot's most valuable quarantined ids of ``run``, from the partial index ``quarantined``."""
+    def top_quarantined(self, shard: int, run: str, limit: int) -> list[QuarantinedRecord]:
+        """The shard's most valuable quarantined ids of ``run``, from the partial index ``quarantined``."""
         self._flush()
         rows = self.db.execute(
-            "SELECT id, value, class FROM ids WHERE slot = ? AND rid = ? AND status = ? "
+            "SELECT id, value, class FROM ids WHERE shard = ? AND rid = ? AND status = ? "
             "ORDER BY value DESC, id LIMIT ?",
-            (slot, self._rid(run), QUARANTINED, limit),
+            (shard, self._rid(run), QUARANTINED, limit),
         )
         return [QuarantinedRecord(request_id=i, value=v, failure_class=c or "") for i, v, c in rows]
 
@@ -244,32 +244,32 @@ class LedgerStore:
             self._runs[rid] = run
         return rid
 
-    def _load(self, slot: int, rid: int, ids: list[str]) -> dict[str, IdState]:
+    def _load(self, shard: int, rid: int, ids: list[str]) -> dict[str, IdState]:
         """The stored states of ``ids``. Each chunk is padded (with its last id) to a power of two, so the
         connection's statement cache holds ten SELECTs, not one compiled statement per batch size seen."""
         out: dict[str, IdState] = {}
         for chunk in _chunks(ids, CHUNK):
             size = 1 << (len(chunk) - 1).bit_length()
-            rows = self.db.execute(_SELECT_IDS[size], (slot, rid, *chunk, *[chunk[-1]] * (size - len(chunk))))
+            rows = self.db.execute(_SELECT_IDS[size], (shard, rid, *chunk, *[chunk[-1]] * (size - len(chunk))))
             for row in rows:
                 out[row[0]] = row
         return out
 
     def _flush(self) -> None:
         """Write the buffered id states into the open transaction, in key order, :data:`ROWS_PER_INSERT` rows a
-        statement (the rest of a slot and run's ids with one executemany)."""
-        for (slot, rid), states in self._buffer.items():
+        statement (the rest of a shard and run's ids with one executemany)."""
+        for (shard, rid), states in self._buffer.items():
             rows = sorted(states.values())  # by id: a state starts with its id
             whole = len(rows) - len(rows) % ROWS_PER_INSERT
             for start in range(0, whole, ROWS_PER_INSERT):
-                self.db.execute(_INSERT_ROWS, (slot, rid, *chain.from_iterable(rows[start : start + ROWS_PER_INSERT])))
+                self.db.execute(_INSERT_ROWS, (shard, rid, *chain.from_iterable(rows[start : start + ROWS_PER_INSERT])))
             if whole < len(rows):
-                self.db.executemany(_INSERT_ROW, [(slot, rid, *s) for s in rows[whole:]])
+                self.db.executemany(_INSERT_ROW, [(shard, rid, *s) for s in rows[whole:]])
         self._buffer.clear()
         self._buffered = 0
 
     # -- checkpoints -----------------------------------------------------------------------------------
-    def checkpoint(self, consumed: Checkpoint, slot_of: dict[TP, int]) -> None:
+    def checkpoint(self, consumed: Checkpoint, shard_of: dict[TP, int]) -> None:
         """Commit the id states folded so far with the run counts and the offsets they correspond to."""
         self._flush()
         self.db.executemany(
@@ -278,7 +278,7 @@ class LedgerStore:
         )
         self.db.executemany(
             "INSERT OR REPLACE INTO offsets VALUES (?, ?, ?, ?, ?)",
-            [(t, p, slot_of[(t, p)], n, ts) for (t, p), (n, ts) in consumed.items() if (t, p) in slot_of],
+            [(t, p, shard_of[(t, p)], n, ts) for (t, p), (n, ts) in consumed.items() if (t, p) in shard_of],
         )
         self.db.execute("COMMIT")
         self.db.execute("BEGIN")

@@ -90,7 +90,7 @@ NEW_ID: IdState = ("", PENDING, "", 0, DEFAULT_VALUE)  # its id is the event's
 
 @dataclass
 class RunCounts:
-    """The counts of one run (in one slot), kept in step with its ids' states by :func:`fold`."""
+    """The counts of one run (in one shard), kept in step with its ids' states by :func:`fold`."""
 
     seen: int = 0
     succeeded: int = 0
@@ -295,6 +295,6 @@ def compute_run_stats(events: Iterable[LedgerEvent], now: datetime | None = None
     out: dict[str, RunStats] = {}
     for run_id in sorted(set(counts) | set(manifests)):
         c = counts.get(run_id, RunCounts())
-        partial = c.stats(run_id, top_quarantined(ids.get(run_id, {})), when, slot=0, slots=1)
+        partial = c.stats(run_id, top_quarantined(ids.get(run_id, {})), when, shard=0, shards=1)
         out[run_id] = merge_run_stats(run_id, [partial], manifests.get(run_id))
     return out

@@ -1,8 +1,8 @@
 """Run status: manifests (``J.runs``) joined with the ledger's RunStats snapshots (``J.ledger``).
 
-The ledger publishes partial snapshots, one per run and slot of the job's outcome partitions (several ledger
-processes share a job); :func:`merge_run_stats` adds up the furthest partial of each slot and takes the run's
-total from its manifest. Snapshots from before partials (``slots`` 0) are used as they are when nothing newer is.
+The ledger publishes partial snapshots, one per run and shard of the job's outcome partitions (several ledger
+processes share a job); :func:`merge_run_stats` adds up the furthest partial of each shard and takes the run's
+total from its manifest. Snapshots from before partials (``shards`` 0) are used as they are when nothing newer is.
 
 Completion is not a percentage. A run is ``complete`` when every record inside its boundaries has a terminal
 outcome and none is quarantined; ``incomplete-with-quarantine`` when every record has an outcome but some
@@ -146,25 +146,25 @@ def _furthest(a: RunStats, b: RunStats) -> RunStats:
     return b if (b.position, b.updated_at) >= (a.position, a.updated_at) else a
 
 
-def _consumed(slots: dict[int, RunStats]) -> tuple[int, datetime]:
+def _consumed(shards: dict[int, RunStats]) -> tuple[int, datetime]:
     """How far a layout's partials have read, all together (then how recent they are)."""
-    return sum(s.position for s in slots.values()), max(s.updated_at for s in slots.values())
+    return sum(s.position for s in shards.values()), max(s.updated_at for s in shards.values())
 
 
 def merge_run_stats(run_id: str, snapshots: Iterable[RunStats], manifest: RunManifest | None) -> RunStats:
     """One run's RunStats from the ledger's snapshots of it (at least one) and its manifest.
 
-    Per slot the furthest partial counts; among slot layouts (they change only when outcome topics grow) the one
-    that has consumed the most records. Counts add up (each id lives in one slot); the top quarantined are the
-    best of the slots' tops. ``total`` and ``value_total`` are the complete manifest's (at least the ids seen);
+    Per shard the furthest partial counts; among shard layouts (they change only when outcome topics grow) the one
+    that has consumed the most records. Counts add up (each id lives in one shard); the top quarantined are the
+    best of the shards' tops. ``total`` and ``value_total`` are the complete manifest's (at least the ids seen);
     the open stream and a run without a complete manifest count the distinct ids with an outcome or a retry.
     """
     snaps = list(snapshots)
     layouts: dict[int, dict[int, RunStats]] = {}
     for s in snaps:
-        if s.slots > 0:
-            slots = layouts.setdefault(s.slots, {})
-            slots[s.slot] = _furthest(slots[s.slot], s) if s.slot in slots else s
+        if s.shards > 0:
+            shards = layouts.setdefault(s.shards, {})
+            shards[s.shard] = _furthest(shards[s.shard], s) if s.shard in shards else s
     if not layouts:
         return max(snaps, key=lambda s: s.updated_at)  # written by a ledger from before partial snapshots
     parts = list(max(layouts.values(), key=_consumed).values())

@@ -84,8 +84,8 @@ def test_export_ledger_and_status_count_committed_records_only(
 
     cfg = job_toml(tmp_path / "job.toml", tiers='"1s", "2s"', max_attempts=3)
     with streams(job_name, cfg, kafka, tmp_path / "ledger", logs_dir / "streams.log") as proc:
-        # every record was written before the ledger started: its first snapshot of each slot is its final count
-        wait_for(lambda: len(partials(kafka, topics)) >= 2, TIMEOUT_S, "a snapshot of both slots")
+        # every record was written before the ledger started: its first snapshot of each shard is its final count
+        wait_for(lambda: len(partials(kafka, topics)) >= 2, TIMEOUT_S, "a snapshot of both shards")
         assert proc.alive(), proc.log()[-3000:]
     [status] = json.loads(run_cli(kafka.bootstrap, "status", job_name, "--run", RUN, "--json").stdout)["runs"]
     counts = {k: status[k] for k in ("total", "succeeded", "quarantined", "retried", "pending")}

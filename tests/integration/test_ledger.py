@@ -177,7 +177,7 @@ def expected_counts(n: int) -> dict[str, object]:
 def test_two_ledgers_share_a_job_and_one_killed_mid_run_hands_over_exactly(
     kafka: KafkaSettings, job_name: str, make_job: Callable[..., JobTopics], tmp_path: Path, logs_dir: Path
 ) -> None:
-    # The DLQ with twice the results' partitions: still co-partitioned (4 slots), each slot reads 2 of them.
+    # The DLQ with twice the results' partitions: still co-partitioned (4 shards), each shard reads 2 of them.
     topics = make_job_with_dlq(kafka, make_job, job_name, 4, 8, ("1s", "2s"))
     cfg = job_toml(tmp_path / "job.toml", tiers='"1s", "2s"', max_attempts=3)
     n = 3000
@@ -193,7 +193,7 @@ def test_two_ledgers_share_a_job_and_one_killed_mid_run_hands_over_exactly(
             "partial snapshots from both ledger processes",
         )
         produce(kafka, outcomes(topics, 1000, 2000))
-        a.kill()  # mid-run: a's slots go to b after the group's session timeout
+        a.kill()  # mid-run: a's shards go to b after the group's session timeout
         produce(kafka, outcomes(topics, 2000, n))
         final = wait_for(lambda: matches_topics(kafka, topics, manifest), TIMEOUT_S, "the merged counts")
         assert b.alive(), b.log()[-3000:]
@@ -207,15 +207,15 @@ def test_two_ledgers_share_a_job_and_one_killed_mid_run_hands_over_exactly(
     assert final.value_total == manifest.value_total
     succeeded = {i for i in range(n) if i % 10 <= 5 or i % 10 == 7 or (i % 10 == 9 and i % 30 != 9)}
     assert abs(final.value_completed - sum(value_of(i) for i in succeeded)) < 1e-6
-    assert final.tokens_in == 3 * len(succeeded)  # re-delivered results and handed-over slots counted once
+    assert final.tokens_in == 3 * len(succeeded)  # re-delivered results and handed-over shards counted once
     furthest: dict[int, RunStats] = {}
     for p in partials(kafka, topics):
-        if p.run_id == RUN and (p.slot not in furthest or p.position >= furthest[p.slot].position):
-            furthest[p.slot] = p
-    assert sorted(furthest) == [0, 1, 2, 3] and {p.slots for p in furthest.values()} == {4}
+        if p.run_id == RUN and (p.shard not in furthest or p.position >= furthest[p.shard].position):
+            furthest[p.shard] = p
+    assert sorted(furthest) == [0, 1, 2, 3] and {p.shards for p in furthest.values()} == {4}
     b_name = {p.instance for p in furthest.values()}
-    assert len(b_name) == 1, f"after the kill one process holds every slot: {b_name}"
-    assert "lets go of slot" not in b.log() or "caught up" in b.log()
+    assert len(b_name) == 1, f"after the kill one process holds every shard: {b_name}"
+    assert "lets go of shard" not in b.log() or "caught up" in b.log()
     print(f"\nmerged after a handover: {_ledger_view(final)}")
 
 
@@ -242,7 +242,7 @@ def test_a_restarted_ledger_resumes_from_its_checkpoint_and_rebuilds_a_lost_stor
 
     second = streams(job_name, cfg, kafka, root, logs_dir / "ledger-2.log", "--idle-exit", "3").start()
     assert second.wait(TIMEOUT_S) == 0, second.log()[-3000:]
-    assert "resuming slots [0, 1]" in second.log()
+    assert "resuming shards [0, 1]" in second.log()
     # Only what came after the checkpoint, plus the one record per partition re-read to check the store.
     assert len(rest) <= _folded(second.log()) <= len(rest) + 8
     final = matches_topics(kafka, topics, manifest)
@@ -262,7 +262,7 @@ def test_a_restarted_ledger_resumes_from_its_checkpoint_and_rebuilds_a_lost_stor
 def test_librdkafka_puts_a_key_in_congruent_partitions_of_co_partitioned_topics(
     kafka: KafkaSettings, job_name: str, make_job: Callable[..., JobTopics]
 ) -> None:
-    """The slot layout's premise, checked against the client that writes outcomes: hash(key) % n, any n."""
+    """The shard layout's premise, checked against the client that writes outcomes: hash(key) % n, any n."""
     topics = make_job_with_dlq(kafka, make_job, job_name, 4, 8, ("5s",))
     keys = [f"key-{i}".encode() for i in range(400)]
     produce(kafka, [(t, k, b"x", []) for k in keys for t in (topics.results, topics.dlq)])

@@ -200,7 +200,7 @@ def _independent_counts(kafka: KafkaSettings, topics: JobTopics, run_id: str) ->
 
 
 def _latest_snapshots(kafka: KafkaSettings, topics: JobTopics) -> dict[str, RunStats]:
-    """Every run's merged stats, as ``batchline status`` shows them (partials of every slot, manifest totals)."""
+    """Every run's merged stats, as ``batchline status`` shows them (partials of every shard, manifest totals)."""
     manifests = [codec_for("run_manifest").decode(r.value) for r in read_topic(kafka, topics.runs)]
     return latest_stats(kafka, topics, {m.run_id: m for m in manifests})
 
@@ -282,11 +282,11 @@ def test_ledger_counts_match_the_topics_after_the_ledger_and_a_worker_are_killed
     assert (stream.total, stream.succeeded + stream.quarantined) == (30, 30)
     assert stream.value_total == 90.0 and stream.value_completed == 3.0 * stream_independent["succeeded"]
     history = [codec_for("run_stats").decode(r.value) for r in read_topic(kafka, topics.ledger)]
-    by_slot: dict[tuple[int, int], list[int]] = {}
+    by_shard: dict[tuple[int, int], list[int]] = {}
     for s in history:
         if s.run_id == run_id:
-            by_slot.setdefault((s.slot, s.slots), []).append(s.succeeded + s.quarantined)
-    assert by_slot and all(done == sorted(done) for done in by_slot.values()), "a snapshot went backwards"
+            by_shard.setdefault((s.shard, s.shards), []).append(s.succeeded + s.quarantined)
+    assert by_shard and all(done == sorted(done) for done in by_shard.values()), "a snapshot went backwards"
     print(f"\nledger of run {run_id}: {_ledger_view(snap)}; {len(history)} snapshots across a SIGKILL")
 
 

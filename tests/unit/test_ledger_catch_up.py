@@ -1,5 +1,5 @@
-"""When a restarted ledger's slot counts as caught up, without Kafka: only once every one of its partitions reached
-the high watermark it had when the slot started, however many polls come back empty meanwhile.
+"""When a restarted ledger's shard counts as caught up, without Kafka: only once every one of its partitions reached
+the high watermark it had when the shard started, however many polls come back empty meanwhile.
 
 The ledger is driven through ``step`` with the stand-ins of ``test_ledger_rebuild`` (a reader serving hand-written
 partitions, nothing aborted) and a producer that keeps what it is given; the store is the real one.
@@ -57,7 +57,7 @@ class Members:
 
 
 def stepping(store: LedgerStore, reader: Reader) -> tuple[Ledger, Sent]:
-    """A ledger as ``start`` leaves it once the group has confirmed its slot, ready to ``step``."""
+    """A ledger as ``start`` leaves it once the group has confirmed its shard, ready to ``step``."""
     led: Any = ledger(store, reader)
     led.members, led.confirmed, led.owned = Members(), True, {0}
     led.producer = sent = Sent()
@@ -69,7 +69,7 @@ def stepping(store: LedgerStore, reader: Reader) -> tuple[Ledger, Sent]:
     return led, sent
 
 
-def test_a_restarted_slot_waits_for_a_partition_it_cannot_read_however_many_polls_come_back_empty(
+def test_a_restarted_shard_waits_for_a_partition_it_cannot_read_however_many_polls_come_back_empty(
     tmp_path: Path,
 ) -> None:
     log: dict[Any, list[tuple[int, bytes]]] = {

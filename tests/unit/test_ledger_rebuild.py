@@ -1,7 +1,7 @@
-"""The ledger's fold when a slot's restart check fails partway through a poll, without Kafka.
+"""The ledger's fold when a shard's restart check fails partway through a poll, without Kafka.
 
-A slot resumed from its checkpoint re-reads the last record it folded of each partition; a record that differs
-(a recreated topic) makes the fold drop the slot and rebuild it from the beginning. The store must never commit an
+A shard resumed from its checkpoint re-reads the last record it folded of each partition; a record that differs
+(a recreated topic) makes the fold drop the shard and rebuild it from the beginning. The store must never commit an
 offset past what it folded: a process SIGKILLed right after such a commit restarts from it.
 
 The ledger is driven through its fold with stand-ins for the reader (serving hand-written partitions) and the
@@ -21,7 +21,7 @@ from batchline.kafka.topics import JobTopics
 from schemas import DeadLetter, Result, codec_for
 from streams.ledger import Ledger
 from streams.outcomes import OutcomeReader
-from streams.slots import TP, Layout
+from streams.shards import TP, Layout
 from streams.store import LedgerStore
 
 JOB, RUN = "unit", "run-1"
@@ -135,15 +135,15 @@ class NothingAborted:
 
 
 def ledger(store: LedgerStore, reader: Reader) -> Ledger:
-    """A ledger of one slot (results and DLQ partition 0), as ``Ledger.start`` leaves it, without Kafka clients."""
+    """A ledger of one shard (results and DLQ partition 0), as ``Ledger.start`` leaves it, without Kafka clients."""
     led: Any = Ledger.__new__(Ledger)
     led.topics, led.outcomes = TOPICS, OutcomeReader(TOPICS)
     led.store, led.layout = store, Layout.of(TOPICS.results, {TOPICS.results: 1, TOPICS.dlq: 1})
     led.reader, led.aborted = reader, NothingAborted()
-    led.reading, led.slot_of, led.consumed = {}, {}, {}
+    led.reading, led.shard_of, led.consumed = {}, {}, {}
     led.events = led.undecodable = led._empty_rounds = 0
     led._verifying = False
-    led._start_slots(sorted(store.held_slots()) or [0])
+    led._start_shards(sorted(store.held_shards()) or [0])
     return led
 
 
@@ -153,19 +153,19 @@ def fold_all(led: Ledger, reader: Reader) -> None:
 
 
 def committed(path: Path) -> tuple[dict[TP, int], set[str]]:
-    """What a process killed now would restart from: the store's last commit (offsets of slot 0, its ids)."""
+    """What a process killed now would restart from: the store's last commit (offsets of shard 0, its ids)."""
     db = sqlite3.connect(f"file:{path}?mode=ro", uri=True)
     try:
-        offsets = {(t, p): n for t, p, n in db.execute("SELECT topic, partition, next FROM offsets WHERE slot = 0")}
-        return offsets, {i for (i,) in db.execute("SELECT id FROM ids WHERE slot = 0")}
+        offsets = {(t, p): n for t, p, n in db.execute("SELECT topic, partition, next FROM offsets WHERE shard = 0")}
+        return offsets, {i for (i,) in db.execute("SELECT id FROM ids WHERE shard = 0")}
     finally:
         db.close()
 
 
 def killed_while_rebuilding(tmp_path: Path) -> tuple[LedgerStore, dict[TP, list[tuple[int, bytes]]]]:
-    """A slot checkpointed at results 0-2 and DLQ 0-1; the DLQ is then recreated (other records, other timestamps)
+    """A shard checkpointed at results 0-2 and DLQ 0-1; the DLQ is then recreated (other records, other timestamps)
     and results 3-4 are written. On restart one poll holds results 2-4 (record 2 checks out) and then DLQ 1 (does
-    not): the slot is rebuilt. Returns the rebuilding process's store, left open as a SIGKILL leaves it."""
+    not): the shard is rebuilt. Returns the rebuilding process's store, left open as a SIGKILL leaves it."""
     log: dict[TP, list[tuple[int, bytes]]] = {
         RESULTS: [(100 + i, result(f"a{i}")) for i in range(3)],
         DLQ: [(200 + i, letter(f"d{i}")) for i in range(2)],
@@ -184,29 +184,29 @@ def killed_while_rebuilding(tmp_path: Path) -> tuple[LedgerStore, dict[TP, list[
     second = ledger(store, reader)
     assert second.reading[0].verify == {RESULTS: (2, 102), DLQ: (1, 201)}
     second._fold(reader.consume())
-    assert reader.at == {RESULTS: 0, DLQ: 0}, "the slot is read again from the beginning"
+    assert reader.at == {RESULTS: 0, DLQ: 0}, "the shard is read again from the beginning"
     return store, log
 
 
-def test_a_slot_rebuilt_partway_through_a_poll_commits_no_offset_past_what_it_folded(tmp_path: Path) -> None:
+def test_a_shard_rebuilt_partway_through_a_poll_commits_no_offset_past_what_it_folded(tmp_path: Path) -> None:
     store, _ = killed_while_rebuilding(tmp_path)
     try:
         offsets, ids = committed(store.path)
     finally:
         store.close()
-    # Results 3 and 4 (a3, a4) were read in the poll but not folded: the slot was dropped.
+    # Results 3 and 4 (a3, a4) were read in the poll but not folded: the shard was dropped.
     assert offsets.get(RESULTS, 0) <= 3 or {"a3", "a4"} <= ids, (offsets, sorted(ids))
 
 
-def test_a_ledger_killed_while_rebuilding_a_slot_counts_every_record_after_a_restart(tmp_path: Path) -> None:
-    """The restart from that commit finds the DLQ's record 1 still differing, and rebuilds the slot again."""
+def test_a_ledger_killed_while_rebuilding_a_shard_counts_every_record_after_a_restart(tmp_path: Path) -> None:
+    """The restart from that commit finds the DLQ's record 1 still differing, and rebuilds the shard again."""
     store, log = killed_while_rebuilding(tmp_path)
     after = tmp_path / "after-kill"
     (after / JOB / "0").mkdir(parents=True)
     try:
         src = sqlite3.connect(f"file:{store.path}?mode=ro", uri=True)
         dst = sqlite3.connect(after / JOB / "0" / "ledger.sqlite")
-        src.backup(dst)  # the last commit only: the rebuild's drop of the slot was not committed
+        src.backup(dst)  # the last commit only: the rebuild's drop of the shard was not committed
         src.close()
         dst.close()
     finally:

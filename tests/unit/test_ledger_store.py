@@ -1,4 +1,4 @@
-"""The ledger's store, slot layout and the merge of partial snapshots, without Kafka.
+"""The ledger's store, shard layout and the merge of partial snapshots, without Kafka.
 
 The store's counts are checked against a count made straight from the rules (not through ``fold``), across
 checkpoints, reopenings and a process SIGKILLed in the middle of a transaction.
@@ -26,7 +26,7 @@ from fastavro.schema import fingerprint, to_parsing_canonical_form
 from batchline.runs.manifests import STREAM_RUN
 from batchline.runs.status import merge_run_stats
 from schemas import QuarantinedRecord, RunStats, codec_for
-from streams.slots import Layout
+from streams.shards import Layout
 from streams.store import LedgerStore
 from streams.tally import DEAD, RESULT, RETRY, Sighting
 from tests.unit.test_streams_tally import manifest
@@ -71,10 +71,10 @@ def truth(outcomes: list[Sighting]) -> dict[str, dict[str, object]]:
     return out
 
 
-def counted(store: LedgerStore, slot: int, runs: list[str]) -> dict[str, dict[str, object]]:
+def counted(store: LedgerStore, shard: int, runs: list[str]) -> dict[str, dict[str, object]]:
     out: dict[str, dict[str, object]] = {}
     for run in runs:
-        c = store.counts(slot, run)
+        c = store.counts(shard, run)
         out[run] = {
             "seen": c.seen,
             "succeeded": c.succeeded,
@@ -113,7 +113,7 @@ def test_top_quarantined_is_an_indexed_query_and_follows_results(tmp_path: Path)
     plan = " ".join(
         str(row[-1])
         for row in store.db.execute(
-            "EXPLAIN QUERY PLAN SELECT id, value, class FROM ids WHERE slot = 0 AND rid = 1 AND status = 2 "
+            "EXPLAIN QUERY PLAN SELECT id, value, class FROM ids WHERE shard = 0 AND rid = 1 AND status = 2 "
             "ORDER BY value DESC, id LIMIT 10"
         )
     )
@@ -180,7 +180,7 @@ def test_an_unreadable_store_is_rebuilt_and_each_process_locks_its_own_folder(tm
     folder.mkdir(parents=True)
     (folder / "ledger.sqlite").write_bytes(b"this is not a database" * 100)
     store = LedgerStore(tmp_path, "job")
-    assert store.held_slots() == set() and store.counts(0, "r1").seen == 0
+    assert store.held_shards() == set() and store.counts(0, "r1").seen == 0
     other = LedgerStore(tmp_path, "job")
     assert other.folder == tmp_path / "job" / "1"
     other.close()
@@ -191,15 +191,15 @@ def test_an_unreadable_store_is_rebuilt_and_each_process_locks_its_own_folder(tm
 
 def test_layout_splits_only_co_partitioned_topics() -> None:
     even = Layout.of("j.results", {"j.results": 4, "j.dlq": 8, "j.retry.5s": 4})
-    assert even.slots == 4
+    assert even.shards == 4
     assert even.partitions(1) == [("j.dlq", 1), ("j.dlq", 5), ("j.results", 1), ("j.retry.5s", 1)]
-    assert (even.slot_of_assigned(3), even.slot_of_assigned(4)) == (3, None)
+    assert (even.shard_of_assigned(3), even.shard_of_assigned(4)) == (3, None)
     odd = Layout.of("j.results", {"j.results": 4, "j.dlq": 6, "j.retry.5s": 4})
-    assert odd.slots == 1 and len(odd.partitions(0)) == 14
-    assert (odd.slot_of_assigned(0), odd.slot_of_assigned(1)) == (0, None)
+    assert odd.shards == 1 and len(odd.partitions(0)) == 14
+    assert (odd.shard_of_assigned(0), odd.shard_of_assigned(1)) == (0, None)
 
 
-def partial(slot: int, slots: int, position: int, succeeded: int, top: list[tuple[str, float]]) -> RunStats:
+def partial(shard: int, shards: int, position: int, succeeded: int, top: list[tuple[str, float]]) -> RunStats:
     return RunStats(
         run_id="r1",
         total=succeeded + len(top),
@@ -217,13 +217,13 @@ def partial(slot: int, slots: int, position: int, succeeded: int, top: list[tupl
         tokens_out=0,
         top_quarantined=[QuarantinedRecord(request_id=i, value=v, failure_class="invalid_input") for i, v in top],
         updated_at=NOW + timedelta(seconds=position),
-        slot=slot,
-        slots=slots,
+        shard=shard,
+        shards=shards,
         position=position,
     )
 
 
-def test_merge_keeps_the_furthest_partial_per_slot_and_the_manifest_total() -> None:
+def test_merge_keeps_the_furthest_partial_per_shard_and_the_manifest_total() -> None:
     snaps = [
         partial(0, 2, 10, 5, [("a", 3.0)]),
         partial(0, 2, 30, 9, [("a", 3.0), ("b", 9.0)]),
@@ -237,7 +237,7 @@ def test_merge_keeps_the_furthest_partial_per_slot_and_the_manifest_total() -> N
     assert merged.value_total == 40.0 and merged.dead_letters_by_class == {"invalid_input": 3}
     no_manifest = merge_run_stats("r1", snaps, None)
     assert (no_manifest.total, no_manifest.pending) == (16, 0)
-    # A new layout (one slot) counts once it has read more than the old one.
+    # A new layout (one shard) counts once it has read more than the old one.
     ahead = partial(0, 1, 46, 20, [])
     assert merge_run_stats("r1", [*snaps, ahead], None).succeeded == 20
     behind = partial(0, 1, 44, 3, [])
