@@ -314,3 +314,29 @@ def _same(a: object, b: object) -> bool:
     if isinstance(a, list) and isinstance(b, list):
         return len(a) == len(b) and all(_same(x, y) for x, y in zip(a, b, strict=True))
     return a == b
+
+
+def test_a_ledger_snapshot_written_before_shards_were_named_reads_as_shards() -> None:
+    """RunStats' ``slot`` / ``slots`` became ``shard`` / ``shards`` (aliases): a snapshot on ``J.ledger`` written by
+    the previous version, single-object encoded, decodes with the values in the new fields."""
+    from datetime import UTC, datetime
+
+    from fastavro.schema import fingerprint
+
+    raw = json.loads((PREVIOUS / "run_stats.v3.avsc").read_text())
+    counts = dict.fromkeys(["total", "succeeded", "failed_permanent", "quarantined", "retried", "retries"], 2)
+    old = {
+        "run_id": "r-1",
+        **counts,
+        **dict.fromkeys(["pending", "in_flight", "tokens_in", "tokens_out"], 0),
+        "value_total": 0.0,
+        "value_completed": 0.0,
+        "updated_at": datetime.now(UTC),
+        "slot": 3,
+        "slots": 4,
+    }
+    body = io.BytesIO()
+    fastavro.schemaless_writer(body, fastavro.parse_schema(raw), old)
+    header = b"\xc3\x01" + bytes.fromhex(fingerprint(to_parsing_canonical_form(raw), "CRC-64-AVRO"))
+    stats = codec_for("run_stats").decode(header + body.getvalue())
+    assert (stats.run_id, stats.shard, stats.shards, stats.succeeded) == ("r-1", 3, 4, 2)
