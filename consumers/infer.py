@@ -23,7 +23,6 @@ such run the check is one falsy test per record.
 
 from __future__ import annotations
 
-import hashlib
 import itertools
 import logging
 import threading
@@ -35,30 +34,21 @@ from typing import NamedTuple
 
 from batchline.config import JobConfig
 from batchline.runs.control import CANCELLED, stop_message
+from consumers.engine_input import engine_input, record_seed
 from consumers.engines.base import (
     Engine,
     EngineInput,
-    Options,
     Outcome,
     Sampling,
     StreamingEngine,
 )
 from consumers.exceptions import EngineOOM, EngineStartError
-from consumers.intake import render_prompt
 from consumers.isolate import AdaptiveLimit, IsolatingRunner
-from consumers.options import options_of
 from consumers.validate import OutputValidator
 from consumers.work import Failure, WorkItem
-from schemas import RequestLike
 
 log = logging.getLogger(__name__)
 RETRY_TEMPERATURE = 0.7
-
-
-def record_seed(base: int, request_id: str, salt: int = 0) -> int:
-    """A per-record seed: stable for (base, id), so a replay reproduces sampled outputs."""
-    h = hashlib.sha256(f"{base}|{request_id}|{salt}".encode()).digest()
-    return int.from_bytes(h[:4], "big")
 
 
 def stopped_failure(stops: Mapping[str, tuple[float, str]], run_id: str | None, now: float) -> Failure | None:
@@ -69,48 +59,6 @@ def stopped_failure(stops: Mapping[str, tuple[float, str]], run_id: str | None, 
         return None
     kind = "RunCancelled" if stop[1] == CANCELLED else "RunExpired"
     return Failure(stop[1], kind, stop_message(stop[1], run_id))  # type: ignore[arg-type]
-
-
-def engine_input(config: JobConfig, item: WorkItem, greedy: Sampling | None = None) -> EngineInput:
-    """The engine's view of a record. Greedy records carry no seed (it would change nothing and costs vLLM a
-    per-request generator); sampled ones get a per-record seed so a replay reproduces them. ``greedy`` is the
-    job's greedy sampling, shared by records without overrides (pass it from a loop). A record with options of its
-    own (``Request.plain`` false) carries them as :class:`Options`; ``limits.max_tokens`` caps what it asks."""
-    request = item.request
-    assert request is not None
-    plain = request.plain
-    if greedy is not None and greedy.temperature == 0 and request.sampling is None and not request.messages and plain:
-        return EngineInput(item.request_id, item.prompt, None, greedy, item.attempt)  # most records: no lookups
-    job = config.engine.sampling
-    over = request.sampling
-    messages = tuple(request.messages) if request.messages else None
-    options = None if plain else _options(config, request)
-    if over is None:
-        if job.temperature == 0:
-            shared = greedy or Sampling(job.temperature, job.top_p, job.max_tokens, None)
-            return EngineInput(item.request_id, item.prompt, messages, shared, item.attempt, options)
-        temperature, top_p, max_tokens, seed = job.temperature, job.top_p, job.max_tokens, None
-    else:
-        temperature = over.temperature if over.temperature is not None else job.temperature
-        top_p = over.top_p if over.top_p is not None else job.top_p
-        max_tokens = over.max_tokens if over.max_tokens is not None else job.max_tokens
-        cap = config.limits.max_tokens
-        if cap is not None and max_tokens > cap:
-            max_tokens = cap
-        seed = over.seed
-    if seed is None and temperature > 0:
-        seed = record_seed(job.seed, item.request_id)
-    return EngineInput(
-        item.request_id, item.prompt, messages, Sampling(temperature, top_p, max_tokens, seed), item.attempt, options
-    )
-
-
-def _options(config: JobConfig, request: RequestLike) -> Options:
-    options = options_of(request)
-    template = config.engine.prompt_template
-    if options.inputs is not None and template != "{input}":
-        return replace(options, inputs=tuple(render_prompt(template, text) for text in options.inputs))
-    return options
 
 
 @dataclass(eq=False)

@@ -33,7 +33,7 @@ __all__ = ["ChatMessage", "ChatMessageLike", "Request", "RequestLike", "Sampling
 
 
 class ChatMessageLike(Protocol):
-    """A chat message as its readers (``infer.engine_input``, the engines) use it."""
+    """A chat message as its readers (``engine_input.engine_input``, the engines) use it."""
 
     @property
     def role(self) -> str: ...

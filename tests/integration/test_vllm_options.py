@@ -24,8 +24,8 @@ from batchline.config import JobConfig, KafkaSettings, load_job_config
 from batchline.kafka.topics import JobTopics
 from batchline.runs.identity import fingerprint_of
 from batchline.runs.submit import submit_file
+from consumers.engine_input import engine_input
 from consumers.engines.base import EngineInput, EngineOutput
-from consumers.infer import engine_input
 from consumers.options import refused
 from consumers.work import Failure, Source, WorkItem
 from schemas.codec import decode_request

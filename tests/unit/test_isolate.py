@@ -8,9 +8,10 @@ import threading
 import pytest
 
 from batchline.config import DeterministicConfig
+from consumers.engine_input import engine_input
 from consumers.engines.base import EngineOutput
 from consumers.engines.deterministic import DeterministicEngine
-from consumers.infer import Feeder, Flight, engine_input
+from consumers.infer import Feeder, Flight
 from consumers.isolate import GROW_AFTER, AdaptiveLimit, IsolatingRunner
 from consumers.work import Failure
 from tests.unit.helpers import config, item, run_stage

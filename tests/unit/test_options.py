@@ -9,9 +9,9 @@ from typing import Any
 import pytest
 
 from batchline.config import JobConfig, load_job_config
+from consumers.engine_input import engine_input
 from consumers.engines.base import EngineInput, EngineOutput, Options, Sampling
 from consumers.engines.deterministic import DeterministicEngine, token_id
-from consumers.infer import engine_input
 from consumers.options import options_of, refused
 from consumers.validate import OutputValidator
 from consumers.work import Failure, Source, WorkItem

@@ -11,9 +11,9 @@ from hypothesis import HealthCheck, given, settings
 from hypothesis import strategies as st
 
 from batchline.config import JobConfig, load_job_config
+from consumers.engine_input import engine_input
 from consumers.engines.base import EngineOutput
 from consumers.engines.deterministic import DeterministicEngine
-from consumers.infer import engine_input
 from consumers.options import refused
 from consumers.validate import OutputValidator
 from consumers.work import Failure, Source, WorkItem
