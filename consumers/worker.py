@@ -142,12 +142,12 @@ class Worker(WorkerParts):
             assigned=lambda: list(self.pauses.assigned),
         )
         try:
-            self._check_engine()  # an engine given ready-made: subscribe now
+            self._follow_engine()  # an engine given ready-made: subscribe now
             while not self.stop_event.is_set() and not self._idle_done():
                 self._heartbeat()  # /healthz; BrokerLost, MissingTopicError
                 self._poll()  # fetched records -> intake -> pinning -> batcher; the loop's only wait
                 self.ownership.observe(OBSERVE_EVERY_S)  # the membership the commit thread checks claims against
-                self._check_engine()  # a failure of the engine thread is raised here
+                self._follow_engine()  # a failure of the engine thread is raised here; a loaded engine lets records in
                 self._follow_schedule()  # time windows and lanes
                 self._dispatch()  # ready micro-batches -> the engine and the commit line
                 self._commit()  # committed micro-batches off the line, finished ones queued to commit
@@ -198,6 +198,10 @@ class Worker(WorkerParts):
     def _check_engine(self) -> None:
         if self.feeder.error is not None:
             raise self.feeder.error  # a failure of the engine thread, or a load that failed
+
+    def _follow_engine(self) -> None:
+        """The engine's failure raised, or its load followed (on the loop's turn, never inside a callback)."""
+        self._check_engine()
         if not self._engine_ready and self.feeder.loaded:
             self._engine_loaded()
 
