@@ -1,10 +1,12 @@
 """Stand-ins for librdkafka clients, to drive the commit path without a broker: a consumer as ownership sees it
-(its group metadata, scripted) and a transactional producer whose calls are recorded and whose answers are scripted.
+(its group metadata, scripted), a committed-offset answer, and a transactional producer whose calls are recorded and
+whose answers are scripted.
 """
 
 from __future__ import annotations
 
 import struct
+from dataclasses import dataclass
 from typing import Any
 
 from confluent_kafka import KafkaError, KafkaException
@@ -14,6 +16,16 @@ from batchline.kafka.bounded_calls import BoundedCalls
 from batchline.kafka.liveness import never_down
 from batchline.kafka.producer_lifecycle import ProducerLifecycle
 from batchline.kafka.transactions import TransactionalProducer
+
+
+@dataclass(frozen=True)
+class Answer:
+    """What ``Consumer.committed`` returns per partition (TopicPartition's ``error`` cannot be set by hand)."""
+
+    topic: str
+    partition: int
+    offset: int
+    error: KafkaError | None = None
 
 
 def metadata(generation: int, member: str, group: str = "g") -> bytes:

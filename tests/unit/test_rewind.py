@@ -6,7 +6,6 @@ cases the real broker cannot be made to produce on demand; the seeks it records 
 
 from __future__ import annotations
 
-from dataclasses import dataclass
 from typing import Any
 
 import pytest
@@ -16,6 +15,7 @@ from batchline.exceptions import BrokerLost
 from consumers.exceptions import CommittedUnknown
 from consumers.rewind import COMMITTED_TRIES, EXACT_TRIES, PendingSeeks, Rewinder, first_offsets
 from tests.unit.helpers import item
+from tests.unit.stand_ins import Answer
 
 T = "unit.requests"
 
@@ -35,16 +35,6 @@ class ScriptedConsumer:
 
     def seek(self, tp: TopicPartition) -> None:
         self.seeks.append((tp.partition, tp.offset))
-
-
-@dataclass(frozen=True)
-class Answer:
-    """What ``Consumer.committed`` returns per partition (TopicPartition's ``error`` cannot be set by hand)."""
-
-    topic: str
-    partition: int
-    offset: int
-    error: KafkaError | None = None
 
 
 def _tp(partition: int, offset: int, error: KafkaError | None = None) -> Answer:

@@ -22,18 +22,9 @@ from consumers.rewind import EXACT_TRIES, Rewinder
 from consumers.rollback import Rollback
 from tests.unit.commit_line import Line, T
 from tests.unit.helpers import config, item
+from tests.unit.stand_ins import Answer
 
 NO_COMMIT = -1001  # librdkafka's OFFSET_INVALID: the group has committed nothing for the partition
-
-
-@dataclass(frozen=True)
-class Answer:
-    """What ``Consumer.committed`` returns per partition (TopicPartition's ``error`` cannot be set by hand)."""
-
-    topic: str
-    partition: int
-    offset: int
-    error: KafkaError | None = None
 
 
 @dataclass
