@@ -16,13 +16,9 @@ from collections.abc import Callable
 from confluent_kafka import Consumer
 
 from batchline.config import JobConfig, KafkaSettings
-from batchline.kafka.client import bounded_prefetch, make_consumer
-from batchline.kafka.embedded.aborted import AbortedIndex
-from batchline.kafka.embedded.takeover import TakeoverGate
-from batchline.kafka.groups import watch_member
+from batchline.kafka.client import bounded_prefetch
 from batchline.kafka.liveness import BrokerLiveness
-from batchline.kafka.ownership import STATS_EVERY_MS, Ownership
-from batchline.kafka.slots import SlotSweeper, hold_slot
+from batchline.kafka.membership import Membership
 from batchline.kafka.topics import JobTopics, message_limits
 from batchline.runs.identity import Fingerprint, fingerprint_of
 from batchline.telemetry import Health, WorkerMetrics
@@ -63,11 +59,28 @@ class WorkerParts:
         self.topics = JobTopics(config.job, config.retry.tiers)
         self.fingerprint: Fingerprint = fingerprint_of(config)
         self.group = self.topics.worker_group(self.fingerprint.value)
-        # The slot names this worker and its transactional id: a restart takes it back and fences what the dead
-        # process left open (batchline.kafka.slots); the sweeper fences slots of the group whose process is gone.
-        self.slot = hold_slot(kafka, self.group, worker_id)
-        self.worker_id = self.slot.slot
-        self.sweeper = SlotSweeper(kafka, self.group, self.slot.slot)
+        watched = [self.topics.requests, self.topics.results, self.topics.dlq]
+        self.liveness = BrokerLiveness(kafka, config.job, watched)  # exits after broker_loss_timeout_s without one
+        # The group's Kafka parts (batchline/kafka/membership.py): the slot (this worker's name and transactional id),
+        # the consumer, the claims, the group watch, and the embedded broker's workarounds in embedded mode: requests
+        # of aborted transactions (a scheduler's failed re-publish) passed over, asked on this thread in _poll; a
+        # newly assigned partition waits for the transactions open on this group's outputs, in _on_assign.
+        self.membership = Membership(
+            kafka,
+            self.group,
+            worker_id,
+            outputs=[self.topics.results, *self.topics.retries, self.topics.dlq],
+            broker_down=self.liveness.is_down,
+            on_stats=self._on_stats,
+            **bounded_prefetch(config.batching.max_in_flight_records),
+        )
+        self.worker_id = self.membership.slot.slot
+        self.consumer: Consumer = self.membership.consumer
+        self.ownership = self.membership.ownership
+        assert self.membership.aborted is not None  # made: the worker's sources are transactional
+        self.aborted = self.membership.aborted
+        self.takeover = self.membership.takeover
+        self.health.watch_problem("group", self.membership.watch.stuck)
         self._incarnation = uuid.uuid4().hex[:6]  # batch ids stay unique across restarts of one slot
         # Intake counts tokens with the engine's tokenizer once the engine is loaded (Worker._engine_loaded); no
         # record arrives before: the partitions stay paused for the reason "engine" until then.
@@ -80,33 +93,14 @@ class WorkerParts:
         load: Engine | Callable[[], Engine] = engine if engine is not None else lambda: create_engine(config)
         self.feeder = Feeder(load, config, self.wake.set, self.pinning.view.stops)
         self.router = Router(config, self.fingerprint, self.topics, self.worker_id)
-        # requests of aborted transactions (a scheduler's failed re-publish) are passed over: the embedded broker's
-        # read_committed shows them (batchline/kafka/embedded/aborted.py); asked on this thread, in _poll
-        self.aborted = AbortedIndex(kafka)
-        # the embedded broker's offset fetch does not wait for open transactions: a newly assigned partition waits
-        # until those open on this group's outputs have ended (batchline/kafka/embedded/takeover.py); in _on_assign
-        outputs = [self.topics.results, *self.topics.retries, self.topics.dlq]
-        self.takeover = TakeoverGate(kafka, outputs) if kafka.embedded else None
         limits = message_limits(kafka, self.topics, config.max_request_bytes)
-        watched = [self.topics.requests, self.topics.results, self.topics.dlq]
-        self.liveness = BrokerLiveness(kafka, config.job, watched)  # exits after broker_loss_timeout_s without one
-        prefetch = bounded_prefetch(config.batching.max_in_flight_records)
-        # librdkafka's join state, for the ownership's rejoin rule (batchline/kafka/ownership.py): the embedded broker
-        # hands a late rejoiner its partitions back without a word; Apache Kafka fences it by generation
-        stats = {"statistics.interval.ms": STATS_EVERY_MS, "stats_cb": self._on_stats} if kafka.embedded else {}
-        self.consumer: Consumer = make_consumer(kafka, self.group, **prefetch, **stats)
         self.pauses = PauseBook(self.consumer)
-        # subscribed without partitions past the rebalance timeout while the group re-forms: not ready, one line
-        self.group_watch, self.group_sampler = watch_member(kafka, self.group, self.liveness.is_down)
-        self.health.watch_problem("group", self.group_watch.stuck)
-        # released by the rebalance callbacks, read by the commit thread; a look older than the session proves nothing
-        self.ownership = Ownership(self.consumer, kafka.session_timeout_ms / 1000, self.liveness.is_down)
         self.rewinder = Rewinder(self.consumer)
         self.metrics = WorkerMetrics(config.job, self.topics.requests, self.group)
         self.stats = WorkerStats()
         # every micro-batch from launch to commit, and the thread that commits (consumers/commit.py)
         self.commits = CommitLine(
-            transactional_producer(kafka, self.slot.transactional_id, limits, self.liveness.is_down),
+            transactional_producer(kafka, self.membership.transactional_id, limits, self.liveness.is_down),
             self.router,
             self.ownership,
             self.wake.set,

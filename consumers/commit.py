@@ -5,10 +5,11 @@ transaction has committed or been given up. Consecutive finished micro-batches a
 (:class:`~consumers.route.Router`: results, retries, dead letters) into one transaction with their offsets and
 their partitions' claim (:class:`~batchline.kafka.ownership.Claim`: it commits only while they are this worker's),
 and committed in the order they were queued by the line's own thread through the transactional producer
-(:class:`~batchline.kafka.transactions.TransactionalProducer`, the only Kafka layer below it). A message the
-broker cannot take on its own (too large) is replaced in the same transaction by the dead letter
-:meth:`Router.replacement <consumers.route.Router.replacement>` makes of it, and the replacement is what is counted.
-Whatever fails reaches the worker as one exception type, :class:`~consumers.exceptions.CommitFailed`, returned by
+(:class:`~batchline.kafka.transactions.TransactionalProducer`). A message the producer refuses on its own (too
+large) comes back from it as data; the line replaces it with the dead letter
+:meth:`Router.replacement <consumers.route.Router.replacement>` makes of it and commits the batch again, and the
+replacement is what is counted. Whatever fails reaches the worker as the producer's one exception,
+:class:`~batchline.kafka.transaction_errors.TransactionFailed` (its ``kind`` says what to do), returned by
 :meth:`CommitLine.harvest`; the worker then rewinds (:meth:`CommitLine.drop` gives it the flights to re-read).
 
 Each micro-batch's span and its counts once committed are :class:`~consumers.batch_report.BatchReport`'s.
@@ -29,7 +30,7 @@ import logging
 import threading
 import time
 from collections import deque
-from collections.abc import Callable, Iterable, Mapping, Sequence
+from collections.abc import Callable, Mapping, Sequence
 from dataclasses import dataclass, field
 from typing import Any, Protocol
 
@@ -39,13 +40,12 @@ from opentelemetry import trace
 from batchline.config import KafkaSettings
 from batchline.kafka.liveness import BrokerDown
 from batchline.kafka.ownership import Claim, Ownership
-from batchline.kafka.record_size import Outgoing, RecordError
-from batchline.kafka.replacements import CommitReport, Fit
-from batchline.kafka.transaction_errors import ClaimLapsed, TransactionFailed
+from batchline.kafka.record_size import Outgoing
+from batchline.kafka.rejections import MAX_ROUNDS, Rejected, Rejection
+from batchline.kafka.transaction_errors import TransactionFailed
 from batchline.kafka.transactions import Guard, TransactionalProducer
 from batchline.telemetry import Health, WorkerMetrics, traceparent_of
 from consumers.batch_report import BatchReport
-from consumers.exceptions import CommitFailed
 from consumers.infer import Flight
 from consumers.route import BatchContext, Produced, Router
 from consumers.work import WorkerStats
@@ -63,14 +63,11 @@ class Transactions(Protocol):
 
     def commit(
         self,
-        messages: Iterable[Outgoing],
+        messages: Sequence[Outgoing],
         offsets: list[TopicPartition],
         guard: Guard,
-        fit: Fit | None = None,
         sizes: Sequence[int] | None = None,
-    ) -> CommitReport: ...
-
-    def oversize(self, message: Outgoing) -> RecordError | None: ...
+    ) -> Rejected: ...
 
     def settle(self) -> None: ...
 
@@ -102,7 +99,7 @@ class _Txn:
     replaced: dict[int, Produced] = field(default_factory=dict)  # index in messages -> what was produced instead
     started_ns: int = 0
     ended_ns: int = 0
-    error: CommitFailed | None = None
+    error: TransactionFailed | None = None
     done: bool = False
 
     @property
@@ -196,7 +193,7 @@ class CommitLine:
                 self._queue.append(txn)
                 self._cond.notify_all()
 
-    def harvest(self) -> CommitFailed | None:
+    def harvest(self) -> TransactionFailed | None:
         """Take committed micro-batches off the line (counting them); the error of the first failed transaction
         (those queued after it were dropped unstarted and are forgotten here: the worker rewinds), else None."""
         while self._line and self._line[0].done:
@@ -215,7 +212,7 @@ class CommitLine:
             self.report.committed(txn.flights, txn.produced())
         return None
 
-    def drain(self) -> CommitFailed | None:
+    def drain(self) -> TransactionFailed | None:
         """Wait for every queued transaction to finish, then harvest (before a rewind): what committed is counted
         and leaves the line, the first failure is returned."""
         with self._cond:
@@ -249,11 +246,11 @@ class CommitLine:
             self._cond.notify_all()
             started = [self._queue[0]] if self._busy and self._queue else []
             for txn in list(self._queue)[len(started) :]:
-                txn.error = CommitFailed("discarded: the worker is stopping", txn.batch_id, fatal=False)
+                txn.error = TransactionFailed(f"batch {txn.batch_id}: discarded, the worker is stopping")
                 txn.done = True
             self._queue = deque(started)
         for txn in self._line:
-            self.report.close(txn.spans, 0, 0, CommitFailed("abandoned", txn.batch_id, fatal=False))
+            self.report.close(txn.spans, 0, 0, TransactionFailed(f"batch {txn.batch_id}: abandoned"))
         self._line.clear()
         self._committing = 0
         flights = list(self._flights)
@@ -314,53 +311,64 @@ class CommitLine:
                 self._queue.popleft()
                 if error is not None:  # the queued ones were routed on top of it: drop them unstarted
                     for dropped in self._queue:
-                        dropped.error = CommitFailed(
-                            "dropped after a failed transaction", dropped.batch_id, fatal=False
+                        dropped.error = TransactionFailed(
+                            f"batch {dropped.batch_id}: dropped after a failed transaction"
                         )
                         dropped.done = True
                     self._queue.clear()
                 txn.error = error
                 # a producer retired by the failure (a hung call) left its transaction open: fence it once the
                 # failure is reported, not at the next commit - another member's takeover waits for it meanwhile
-                self._fence = self._fence or (error is not None and error.fatal)
+                self._fence = self._fence or (error is not None and error.retired)
                 txn.done = True
                 self._busy = False
                 self._cond.notify_all()
             self._wake()
 
-    def _commit(self, txn: _Txn) -> CommitFailed | None:
-        """Produce the transaction's messages and commit its offsets while its claim holds; the failure, if any,
-        as a CommitFailed (its ``__cause__`` the producer's error)."""
-        fits = lambda m: self.producer.oversize(_outgoing(m)) is None  # noqa: E731
-
-        def fit(index: int, _message: Outgoing, error: RecordError) -> Outgoing:
-            new = self.router.replacement(txn.replaced.get(index, txn.messages[index]), error.reason, fits)
-            txn.replaced[index] = new
-            return _outgoing(new)
-
+    def _commit(self, txn: _Txn) -> TransactionFailed | None:
+        """Produce the transaction's messages and commit its offsets while its claim holds. A message the producer
+        refuses on its own comes back as data (:class:`~batchline.kafka.rejections.Rejection`): it is replaced by
+        the router's dead letter and the batch committed again. The failure, if any, prefixed with the batch."""
         outgoing: list[Outgoing] = [m[:4] for m in txn.messages]  # _outgoing, without a call a message
+        sizes = [m.size for m in txn.messages]
+        first: dict[int, Rejection] = {}  # why each replaced message was first refused
         try:
-            sizes = [m.size for m in txn.messages]
-            report = self.producer.commit(outgoing, txn.offsets, txn.claim, fit=fit, sizes=sizes)
-        except ClaimLapsed as exc:
-            log.warning("batch %s: not committed, %s", txn.batch_id, exc)
-            self._settle(exc)
-            return _failed(exc, txn, fatal=exc.fatal, lapsed=True, ambiguous=exc.ambiguous)
+            for _ in range(MAX_ROUNDS):
+                rejected = self.producer.commit(outgoing, txn.offsets, txn.claim, sizes)
+                if not rejected:
+                    break
+                for index, rejection in rejected.items():
+                    new = self.router.replacement(txn.replaced.get(index, txn.messages[index]), rejection.error.reason)
+                    txn.replaced[index] = new
+                    outgoing[index], sizes[index] = _outgoing(new), new.size
+                    first.setdefault(index, rejection)
+            else:
+                raise TransactionFailed(f"messages still refused after {MAX_ROUNDS} rounds of replacements")
         except TransactionFailed as exc:
-            log.error("batch %s: transaction failed (%s); fatal=%s", txn.batch_id, exc, exc.fatal)
+            failure = exc.about(f"batch {txn.batch_id}")
+            log.log(
+                logging.WARNING if exc.kind == "lapsed" else logging.ERROR,
+                "%s (%s%s)",
+                failure,
+                exc.kind,
+                ", producer retired" if exc.retired else "",
+            )
             self._settle(exc)
-            return _failed(exc, txn, fatal=exc.fatal, ambiguous=exc.ambiguous)
+            return failure
         except BaseException as exc:  # a bug or an unexpected client error: reported like a failed commit
             log.exception("transaction of batch %s failed unexpectedly", txn.batch_id)
-            return _failed(exc, txn, fatal=True, message=f"{type(exc).__name__}: {exc}")
-        for index, replaced in report.replaced.items():
+            failure = TransactionFailed(f"batch {txn.batch_id}: {type(exc).__name__}: {exc}", retired=True)
+            failure.__cause__ = exc
+            return failure
+        for index, rejection in first.items():
             original = txn.messages[index]
             log.warning(
-                "batch %s: %s of %s replaced by a dead letter (%s)",
+                "batch %s: %s of %s replaced by a dead letter (%s, found by %s)",
                 txn.batch_id,
                 original.kind,
                 original.key.decode("utf-8", "replace"),
-                replaced.error.reason,
+                rejection.error.reason,
+                rejection.found_by,
             )
         return None
 
@@ -386,19 +394,6 @@ class CommitLine:
                 if self._stopping or self._abandoned:
                     return  # nothing more is committed; the next owner's producer fences it
                 self._cond.wait(SETTLE_RETRY_S)
-
-
-def _failed(
-    exc: BaseException,
-    txn: _Txn,
-    fatal: bool,
-    lapsed: bool = False,
-    message: str | None = None,
-    ambiguous: bool = False,
-) -> CommitFailed:
-    error = CommitFailed(message or str(exc), txn.batch_id, fatal=fatal, lapsed=lapsed, ambiguous=ambiguous)
-    error.__cause__ = exc
-    return error
 
 
 def _outgoing(m: Produced) -> Outgoing:

@@ -27,20 +27,6 @@ class MissingOutcome(WorkerError):
     transient inference failure."""
 
 
-class CommitFailed(WorkerError):
-    """Producing or committing a batch failed; nothing of the batch was committed - unless ``ambiguous``: the
-    commit was sent and its answer lost, so the broker may have committed it (the commit line has made the outcome
-    final before reporting it; the group's committed offsets say which). ``lapsed``: not a failure of the broker -
-    the batch's claim lapsed (its partitions were no longer this worker's), so it was aborted on purpose."""
-
-    def __init__(self, message: str, batch_id: str, fatal: bool, lapsed: bool = False, ambiguous: bool = False) -> None:
-        super().__init__(f"batch {batch_id}: {message}")
-        self.batch_id = batch_id
-        self.fatal = fatal
-        self.lapsed = lapsed
-        self.ambiguous = ambiguous
-
-
 class CommittedUnknown(WorkerError):
     """After a commit whose outcome was unknown, the broker would not tell the group's committed offsets: records
     cannot be re-read without risking a second result, so the worker stops without committing anything more

@@ -6,7 +6,7 @@ still holds of it. Never the beginning of a partition: with no commit yet, the f
 worker started. Reading the committed offsets is retried; a partition the broker keeps failing on falls back to
 the first record held - which is exact only when every transaction before it is known to have committed or not.
 
-After a commit whose outcome was unknown (its answer lost: ``CommitFailed.ambiguous``) it is not: that transaction
+After a commit whose outcome was unknown (its answer lost: ``TransactionFailed.ambiguous``) it is not: that transaction
 may hold the first record held. The commit line first makes the outcome final (a new producer's epoch fences it,
 so a late commit cannot land after the offsets are read), then the rewind is ``exact``: the committed offsets or
 nothing, and a worker the broker will not answer stops (:class:`~consumers.exceptions.CommittedUnknown`) rather

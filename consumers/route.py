@@ -9,7 +9,7 @@ dict, never through a model.
 from __future__ import annotations
 
 import time
-from collections.abc import Callable, Sequence
+from collections.abc import Sequence
 from dataclasses import dataclass
 from datetime import UTC, datetime
 from typing import NamedTuple
@@ -239,10 +239,11 @@ class Router:
         return Produced(self.topics.dlq, encoded, item.request_id.encode(), headers, "dlq", item, failure)
 
     # -- what the commit line produces instead of a message the broker cannot take -----------------------
-    def replacement(self, message: Produced, reason: str, fits: Callable[[Produced], bool]) -> Produced:
-        """A dead letter that fits, for a ``message`` rejected on its own (too large): a result becomes an
-        ``output_too_large`` letter, a retry an ``oversize`` one, a dead letter loses its payload (its size and
-        SHA-256 kept); any letter that still does not fit loses its payload."""
+    def replacement(self, message: Produced, reason: str) -> Produced:
+        """A dead letter for a ``message`` refused on its own (too large): a result becomes an ``output_too_large``
+        letter, a retry an ``oversize`` one, each with the request's payload; a dead letter (such a replacement
+        refused in turn) loses its payload, its size and SHA-256 kept. The commit line asks again for as long as
+        the producer refuses what it gets (:data:`batchline.kafka.rejections.MAX_ROUNDS`)."""
         item = message.item
         if item is None:
             raise ValueError(f"no record behind the message to {message.topic}: cannot replace it")
@@ -255,5 +256,4 @@ class Router:
         else:
             failure = message.failure or Failure("oversize", "OversizeRecord", reason)
             return self._dead_letter(item, failure, small=True)
-        letter = self._dead_letter(item, failure)
-        return letter if fits(letter) else self._dead_letter(item, failure, small=True)
+        return self._dead_letter(item, failure)

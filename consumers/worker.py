@@ -63,8 +63,7 @@ from confluent_kafka import Consumer, KafkaError, KafkaException, TopicPartition
 from batchline.config import JobConfig, KafkaSettings
 from batchline.exceptions import BatchlineError
 from batchline.kafka.client import take
-from batchline.kafka.groups import close_member, nobody_in
-from batchline.kafka.transaction_errors import TransactionalIdTaken
+from batchline.kafka.groups import nobody_in
 from batchline.telemetry import Health
 from consumers.assembly import WorkerParts
 from consumers.engines import Engine
@@ -122,8 +121,7 @@ class Worker(WorkerParts):
         self.feeder.start()  # the engine thread loads the engine first, unless it was given one
         self.commits.start()
         self.liveness.start()
-        self.sweeper.start()
-        self.group_sampler.start()
+        self.membership.start()  # the slot sweeper, the group sampler (embedded mode)
         # While the engine loads, the worker joins its group only if the group has no member: it then takes
         # partitions from no one, and a new job's first workers are in their group when their model is ready (the
         # first join of a group waits out the broker's initial rebalance delay). A member that joined a serving
@@ -172,17 +170,12 @@ class Worker(WorkerParts):
         # After an abandon (the broker is lost) nothing is waited for: exit within the bound, not a timeout later.
         self.commits.close(ABANDON_WAIT_S if self._abandoned else 60.0)
         self.lanes.stop()
-        self.group_sampler.close()
         self.liveness.close()
         self.pinning.stop()
-        self.aborted.close()
         try:
-            # Leave once the group is stable: a leader leaving a re-forming group jams the embedded broker
-            # (batchline.kafka.groups). After an abandon (the broker is lost) there is nothing to wait for.
-            close_member(self.consumer, self.kafka, self.group, 0.0 if self._abandoned else LEAVE_S)
+            # Leave once the group is stable (embedded mode); after an abandon (the broker is lost) at once.
+            self.membership.close(0.0 if self._abandoned else LEAVE_S)
         finally:
-            self.sweeper.close()
-            self.slot.release()
             self.feeder.close_engine()
 
     def _idle_done(self) -> bool:
@@ -345,16 +338,11 @@ class Worker(WorkerParts):
         if self.stats.transactions > committed:
             self.liveness.ok()  # a round trip to the broker
         if error is not None:
-            if isinstance(error.__cause__, TransactionalIdTaken):
-                raise error.__cause__  # another live process holds our slot: stop, never fence it back
-            if not error.lapsed:  # a lapsed claim's transaction was aborted on purpose, the broker is fine
+            if error.kind == "id_taken":
+                raise error  # another live process holds our slot: stop, never fence it back
+            if error.kind != "lapsed":  # a lapsed claim's transaction was aborted on purpose, the broker is fine
                 self.liveness.failed(str(error))
-            log.warning(
-                "rewinding after a failed transaction (fatal=%s, lapsed=%s, ambiguous=%s)",
-                error.fatal,
-                error.lapsed,
-                error.ambiguous,
-            )
+            log.warning("rewinding after a failed transaction (%s)", error.kind)
             self.rollback.rewind(in_callback=in_callback, exact=error.ambiguous)
             return False
         # No new transaction while the broker is suspected down (it would only block) or while a rejoin has lasted
@@ -396,7 +384,7 @@ class Worker(WorkerParts):
         self.pauses.assigned_now(partitions)
         self._last_record = time.monotonic()
         self.health.set_assigned(len(self.pauses.assigned))  # readiness
-        self.group_watch.assigned(len(self.pauses.assigned))
+        self.membership.watch.assigned(len(self.pauses.assigned))
         log.info("assigned %s", [f"{p.topic}[{p.partition}]" for p in partitions])
 
     def _while_taking_over(self) -> None:
@@ -425,7 +413,7 @@ class Worker(WorkerParts):
         dropped = self.batcher.drop(revoked)
         self.pauses.gone(partitions)
         self.health.set_assigned(len(self.pauses.assigned))  # readiness
-        self.group_watch.assigned(len(self.pauses.assigned))
+        self.membership.watch.assigned(len(self.pauses.assigned))
         log.info("revoked %s (dropped %d buffered)", sorted(revoked), dropped)
 
     def _on_stats(self, stats: str) -> None:
@@ -449,4 +437,4 @@ class Worker(WorkerParts):
         self.rollback.rewind(self.pauses.assigned - lost, in_callback=True)
         self.pauses.gone(partitions)
         self.health.set_assigned(len(self.pauses.assigned))
-        self.group_watch.assigned(len(self.pauses.assigned))
+        self.membership.watch.assigned(len(self.pauses.assigned))

@@ -18,16 +18,5 @@ class MissingTopicsError(StreamsError):
         self.missing = missing
 
 
-class RepublishError(StreamsError):
-    """Re-publishing due retries failed; nothing of the attempt was committed and the records stay held - unless
-    ``ambiguous``: the commit was sent and its outcome is unknown (the committed offsets tell)."""
-
-    def __init__(self, message: str, records: int, fatal: bool, ambiguous: bool = False) -> None:
-        super().__init__(f"re-publishing {records} retries: {message}")
-        self.records = records
-        self.fatal = fatal
-        self.ambiguous = ambiguous
-
-
 class LedgerStoreError(StreamsError):
     """The ledger's store folder cannot be used (not writable, or every folder is held by another process)."""

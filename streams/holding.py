@@ -48,17 +48,12 @@ from itertools import islice
 from confluent_kafka import OFFSET_BEGINNING, Consumer, KafkaError, KafkaException, Message, TopicPartition
 
 from batchline.config import JobConfig, KafkaSettings
-from batchline.kafka.client import make_consumer, take
-from batchline.kafka.embedded.aborted import AbortedIndex
-from batchline.kafka.embedded.takeover import TakeoverGate
-from batchline.kafka.groups import close_member, watch_member
+from batchline.kafka.client import take
 from batchline.kafka.liveness import BrokerDown, never_down
-from batchline.kafka.ownership import STATS_EVERY_MS, Ownership
-from batchline.kafka.slots import SlotSweeper, hold_slot
+from batchline.kafka.membership import Membership
 from batchline.kafka.topics import JobTopics, effective_max_message_bytes
-from batchline.kafka.transaction_errors import TransactionalIdTaken, TransactionFailed
+from batchline.kafka.transaction_errors import TransactionFailed
 from batchline.runs.manifests import RunsView
-from streams.exceptions import RepublishError
 from streams.partition_queue import PartitionQueue
 from streams.republish import OVERSIZE, RETRIED_AT, Held, Republisher, now_ms
 from streams.scheduler_stats import SchedulerStats
@@ -100,25 +95,30 @@ class HoldingMember:
         self.topics = JobTopics(config.job, config.retry.tiers)
         self.kafka = kafka
         self.group = self.group_of(config.job)
-        # A slot, not a random id: a restarted scheduler fences the transaction its predecessor left open, and the
-        # sweeper fences the slots of schedulers that never come back (batchline.kafka.slots).
-        self.slot = hold_slot(kafka, self.group, instance_id)
-        self.instance_id = self.slot.slot
-        self.sweeper = SlotSweeper(kafka, self.group, self.slot.slot)
-        self.group_watch, self.group_sampler = watch_member(kafka, self.group, broker_down)  # stuck unassigned?
-        # A small prefetch: paused partitions are not fetched, but a due tier should not flood memory.
-        # (librdkafka's statistics give its join state to the ownership's rejoin rule, in embedded mode: ownership.py)
-        stats = {"statistics.interval.ms": STATS_EVERY_MS, "stats_cb": self._on_stats} if kafka.embedded else {}
-        conf = {"queued.max.messages.kbytes": 16384, **stats}
-        self.consumer: Consumer = make_consumer(kafka, self.group, **conf)
-        self.ownership = Ownership(self.consumer, kafka.session_timeout_ms / 1000, broker_down)
-        # asked on the scheduler's thread, in step(); None where no transaction writes the sources (the admitter's)
-        self.aborted = AbortedIndex(kafka) if self.TRANSACTIONAL_SOURCES else None
-        # a newly assigned partition waits for the transactions open on what this group writes (takeover.py)
-        self.takeover = TakeoverGate(kafka, [self.topics.requests, self.topics.dlq]) if kafka.embedded else None
+        # The group's Kafka parts (batchline/kafka/membership.py): the slot (a restarted member fences the
+        # transaction its predecessor left open; the sweeper, those of members that never come back), the consumer
+        # (a small prefetch: paused partitions are not fetched, but a due tier should not flood memory), the claims,
+        # the group watch, and in embedded mode the aborted-record index (asked on this thread, in step(); none where
+        # no transaction writes the sources: the admitter's) and the takeover gate over what this group writes.
+        self.membership = Membership(
+            kafka,
+            self.group,
+            instance_id,
+            outputs=[self.topics.requests, self.topics.dlq],
+            broker_down=broker_down,
+            on_stats=self._on_stats,
+            aborted=self.TRANSACTIONAL_SOURCES,
+            **{"queued.max.messages.kbytes": 16384},
+        )
+        self.instance_id = self.membership.slot.slot
+        self.group_watch = self.membership.watch  # stuck unassigned? (the streams' /readyz)
+        self.consumer: Consumer = self.membership.consumer
+        self.ownership = self.membership.ownership
+        self.aborted = self.membership.aborted
+        self.takeover = self.membership.takeover
         limits = effective_max_message_bytes(kafka, [self.topics.requests, self.topics.dlq])
         self.republisher = Republisher(
-            kafka, self.topics, self.slot.transactional_id, limits, broker_down, stamp=self.STAMP
+            kafka, self.topics, self.membership.transactional_id, limits, broker_down, stamp=self.STAMP
         )
         self.runs = RunsView(kafka, self.topics)  # cancels and completion windows (RunsView.stops)
         self.queues: dict[TP, PartitionQueue] = {}
@@ -135,8 +135,7 @@ class HoldingMember:
     def start(self) -> None:
         log.info("%s %s: %s -> %s", self.name, self.instance_id, self._sources(), self.topics.requests)
         self.runs.start()
-        self.sweeper.start()
-        self.group_sampler.start()
+        self.membership.start()
         self.consumer.subscribe(
             self._sources(), on_assign=self._on_assign, on_revoke=self._on_revoke, on_lost=self._on_lost
         )
@@ -223,14 +222,14 @@ class HoldingMember:
             stops = {i: why for i, held in enumerate(batch) if (why := self._stop(held)) is not None}
         try:
             self.republisher.publish(batch, offsets, self.ownership.claim(taken), stops)
-        except RepublishError as exc:
-            if isinstance(exc.__cause__, TransactionalIdTaken):
-                raise exc.__cause__ from None  # another live scheduler holds our slot: stop, never fence it back
+        except TransactionFailed as exc:
+            if exc.kind == "id_taken":
+                raise  # another live scheduler holds our slot: stop, never fence it back
             self.stats.failures += 1
             self._backoff_until = time.monotonic() + FAILURE_BACKOFF_S
-            if exc.ambiguous or exc.fatal:  # the broker may have committed: learn it before re-publishing
+            if exc.ambiguous or exc.retired:  # the broker may have committed: learn it before re-publishing
                 self.unsettled |= set(taken)
-            self._left_open = self._left_open or exc.fatal  # a retired producer's transaction: fence it (_settle)
+            self._left_open = self._left_open or exc.retired  # a retired producer's transaction: fence it (_settle)
             log.error("%s; held for another try in %.0fs (outcome unknown: %s)", exc, FAILURE_BACKOFF_S, exc.ambiguous)
             return
         self._backoff_until = 0.0
@@ -399,17 +398,11 @@ class HoldingMember:
         self.group_watch.assigned(len(self.assigned))
 
     def close(self) -> None:
-        if self.aborted is not None:
-            self.aborted.close()
         try:
-            # once the group is stable: a leader leaving a re-forming group jams the embedded broker
-            close_member(self.consumer, self.kafka, self.group)
-        finally:
             self.runs.stop()
             self.republisher.close()
-            self.group_sampler.close()
-            self.sweeper.close()
-            self.slot.release()
+        finally:
+            self.membership.close()  # once the group is stable (embedded mode: batchline.kafka.groups)
         log.info(
             "%s %s stopped: %d held, %d re-published in %d transactions, %d failed attempts, "
             "%d dead-lettered as %s, %d of cancelled or expired runs dead-lettered",

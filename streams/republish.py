@@ -22,13 +22,13 @@ from batchline.kafka import headers as h
 from batchline.kafka.liveness import BrokerDown, never_down
 from batchline.kafka.ownership import Claim
 from batchline.kafka.record_size import Outgoing, RecordError
+from batchline.kafka.rejections import MAX_ROUNDS
 from batchline.kafka.topics import JobTopics
 from batchline.kafka.transaction_errors import TransactionFailed
 from batchline.kafka.transactions import TransactionalProducer
 from batchline.runs.control import CANCELLED, stop_message
 from schemas import DeadLetter, codec_for
 from schemas.codec import DecodeError, decode_request
-from streams.exceptions import RepublishError
 
 log = logging.getLogger(__name__)
 RETRIED_AT = "batchline-retried-at"  # epoch ms when the scheduler re-published the record
@@ -124,9 +124,10 @@ class Republisher:
         stopped: Mapping[int, str] | None = None,
     ) -> None:
         """Re-publish ``batch`` and commit ``offsets`` atomically while ``claim`` holds (the scheduler still owns
-        their partitions), or raise RepublishError with nothing committed (``ambiguous``: the commit may have
-        happened). ``stopped``: index in ``batch`` -> ``cancelled`` | ``expired``, records of a stopped run,
-        dead-lettered with that class instead (run control)."""
+        their partitions), or raise TransactionFailed (its ``kind``: nothing committed, or ``ambiguous``: the commit
+        may have happened). ``stopped``: index in ``batch`` -> ``cancelled`` | ``expired``, records of a stopped
+        run, dead-lettered with that class instead (run control). A record the producer refuses (too large) comes
+        back from it and becomes a dead letter without its payload, and the batch is committed again."""
         at = now_ms()
         stopped = stopped or {}
         outgoing = [
@@ -135,23 +136,25 @@ class Republisher:
             else (self.requests_topic, held.value, held.request_id, republished_headers(held, at, self.stamp))
             for i, held in enumerate(batch)
         ]
-
-        def fit(index: int, message: Outgoing, error: RecordError) -> Outgoing:
-            if index in stopped:
-                return self.stopped_letter(batch[index], stopped[index], small=True)
-            return self.dead_letter(batch[index], error)
-
+        oversize: dict[int, RecordError] = {}
         try:
-            report = self.txn.commit(outgoing, offsets, claim, fit=fit)
+            for _ in range(MAX_ROUNDS):
+                rejected = self.txn.commit(outgoing, offsets, claim)
+                if not rejected:
+                    break
+                for i, rejection in rejected.items():
+                    if i in stopped:
+                        outgoing[i] = self.stopped_letter(batch[i], stopped[i], small=True)
+                    else:
+                        outgoing[i] = self.dead_letter(batch[i], rejection.error)
+                        oversize.setdefault(i, rejection.error)
+            else:
+                raise TransactionFailed(f"retries still refused after {MAX_ROUNDS} rounds of replacements")
         except TransactionFailed as exc:
-            raise RepublishError(str(exc), len(batch), exc.fatal, exc.ambiguous) from exc
-        for i, replaced in report.replaced.items():
-            if i in stopped:
-                continue
+            raise exc.about(f"re-publishing {len(batch)} retries") from exc
+        for i, error in oversize.items():
             self.oversize += 1
-            log.error(
-                "%s (id %r) dead-lettered as %s: %s", batch[i], batch[i].request_id, OVERSIZE, replaced.error.reason
-            )
+            log.error("%s (id %r) dead-lettered as %s: %s", batch[i], batch[i].request_id, OVERSIZE, error.reason)
 
     def dead_letter(self, held: Held, error: RecordError) -> Outgoing:
         """The ``oversize`` dead letter of a retry that cannot be re-published: its payload replaced by its size and

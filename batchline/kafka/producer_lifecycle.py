@@ -25,7 +25,7 @@ from batchline.config import KafkaSettings
 from batchline.kafka.bounded_calls import BoundedCalls, CallHung
 from batchline.kafka.client import make_producer
 from batchline.kafka.liveness import BrokerDown
-from batchline.kafka.transaction_errors import ClaimLapsed, TransactionFailed
+from batchline.kafka.transaction_errors import TransactionFailed, lapsed
 
 log = logging.getLogger(__name__)
 T = TypeVar("T")
@@ -83,7 +83,7 @@ class ProducerLifecycle:
 
     def _new_producer(self) -> tuple[Producer, BoundedCalls]:
         """A producer whose init_transactions fenced every earlier epoch of our id (its open transaction aborted),
-        or TransactionFailed (fatal: the next commit tries again)."""
+        or TransactionFailed (``retired``: the next commit tries again)."""
         producer = make_producer(self.kafka, self.transactional_id, **self.overrides)
         calls = BoundedCalls(self.transactional_id)
         try:
@@ -91,11 +91,12 @@ class ProducerLifecycle:
         except (CallHung, KafkaException) as exc:
             self._retired.append((producer, calls))
             why = exc if isinstance(exc, CallHung) else exc.args[0].str()
-            raise TransactionFailed(f"init_transactions of {self.transactional_id} failed: {why}", True) from None
+            message = f"init_transactions of {self.transactional_id} failed: {why}"
+            raise TransactionFailed(message, retired=True) from None
         return producer, calls
 
     def ensure_producer(self) -> None:
-        """Replace a producer retired by :meth:`recreate`, before it is used again; TransactionFailed (fatal) while
+        """Replace a producer retired by :meth:`recreate`, before it is used again; TransactionFailed while
         the broker cannot be reached (``_replace`` stays set: the next call tries again)."""
         if self._replace:
             self.producer, self._calls = self._new_producer()
@@ -222,10 +223,10 @@ class ProducerLifecycle:
 
 
 def check_guard(guard: Guard | None) -> None:
-    """ClaimLapsed once ``guard`` says the transaction's partitions are no longer ours."""
+    """A ``lapsed`` TransactionFailed once ``guard`` says the transaction's partitions are no longer ours."""
     why = None if guard is None else guard.stale()
     if why is not None:
-        raise ClaimLapsed(f"claim lapsed: {why}", fatal=False)
+        raise lapsed(f"claim lapsed: {why}")
 
 
 def next_slice(deadline: float) -> float:

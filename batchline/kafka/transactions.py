@@ -14,33 +14,34 @@ begins, before the offsets are sent, before the commit, and between the slices o
 most :data:`~batchline.kafka.producer_lifecycle.CALL_SLICE_S`, shorter than a session timeout, and is resumed while
 the whole call's :data:`~batchline.kafka.producer_lifecycle.CALL_TIMEOUT_S` lasts), the guard is asked whether the
 partitions are still ours; once they are not, the transaction is aborted - or, when its commit was already under way
-(librdkafka cannot abort that), the producer is recreated, which fences its epoch - and :class:`ClaimLapsed`
-is raised. A transaction not yet begun costs nothing.
+(librdkafka cannot abort that), the producer is recreated, which fences its epoch - and a ``lapsed`` failure is
+raised (``ambiguous`` when the commit was under way). A transaction not yet begun costs nothing.
 
-A produce error that belongs to one message (too large for librdkafka's ``message.max.bytes`` or a topic's
-``max.message.bytes``, an invalid record) never fails the whole batch for good. The caller passes ``fit``, which
-turns such a message into a replacement (a dead letter that fits, a payload replaced by its digest), and the
-replacement goes in the same transaction:
+A message refused on its own (too large for librdkafka's ``message.max.bytes`` or a topic's ``max.message.bytes``,
+an invalid record) never fails the transaction for good. :meth:`TransactionalProducer.commit` returns such messages as
+data (:data:`~batchline.kafka.rejections.Rejected`: index -> :class:`~batchline.kafka.rejections.Rejection`), with
+nothing committed; the caller replaces them (a dead letter that fits) and commits again:
 
-- before producing, every message is checked against the producer's ``message.max.bytes`` and the known topic
-  limits (the size librdkafka computes, :func:`wire_size`): most oversize messages never reach the broker;
-- a synchronous ``produce()`` rejection is replaced on the spot, in the open transaction;
+- before a transaction begins, every message is checked against the producer's ``message.max.bytes`` and the known
+  topic limits (the size librdkafka computes, :func:`wire_size`): most oversize messages never reach the broker
+  and cost no transaction;
+- a message ``produce()`` refuses is skipped, the rest produced, and the transaction aborted;
 - a delivery-report rejection (each message has its own ``on_delivery``, so the index is known) aborts the
-  transaction, which is then retried once more with the replacement;
+  transaction;
 - several messages rejected together (librdkafka fails a whole record batch when the broker rejects it) are
-  told apart by probe transactions over halves of them, each aborted, so the real commit stays atomic. On the
-  embedded broker an aborted transaction stays visible to ``read_committed`` readers, so a probe's messages may
-  be read there; they are the same records the real commit then writes (results are keyed by request id).
+  told apart by probe transactions over halves of them, each aborted. On the embedded broker an aborted
+  transaction stays visible to readers that do not decide records by their markers, so a probe's messages may be
+  read there; they are the same records the real commit then writes (results are keyed by request id).
 
-:meth:`TransactionalProducer.commit` returns a :class:`CommitReport` naming what was replaced and why; it, ``fit``'s
-type and the replacements it names are in :mod:`batchline.kafka.replacements`.
+Everything else raises :class:`~batchline.kafka.transaction_errors.TransactionFailed`, whose ``kind`` says what the
+caller does (aborted, lapsed, ambiguous, id taken).
 """
 
 from __future__ import annotations
 
 import logging
 import time
-from collections.abc import Callable, Iterable, Mapping, Sequence
+from collections.abc import Callable, Mapping, Sequence
 from typing import Any
 
 from confluent_kafka import KafkaError, KafkaException, Message, TopicPartition
@@ -59,17 +60,10 @@ from batchline.kafka.record_size import (
     RecordError,
     wire_size,
 )
-from batchline.kafka.replacements import CommitReport, Fit, FoundBy, Replacement
-from batchline.kafka.transaction_errors import (
-    FENCED_CODES,
-    ClaimLapsed,
-    ReplacementTooLarge,
-    TransactionalIdTaken,
-    TransactionFailed,
-)
+from batchline.kafka.rejections import Rejected, Rejection
+from batchline.kafka.transaction_errors import FENCED_CODES, Kind, TransactionFailed, id_taken, lapsed
 
 log = logging.getLogger(__name__)
-MAX_ROUNDS = 4  # real transactions of one commit: the first, and re-tries each with more replacements
 
 
 class TransactionalProducer:
@@ -95,6 +89,8 @@ class TransactionalProducer:
         conf = producer_conf(kafka, transactional_id, **self.overrides)  # what the producer it builds will enforce
         self.max_message_bytes = int(conf.get("message.max.bytes", LIBRDKAFKA_MESSAGE_MAX_BYTES))
         self.lifecycle = ProducerLifecycle(kafka, transactional_id, self.overrides, broker_down)
+        self.transactions = 0  # real transactions begun by commit() (probes not counted)
+        self.probes = 0  # probe transactions (always aborted)
 
     @property
     def aborts(self) -> int:
@@ -119,45 +115,27 @@ class TransactionalProducer:
     # -- the commit --------------------------------------------------------------------------------
     def commit(
         self,
-        messages: Iterable[Outgoing],
+        messages: Sequence[Outgoing],
         offsets: list[TopicPartition],
         guard: Guard,
-        fit: Fit | None = None,
         sizes: Sequence[int] | None = None,
-    ) -> CommitReport:
-        """Produce ``messages`` and commit ``offsets`` atomically, or raise TransactionFailed.
+    ) -> Rejected:
+        """Produce ``messages`` and commit ``offsets`` atomically: ``{}`` once committed. The messages refused on
+        their own come back instead, with nothing committed (see the module docstring), for the caller to replace
+        and commit again; anything else raises TransactionFailed.
 
-        With ``fit``, a message rejected on its own is replaced by ``fit(index, message, error)`` in the same
-        transaction (see the module docstring); without it, such a rejection fails the transaction as any error.
-        The transaction commits only while ``guard`` says its partitions are ours (else ClaimLapsed), and the
-        offsets go with ``guard.group_metadata()``, read when they are sent. ``sizes``: each message's
+        The transaction commits only while ``guard`` says its partitions are ours (else a ``lapsed`` failure), and
+        the offsets go with ``guard.group_metadata()``, read when they are sent. ``sizes``: each message's
         :func:`wire_size` where its maker knew it (0 where not), so the size check before producing need not compute
-        it.
-        """
-        outgoing = list(messages)
-        report = CommitReport()
-        if fit is not None:
-            limits, most = self.topic_limits, self.max_message_bytes
-            known = sizes if sizes is not None else [0] * len(outgoing)
-            for i, (message, size) in enumerate(zip(outgoing, known, strict=True)):
-                size = size or wire_size(message)  # oversize()'s test, inline for every message
-                limit = limits.get(message[0])
-                if size > most or (limit is not None and size + RECORD_BATCH_OVERHEAD > limit):
-                    error = self.oversize(message)
-                    assert error is not None
-                    outgoing[i] = self._fit(fit, i, message, error, "precheck", report)
-        for _ in range(MAX_ROUNDS):
-            report.transactions += 1
-            rejected = self._transact(outgoing, offsets, fit, report, guard)
-            if not rejected:
-                return report
-            assert fit is not None  # without fit a rejection raises inside _transact
-            how: FoundBy = "delivery"
-            if len(rejected) > 1:  # rejected together: one bad record, or a record batch too large as a whole
-                rejected, how = self._culprits(outgoing, sorted(rejected), report), "probe"
-            for i, error in rejected.items():
-                outgoing[i] = self._fit(fit, i, outgoing[i], error, how, report)
-        raise TransactionFailed(f"messages still rejected after {MAX_ROUNDS} transactions with replacements", False)
+        it."""
+        refused = self._precheck(messages, sizes)
+        if refused:
+            return refused
+        self.transactions += 1
+        refused, by_broker = self._transact(messages, offsets, guard)
+        if len(by_broker) > 1:  # rejected together: one bad record, or a record batch too large as a whole
+            return refused | {i: Rejection(e, "probe") for i, e in self._culprits(messages, sorted(by_broker)).items()}
+        return refused | {i: Rejection(e, "delivery") for i, e in by_broker.items()}
 
     def oversize(self, message: Outgoing) -> RecordError | None:
         """The error librdkafka or the broker would give ``message`` for its size, or None if it fits."""
@@ -173,29 +151,28 @@ class TransactionalProducer:
             return RecordError(KafkaError.MSG_SIZE_TOO_LARGE, "MSG_SIZE_TOO_LARGE", reason, size, limit)
         return None
 
-    def _fit(
-        self, fit: Fit, index: int, message: Outgoing, error: RecordError, how: FoundBy, report: CommitReport
-    ) -> Outgoing:
-        replacement = fit(index, message, error)
-        still = self.oversize(replacement)
-        if still is not None:
-            raise ReplacementTooLarge(f"the replacement of message {index} does not fit either: {still.reason}", False)
-        first = report.replaced.get(index)
-        report.replaced[index] = first or Replacement(index, error, how)
-        log.warning("message %d to %s replaced (%s, found by %s)", index, message[0], error.reason, how)
-        return replacement
+    def _precheck(self, messages: Sequence[Outgoing], sizes: Sequence[int] | None) -> Rejected:
+        """The messages too large to produce, found before a transaction begins (:meth:`oversize`'s test, inline for
+        every message)."""
+        refused: Rejected = {}
+        limits, most = self.topic_limits, self.max_message_bytes
+        for i, message in enumerate(messages):
+            size = (sizes[i] if sizes is not None else 0) or wire_size(message)
+            limit = limits.get(message[0])
+            if size > most or (limit is not None and size + RECORD_BATCH_OVERHEAD > limit):
+                error = self.oversize(message)
+                assert error is not None
+                refused[i] = Rejection(error, "precheck")
+        return refused
 
     def _transact(
-        self,
-        outgoing: list[Outgoing],
-        offsets: list[TopicPartition],
-        fit: Fit | None,
-        report: CommitReport,
-        guard: Guard,
-    ) -> dict[int, RecordError]:
-        """One real transaction. Returns {} once committed, or the messages the broker rejected on their own
-        (the transaction was aborted). Raises TransactionFailed for everything else."""
+        self, outgoing: Sequence[Outgoing], offsets: list[TopicPartition], guard: Guard
+    ) -> tuple[Rejected, dict[int, RecordError]]:
+        """One real transaction. Returns ``({}, {})`` once committed; else, with the transaction aborted, the messages
+        ``produce()`` refused and those the broker rejected (several of them: rejected together, maybe not each
+        on its own). Raises TransactionFailed for everything else."""
         delivery: dict[int, KafkaError | None] = {}
+        refused: Rejected = {}
         began = committing = False
         self.lifecycle.ensure_producer()  # the previous round may have retired it
         try:
@@ -203,28 +180,35 @@ class TransactionalProducer:
             began = True
             stopped: KafkaError | None = None
             produce = self.lifecycle.producer.produce
-            for i, (topic, value, key, headers) in enumerate(outgoing):
-                refused: KafkaException | None = None
-                try:  # the common case inline (this runs for every message); any refusal takes the tracked path
+            for i, message in enumerate(outgoing):
+                topic, value, key, headers = message
+                try:  # the common case inline (this runs for every message)
                     produce(topic, value, key, headers=headers, on_delivery=_reporter(delivery, i))
                     continue
-                except BufferError:
-                    pass  # the local queue is full: _produce_tracked waits for room and produces it
+                except BufferError:  # the local queue is full: wait for room and produce it
+                    refusal = self._produce(message, _reporter(delivery, i))
                 except KafkaException as exc:
-                    refused = exc  # handled there as if its own produce() had raised it (never produced twice)
-                stopped = self._produce_tracked(outgoing, i, delivery, fit, report, refused)
-                if stopped is not None:
-                    break  # the transaction already failed (a delivery was rejected): no point producing more
+                    refusal = exc
+                if refusal is None:
+                    continue
+                err: KafkaError = refusal.args[0]
+                if err.code() in PER_RECORD_ERRORS:  # this message's own: skipped, the rest produced
+                    refused[i] = Rejection(RecordError.of(err, wire_size(message)), "produce")
+                elif any(e is not None for e in delivery.values()) or err.txn_requires_abort():
+                    stopped = err  # the transaction already failed: no point producing more
+                    break
+                else:
+                    raise refusal
             self._flush(guard)
             failed = [e for e in delivery.values() if e is not None]
-            if failed or stopped is not None:
-                rejected = _per_record(delivery, outgoing)
-                self.lifecycle.abort_or_recreate(failed[0] if failed else stopped, resync=bool(rejected))
-                if rejected and fit is not None:
-                    return rejected
+            if failed or stopped is not None or refused:
+                by_broker = _per_record(delivery, outgoing)
+                self.lifecycle.abort_or_recreate(failed[0] if failed else stopped, resync=bool(by_broker))
+                if refused or by_broker:
+                    return refused, by_broker
                 first = failed[0] if failed else stopped
                 assert first is not None
-                raise TransactionFailed(f"{len(failed)} messages not delivered: {first.str()}", False)
+                raise TransactionFailed(f"{len(failed)} messages not delivered: {first.str()}")
             metadata = guard.group_metadata()
             self.lifecycle.call(
                 lambda t: self.lifecycle.producer.send_offsets_to_transaction(offsets, metadata, t), guard
@@ -232,67 +216,43 @@ class TransactionalProducer:
             check_guard(guard)
             committing = True
             self.lifecycle.call(self.lifecycle.commit_transaction, guard, check_first=False)
-            return {}
+            return {}, {}
         except CallHung as exc:
             # The call never returned: nothing more can be asked of this producer, so it is replaced, and the new
             # one's epoch aborts its transaction - unless the commit was under way (the outcome is unknown then).
             log.error("transaction of %s: %s; recreating its producer", self.transactional_id, exc)
             self.lifecycle.recreate()
-            raise TransactionFailed(str(exc), True, ambiguous=committing) from None
-        except ClaimLapsed as exc:
-            if not began:  # never begun (a queued transaction whose partitions moved on): nothing to undo
+            raise TransactionFailed(str(exc), "ambiguous" if committing else "aborted", retired=True) from None
+        except TransactionFailed as exc:
+            if exc.kind != "lapsed" or not began:  # never begun (its partitions moved on): nothing to undo
                 raise
             recreated = self.lifecycle.end_lapsed(committing)
             how = "its commit was under way" if committing else "its abort failed" if recreated else "aborted"
             how += ": producer recreated" if recreated else ""
-            raise ClaimLapsed(f"{exc}; {how}", recreated, ambiguous=committing) from None
+            raise lapsed(f"{exc}; {how}", committing=committing, retired=recreated) from None
         except KafkaException as exc:
-            err: KafkaError = exc.args[0]
+            err = exc.args[0]
             if err.code() in FENCED_CODES:  # a newer producer holds our id: never fence it back
-                raise TransactionalIdTaken(self.transactional_id, err.str()) from exc
-            # A message rejected by produce() alone leaves the transaction abortable (no fit was given).
-            abortable = err.txn_requires_abort() or err.code() in PER_RECORD_ERRORS
-            aborted = abortable and not err.fatal() and self.lifecycle.abort()
+                raise id_taken(self.transactional_id, err.str()) from exc
+            aborted = err.txn_requires_abort() and not err.fatal() and self.lifecycle.abort()
             if not aborted:
                 self.lifecycle.recreate()
-            raise TransactionFailed(err.str(), not aborted, ambiguous=committing and not aborted) from exc
+            kind: Kind = "ambiguous" if committing and not aborted else "aborted"
+            raise TransactionFailed(err.str(), kind, retired=not aborted) from exc
 
-    def _produce_tracked(
-        self,
-        outgoing: list[Outgoing],
-        i: int,
-        delivery: dict[int, KafkaError | None],
-        fit: Fit | None,
-        report: CommitReport,
-        refused: KafkaException | None = None,
-    ) -> KafkaError | None:
-        """Produce message ``i`` with its own delivery callback; replace it if ``produce()`` rejects it alone.
-        Returns the error when the transaction is already failing (a delivery failed, librdkafka refuses more).
-        ``refused``: what an earlier produce() of it raised, handled here as if raised now."""
-
-        on_delivery = _reporter(delivery, i)
-        try:
-            if refused is not None:  # produce() already refused it (the inline call in _transact)
-                raise refused
-            self._produce(outgoing[i], on_delivery)
-        except KafkaException as exc:
-            err: KafkaError = exc.args[0]
-            if err.code() not in PER_RECORD_ERRORS or fit is None:
-                if any(e is not None for e in delivery.values()) or err.txn_requires_abort():
-                    return err
-                raise
-            outgoing[i] = self._fit(fit, i, outgoing[i], RecordError.of(err, wire_size(outgoing[i])), "produce", report)
-            self._produce(outgoing[i], on_delivery)
-        return None
-
-    def _produce(self, message: Outgoing, on_delivery: Callable[[KafkaError | None, Message], None] | None) -> None:
+    def _produce(
+        self, message: Outgoing, on_delivery: Callable[[KafkaError | None, Message], None] | None
+    ) -> KafkaException | None:
+        """Produce ``message``, waiting while the local queue is full; what ``produce()`` raised if it refused it."""
         topic, value, key, headers = message
         while True:
             try:
                 self.lifecycle.producer.produce(topic, value, key, headers=headers, on_delivery=on_delivery)
-                return
+                return None
             except BufferError:
-                self.lifecycle.producer.poll(0.05)  # the local queue is full: let deliveries drain
+                self.lifecycle.producer.poll(0.05)  # let deliveries drain
+            except KafkaException as exc:
+                return exc
 
     def _flush(self, guard: Guard | None = None) -> None:
         """Wait for every delivery report (they are served here, so each message's outcome is known), asking
@@ -307,9 +267,7 @@ class TransactionalProducer:
                 raise KafkaException(KafkaError(KafkaError._TIMED_OUT, f"{left} messages not delivered in time"))
 
     # -- probes ------------------------------------------------------------------------------------
-    def _culprits(
-        self, outgoing: list[Outgoing], candidates: list[int], report: CommitReport
-    ) -> dict[int, RecordError]:
+    def _culprits(self, outgoing: Sequence[Outgoing], candidates: list[int]) -> dict[int, RecordError]:
         """Which of ``candidates`` the broker rejects on their own: bisected with probe transactions, all aborted.
         Raises TransactionFailed if none does (the messages fit alone but not in one record batch)."""
         found: dict[int, RecordError] = {}
@@ -319,7 +277,7 @@ class TransactionalProducer:
             if not group:
                 continue
             rejected = self._probe(outgoing, group)
-            report.probes += 1
+            self.probes += 1
             if len(rejected) == 1 or len(group) == 1:
                 found.update(rejected)  # a lone rejection is that message's own
             elif rejected:
@@ -327,13 +285,12 @@ class TransactionalProducer:
         if not found:
             raise TransactionFailed(
                 f"{len(candidates)} messages rejected together but each fits alone: a record batch exceeds a "
-                f"topic's max.message.bytes (lower the producer's message.max.bytes to the topics' limit)",
-                False,
+                f"topic's max.message.bytes (lower the producer's message.max.bytes to the topics' limit)"
             )
         log.warning("probes found %d rejected messages among %d", len(found), len(candidates))
         return found
 
-    def _probe(self, outgoing: list[Outgoing], group: list[int]) -> dict[int, RecordError]:
+    def _probe(self, outgoing: Sequence[Outgoing], group: list[int]) -> dict[int, RecordError]:
         """Produce ``group`` in a transaction that is always aborted; the messages the broker rejects."""
         delivery: dict[int, KafkaError | None] = {}
         rejected: dict[int, RecordError] = {}
@@ -341,23 +298,18 @@ class TransactionalProducer:
         try:
             self.lifecycle.call(lambda _t: self.lifecycle.producer.begin_transaction())
             for i in group:
-
-                def on_delivery(err: KafkaError | None, _msg: Message, i: int = i) -> None:
-                    delivery[i] = err
-
-                try:
-                    self._produce(outgoing[i], on_delivery)
-                except KafkaException as exc:
-                    if exc.args[0].code() not in PER_RECORD_ERRORS:
-                        raise
-                    rejected[i] = RecordError.of(exc.args[0], wire_size(outgoing[i]))
+                refusal = self._produce(outgoing[i], _reporter(delivery, i))
+                if refusal is not None:
+                    if refusal.args[0].code() not in PER_RECORD_ERRORS:
+                        raise refusal
+                    rejected[i] = RecordError.of(refusal.args[0], wire_size(outgoing[i]))
             self._flush()
         except KafkaException as exc:
             self.lifecycle.abort_or_recreate(exc.args[0])
-            raise TransactionFailed(f"probe transaction failed: {exc.args[0].str()}", False) from exc
+            raise TransactionFailed(f"probe transaction failed: {exc.args[0].str()}") from exc
         except CallHung as exc:
             self.lifecycle.recreate()
-            raise TransactionFailed(f"probe transaction failed: {exc}", True) from None
+            raise TransactionFailed(f"probe transaction failed: {exc}", retired=True) from None
         by_broker = _per_record(delivery, outgoing)
         self.lifecycle.abort_or_recreate(None, resync=bool(by_broker))
         return rejected | by_broker
@@ -377,7 +329,7 @@ def _reporter(delivery: dict[int, KafkaError | None], index: int) -> Callable[[K
     return delivered
 
 
-def _per_record(delivery: Mapping[int, KafkaError | None], outgoing: list[Outgoing]) -> dict[int, RecordError]:
+def _per_record(delivery: Mapping[int, KafkaError | None], outgoing: Sequence[Outgoing]) -> dict[int, RecordError]:
     return {
         i: RecordError.of(err, wire_size(outgoing[i]))
         for i, err in delivery.items()

@@ -25,7 +25,7 @@ from batchline.kafka.broker import die_with_parent
 from batchline.kafka.client import make_consumer, make_reader
 from batchline.kafka.slots import SLOT_DIR_ENV, SlotTaken, hold_slot
 from batchline.kafka.topics import JobTopics
-from batchline.kafka.transaction_errors import TransactionalIdTaken
+from batchline.kafka.transaction_errors import TransactionFailed
 from batchline.kafka.transactions import TransactionalProducer
 from batchline.runs.identity import fingerprint_of
 from batchline.runs.submit import submit_file
@@ -171,8 +171,9 @@ def test_a_producer_whose_id_a_newer_one_took_stops_instead_of_fencing_back(
     consumer = make_consumer(kafka, group)
     try:
         metadata = consumer.consumer_group_metadata()
-        with pytest.raises(TransactionalIdTaken, match="taken by a newer producer"):
+        with pytest.raises(TransactionFailed, match="taken by a newer producer") as taken:
             older.commit([(topics.results, b"stale", b"a", [])], [], Sent(metadata))
+        assert taken.value.kind == "id_taken"
         assert older.recreated == 0  # it did not fence back
         newer.commit([(topics.results, b"fresh", b"b", [])], [], Sent(metadata))
     finally:

@@ -99,7 +99,7 @@ def test_a_send_offsets_call_that_never_returns_is_abandoned_and_its_transaction
         cutting.watchdog.cancel()
         proxy.blackhole(False)
         assert still_cut, "the commit stayed blocked until the watchdog lifted the blackhole"
-        assert failed.value.fatal and not failed.value.ambiguous, "not under way: its transaction is aborted"
+        assert failed.value.retired and failed.value.kind == "aborted", "not under way: its transaction is aborted"
         assert txn.hung == 1
 
         # After the heal the next commit makes a new producer, whose epoch aborts the abandoned transaction.

@@ -1,5 +1,6 @@
-"""The shared transactional producer on the real broker: a message too large on its own is replaced in the same
-transaction, its neighbours and the offsets commit, and nothing is replayed.
+"""The shared transactional producer on the real broker: a message too large on its own comes back from ``commit``
+as data (a :class:`~batchline.kafka.rejections.Rejection`, nothing committed); replaced as the worker and the
+retry scheduler replace it, the batch commits with its neighbours and the offsets, each once.
 
 The embedded broker accepts record batches of any size (it stores ``max.message.bytes`` but does not enforce it;
 checked when this was written). So the first tests use librdkafka's ``message.max.bytes`` and the topic limits
@@ -21,6 +22,7 @@ from confluent_kafka.admin import NewTopic
 from batchline.config import KafkaSettings
 from batchline.kafka.client import PRODUCER_MESSAGE_MAX_BYTES, make_admin, make_consumer
 from batchline.kafka.record_size import Outgoing, RecordError, wire_size
+from batchline.kafka.rejections import MAX_ROUNDS, Rejection
 from batchline.kafka.topics import (
     KAFKA_DEFAULT_MAX_MESSAGE_BYTES,
     JobTopics,
@@ -28,7 +30,6 @@ from batchline.kafka.topics import (
     effective_max_message_bytes,
     topic_message_bytes,
 )
-from batchline.kafka.transaction_errors import ReplacementTooLarge, TransactionFailed
 from batchline.kafka.transactions import TransactionalProducer
 from tests.integration.size_limit_proxy import SizeLimitProxy, size_limited_broker
 from tests.support.oracle import Rec, committed, open_transactions
@@ -62,6 +63,27 @@ def _fit_to_dlq(
     return fit
 
 
+def _commit_replacing(
+    txn: TransactionalProducer,
+    messages: list[Outgoing],
+    offsets: list[TopicPartition],
+    claim: Sent,
+    fit: Callable[[int, Outgoing, RecordError], Outgoing],
+) -> dict[int, Rejection]:
+    """The callers' loop (the commit line's, the re-publisher's): commit, replace what comes back, commit again.
+    Returns why each replaced message was first refused."""
+    outgoing = list(messages)
+    first: dict[int, Rejection] = {}
+    for _ in range(MAX_ROUNDS):
+        rejected = txn.commit(outgoing, offsets, claim)  # type: ignore[arg-type]
+        if not rejected:
+            return first
+        for i, rejection in rejected.items():
+            outgoing[i] = fit(i, outgoing[i], rejection.error)
+            first.setdefault(i, rejection)
+    raise AssertionError(f"still refused after {MAX_ROUNDS} rounds")
+
+
 def _log(kafka: KafkaSettings, topic: str) -> list[Rec]:
     """The committed records of ``topic`` (the oracle: aborted transactions left out), after checking that no
     transaction is left open on it."""
@@ -79,17 +101,17 @@ def _committed(kafka: KafkaSettings, group: str, topic: str) -> int:
 
 def _commit(
     kafka: KafkaSettings, topics: JobTopics, messages: list[Outgoing], fit: object, **kw: object
-) -> tuple[str, object, TransactionalProducer]:
+) -> tuple[str, dict[int, Rejection], TransactionalProducer]:
     group = f"g-{uuid.uuid4().hex[:6]}"
     consumer = make_consumer(kafka, group)
     txn = TransactionalProducer(kafka, f"t-{uuid.uuid4().hex[:6]}", **kw)  # type: ignore[arg-type]
     try:
         offsets = [TopicPartition(topics.requests, 0, OFFSET)]
-        report = txn.commit(messages, offsets, Sent(consumer.consumer_group_metadata()), fit=fit)  # type: ignore[arg-type]
+        found = _commit_replacing(txn, messages, offsets, Sent(consumer.consumer_group_metadata()), fit)  # type: ignore[arg-type]
     finally:
         consumer.close()
         txn.close()
-    return group, report, txn
+    return group, found, txn
 
 
 def test_an_oversize_message_is_replaced_before_producing_and_its_neighbours_and_offsets_commit(
@@ -99,11 +121,11 @@ def test_an_oversize_message_is_replaced_before_producing_and_its_neighbours_and
     messages = _messages(topics, big_at={2})
     assert wire_size(messages[2]) > PRODUCER_MESSAGE_MAX_BYTES
     calls: list[tuple[int, RecordError]] = []
-    group, report, txn = _commit(kafka, topics, messages, _fit_to_dlq(topics, calls))
+    group, found, txn = _commit(kafka, topics, messages, _fit_to_dlq(topics, calls))
 
     assert [i for i, _ in calls] == [2] and calls[0][1].name == "MSG_SIZE_TOO_LARGE"
-    assert set(report.replaced) == {2} and report.replaced[2].found_by == "precheck"  # type: ignore[attr-defined]
-    assert report.transactions == 1 and report.probes == 0  # type: ignore[attr-defined]
+    assert {i: r.found_by for i, r in found.items()} == {2: "precheck"}
+    assert txn.transactions == 1 and txn.probes == 0, "the refusal cost no transaction"
     assert txn.aborts == 0 and txn.recreated == 0, "nothing replayed, nothing recreated"
     results = _log(kafka, topics.results)
     assert sorted(r.key for r in results) == [f"id-{i}".encode() for i in (0, 1, 3, 4, 5)]
@@ -113,11 +135,12 @@ def test_an_oversize_message_is_replaced_before_producing_and_its_neighbours_and
     assert _committed(kafka, group, topics.requests) == OFFSET
 
 
-def test_a_message_rejected_by_produce_is_replaced_in_the_open_transaction(
+def test_a_message_rejected_by_produce_comes_back_and_the_batch_commits_with_it_replaced(
     kafka: KafkaSettings, job_name: str, make_job: Callable[..., JobTopics]
 ) -> None:
-    """The pre-check is an estimate; when librdkafka's own check rejects a message in produce(), the message is
-    replaced on the spot, inside the transaction already open."""
+    """The pre-check is an estimate; when librdkafka's own check rejects a message in produce(), the rest are still
+    produced (so every such message is found in one transaction), the transaction is aborted and the refused ones
+    come back; the next transaction commits the batch with them replaced."""
     topics = _job(kafka, make_job, job_name)
     messages = _messages(topics, big_at={0, 4}, big=PRODUCER_MESSAGE_MAX_BYTES)
     calls: list[tuple[int, RecordError]] = []
@@ -127,18 +150,19 @@ def test_a_message_rejected_by_produce_is_replaced_in_the_open_transaction(
     assert txn.max_message_bytes == PRODUCER_MESSAGE_MAX_BYTES
     txn.max_message_bytes = 10 * PRODUCER_MESSAGE_MAX_BYTES  # the pre-check believes a larger limit
     try:
-        report = txn.commit(
+        found = _commit_replacing(
+            txn,
             messages,
             [TopicPartition(topics.requests, 0, OFFSET)],
             Sent(consumer.consumer_group_metadata()),
-            fit=_fit_to_dlq(topics, calls),
+            _fit_to_dlq(topics, calls),
         )
     finally:
         consumer.close()
         txn.close()
     assert sorted(i for i, _ in calls) == [0, 4]
-    assert {i: r.found_by for i, r in report.replaced.items()} == {0: "produce", 4: "produce"}
-    assert report.transactions == 1 and txn.aborts == 0 and txn.recreated == 0
+    assert {i: r.found_by for i, r in found.items()} == {0: "produce", 4: "produce"}
+    assert txn.transactions == 2 and txn.aborts == 1 and txn.recreated == 0, "one abort, the same producer"
     assert sorted(r.key for r in _log(kafka, topics.results)) == [f"id-{i}".encode() for i in (1, 2, 3, 5)]
     assert sorted(r.key for r in _log(kafka, topics.dlq)) == [b"id-0", b"id-4"]
     assert _committed(kafka, group, topics.requests) == OFFSET
@@ -150,54 +174,37 @@ def test_a_topic_limit_smaller_than_the_producers_is_honoured_before_producing(
     topics = _job(kafka, make_job, job_name)
     messages = _messages(topics, big_at={1}, big=5000)
     calls: list[tuple[int, RecordError]] = []
-    group, report, _ = _commit(kafka, topics, messages, _fit_to_dlq(topics, calls), topic_limits={topics.results: 4096})
+    group, found, _ = _commit(kafka, topics, messages, _fit_to_dlq(topics, calls), topic_limits={topics.results: 4096})
     assert [i for i, _ in calls] == [1] and calls[0][1].limit == 4096
-    assert set(report.replaced) == {1}  # type: ignore[attr-defined]
+    assert set(found) == {1}
     assert sorted(r.key for r in _log(kafka, topics.dlq)) == [b"id-1"]
     assert _committed(kafka, group, topics.requests) == OFFSET
 
 
-def test_without_fit_an_oversize_message_fails_the_transaction_and_commits_nothing(
+def test_a_message_that_does_not_fit_comes_back_unproduced_and_nothing_commits(
     kafka: KafkaSettings, job_name: str, make_job: Callable[..., JobTopics]
 ) -> None:
-    """The behaviour callers get without ``fit`` (and everyone got before it): the whole batch fails."""
+    """A refused message is data, not a failure: ``commit`` returns it by index and commits nothing, and a batch
+    given back unchanged (a replacement that does not fit either) is refused again the same way, before any
+    transaction begins."""
     topics = _job(kafka, make_job, job_name)
     group = f"g-{uuid.uuid4().hex[:6]}"
     consumer = make_consumer(kafka, group)
     txn = TransactionalProducer(kafka, f"t-{uuid.uuid4().hex[:6]}")
+    messages = _messages(topics, big_at={3})
+    offsets = [TopicPartition(topics.requests, 0, OFFSET)]
     try:
-        with pytest.raises(TransactionFailed) as failed:
-            txn.commit(
-                _messages(topics, big_at={3}),
-                [TopicPartition(topics.requests, 0, OFFSET)],
-                Sent(consumer.consumer_group_metadata()),
-            )
+        first = txn.commit(messages, offsets, Sent(consumer.consumer_group_metadata()))  # type: ignore[arg-type]
+        again = txn.commit(messages, offsets, Sent(consumer.consumer_group_metadata()))  # type: ignore[arg-type]
     finally:
         consumer.close()
         txn.close()
-    assert "too large" in str(failed.value).lower() and not failed.value.ambiguous
+    for rejected in (first, again):
+        assert {i: r.found_by for i, r in rejected.items()} == {3: "precheck"}
+        assert "message.max.bytes" in rejected[3].error.reason and rejected[3].error.size > 1_200_000
+    assert txn.transactions == 0 and txn.aborts == 0, "no transaction was begun"
     assert _committed(kafka, group, topics.requests) < 0, "no offset may move"
-    assert _log(kafka, topics.results) == [], "nothing of the failed transaction is committed"
-
-
-def test_a_replacement_that_does_not_fit_is_refused_before_anything_is_produced(
-    kafka: KafkaSettings, job_name: str, make_job: Callable[..., JobTopics]
-) -> None:
-    topics = _job(kafka, make_job, job_name)
-    txn = TransactionalProducer(kafka, f"t-{uuid.uuid4().hex[:6]}")
-    consumer = make_consumer(kafka, f"g-{uuid.uuid4().hex[:6]}")
-    try:
-        with pytest.raises(ReplacementTooLarge):
-            txn.commit(
-                _messages(topics, big_at={0}),
-                [TopicPartition(topics.requests, 0, OFFSET)],
-                Sent(consumer.consumer_group_metadata()),
-                fit=lambda i, m, e: m,  # "replaces" the message with itself
-            )
-    finally:
-        consumer.close()
-        txn.close()
-    assert _log(kafka, topics.results) == []
+    assert _log(kafka, topics.results) == [], "nothing of the batch is committed"
 
 
 def test_topics_get_a_message_size_that_fits_a_dead_letter_of_the_largest_request(
@@ -246,13 +253,12 @@ def _broker_commit(kafka: KafkaSettings, messages: list[Outgoing], calls: list[t
     txn = TransactionalProducer(kafka, f"t-{uuid.uuid4().hex[:6]}")  # knows no topic limit: the broker tells
     fit = _fit_to_dlq(topics, calls)
     try:
-        report = txn.commit(
-            messages, [TopicPartition("limited.in", 0, OFFSET)], Sent(consumer.consumer_group_metadata()), fit=fit
-        )
+        offsets = [TopicPartition("limited.in", 0, OFFSET)]
+        found = _commit_replacing(txn, messages, offsets, Sent(consumer.consumer_group_metadata()), fit)
     finally:
         consumer.close()
         txn.close()
-    return group, report, txn
+    return group, found, txn
 
 
 def _offsets(kafka: KafkaSettings, topic: str) -> set[int]:
@@ -272,14 +278,14 @@ def test_a_message_the_broker_rejects_is_replaced_and_the_transaction_retried_on
     rejected_before = proxy.rejected
     calls: list[tuple[int, RecordError]] = []
     big = ("limited.out", os.urandom(2 * BROKER_LIMIT), b"big", [])  # incompressible: lz4 keeps its size
-    group, report, txn = _broker_commit(kafka, [big], calls)
+    group, found, txn = _broker_commit(kafka, [big], calls)
 
     assert proxy.rejected > rejected_before, "the broker must have rejected the batch"
     assert [(i, e.name) for i, e in calls] == [(0, "MSG_SIZE_TOO_LARGE")]
-    assert {i: r.found_by for i, r in report.replaced.items()} == {0: "delivery"}
+    assert {i: r.found_by for i, r in found.items()} == {0: "delivery"}
     # Aborted, then a fresh producer (new epoch, fresh sequences) for the retry: see
     # ProducerLifecycle.abort_or_recreate.
-    assert report.transactions == 2 and report.probes == 0 and txn.aborts == 1 and txn.recreated == 1
+    assert txn.transactions == 2 and txn.probes == 0 and txn.aborts == 1 and txn.recreated == 1
     assert _keys(kafka, "limited.dlq", start_dlq) == [b"big"]
     assert _committed(kafka, group, "limited.in") == OFFSET
     # The embedded broker never stored the rejected batch (the proxy answered for it).
@@ -296,11 +302,11 @@ def test_a_batch_the_broker_rejects_as_a_whole_is_bisected_to_the_one_record(
     messages = [("limited.out", b"s" * 500, f"n-{i}".encode(), []) for i in range(10)]
     messages.insert(6, ("limited.out", os.urandom(2 * BROKER_LIMIT), b"big", []))
     calls: list[tuple[int, RecordError]] = []
-    group, report, _ = _broker_commit(kafka, messages, calls)
+    group, found, txn = _broker_commit(kafka, messages, calls)
 
     assert [i for i, _ in calls] == [6]
-    assert {i: r.found_by for i, r in report.replaced.items()} == {6: "probe"}
-    assert report.probes >= 2 and report.transactions == 2
+    assert {i: r.found_by for i, r in found.items()} == {6: "probe"}
+    assert txn.probes >= 2 and txn.transactions == 2
     assert _keys(kafka, "limited.dlq", start_dlq) == [b"big"]
     # Probes are aborted (the embedded broker's read_committed would show their records; the oracle does not):
     # every neighbour is committed exactly once, the culprit never.

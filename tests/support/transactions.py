@@ -13,8 +13,8 @@ from typing import Any
 
 from confluent_kafka import KafkaError, KafkaException, TopicPartition
 
-from batchline.kafka.record_size import Outgoing, RecordError
-from batchline.kafka.replacements import CommitReport, Fit
+from batchline.kafka.record_size import Outgoing
+from batchline.kafka.rejections import Rejected
 from batchline.kafka.transaction_errors import TransactionFailed
 from batchline.kafka.transactions import Guard, TransactionalProducer
 
@@ -38,27 +38,24 @@ class FailingTransactions:
 
     def commit(
         self,
-        messages: Iterable[Outgoing],
+        messages: Sequence[Outgoing],
         offsets: list[TopicPartition],
         guard: Guard,
-        fit: Fit | None = None,
         sizes: Sequence[int] | None = None,
-    ) -> CommitReport:
+    ) -> Rejected:
         self.calls += 1
         n = self.calls
         outgoing = list(messages)
         try:
-            report = self.inner.commit(outgoing, offsets, _Failing(guard) if n in self.fail else guard, fit, sizes)
+            rejected = self.inner.commit(outgoing, offsets, _Failing(guard) if n in self.fail else guard, sizes)
         except TransactionFailed:
             self.failed[n] = outgoing
             if self.on_failure is not None:
                 self.on_failure(n)
             raise
-        self.committed[n] = {(tp.topic, tp.partition): tp.offset for tp in offsets}
-        return report
-
-    def oversize(self, message: Outgoing) -> RecordError | None:
-        return self.inner.oversize(message)
+        if not rejected:
+            self.committed[n] = {(tp.topic, tp.partition): tp.offset for tp in offsets}
+        return rejected
 
     def settle(self) -> None:
         self.inner.settle()
@@ -100,19 +97,18 @@ class LateCommit:
 
     def commit(
         self,
-        messages: Iterable[Outgoing],
+        messages: Sequence[Outgoing],
         offsets: list[TopicPartition],
         guard: Guard,
-        fit: Fit | None = None,
         sizes: Sequence[int] | None = None,
-    ) -> CommitReport:
+    ) -> Rejected:
         self._land("commit")
         self.calls += 1
         outgoing = list(messages)
         if self.calls == self.lose:
             self.held = (outgoing, offsets, guard.group_metadata())
-            raise TransactionFailed("commit_transaction: answer lost (injected)", True, ambiguous=True)
-        return self.inner.commit(outgoing, offsets, guard, fit, sizes)
+            raise TransactionFailed("commit_transaction: answer lost (injected)", "ambiguous", retired=True)
+        return self.inner.commit(outgoing, offsets, guard, sizes)
 
     def _land(self, by: str) -> None:
         if self.held is not None:
@@ -120,9 +116,6 @@ class LateCommit:
             self.held = None
             self.inner.commit(outgoing, offsets, Sent(metadata))
             self.landed, self.landed_at = outgoing, by
-
-    def oversize(self, message: Outgoing) -> RecordError | None:
-        return self.inner.oversize(message)
 
     def settle(self) -> None:
         self._land("settle")

@@ -59,6 +59,7 @@ class Producer:
         self.sent_metadata: Any = None
         self.sent_offsets: Any = None
         self.produced: list[tuple[str, Any]] = []  # (topic, key) of every message produced
+        self.values: list[tuple[Any, Any]] = []  # (value, headers) of every message produced, in the same order
         self.deliveries: list[Any] = []
         self.on_call: dict[str, Any] = {}
 
@@ -80,6 +81,7 @@ class Producer:
     def produce(self, topic: str, value: Any, key: Any, headers: Any = None, on_delivery: Any = None) -> None:
         self.calls.append("produce")
         self.produced.append((topic, key))
+        self.values.append((value, headers))
         self.deliveries.append(on_delivery)
 
     def flush(self, timeout: float) -> int:
@@ -116,6 +118,7 @@ def stand_in_txn(
     txn.kafka = KafkaSettings(bootstrap="unit.invalid:9092")
     txn.transactional_id, txn.overrides, txn.topic_limits = "unit-txn", {}, {}
     txn.max_message_bytes = 1_000_000
+    txn.transactions, txn.probes = 0, 0
     life = txn.lifecycle = ProducerLifecycle.__new__(ProducerLifecycle)
     life.kafka, life.transactional_id, life.overrides = txn.kafka, "unit-txn", {}
     life.aborts, life.recreated = 0, 0

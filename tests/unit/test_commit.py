@@ -13,8 +13,9 @@ from typing import Any
 import pytest
 from confluent_kafka import KafkaError, KafkaException
 
-from batchline.kafka.transaction_errors import TransactionalIdTaken, TransactionFailed
+from batchline.kafka.transaction_errors import TransactionFailed
 from consumers import commit
+from schemas import codec_for
 from tests.unit.commit_line import DRAIN_TIMEOUT_S, Line, T, finish
 from tests.unit.stand_ins import timed_out
 
@@ -73,7 +74,7 @@ def test_a_failed_transaction_drops_those_queued_after_it_and_hands_back_every_u
             mp.setattr(commit, "COMMIT_GROUP_RECORDS", 2)
             made.line.queue()  # two transactions queued before the commit thread starts
         error = made.drain()
-        assert error is not None and not error.fatal and not error.lapsed
+        assert error is not None and error.kind == "aborted" and not error.retired
         assert made.calls.count("begin") == 1 and made.calls[-1] == "abort"  # the second never began
         assert made.stats.sink_failures == 1 and made.stats.transactions == 0
         assert made.line.drop() == flights and len(made.line) == 0  # everything uncommitted, to re-read
@@ -86,7 +87,7 @@ def test_a_transaction_whose_partitions_were_fenced_while_queued_is_never_begun(
     line.line.queue()
     line.ownership.release([(T, 0)])  # lost while queued: the rebalance callback ran before the commit thread
     error = line.drain()
-    assert error is not None and error.lapsed and not error.fatal
+    assert error is not None and error.kind == "lapsed" and not error.retired
     assert line.calls == [] and line.stats.transactions == 0 and len(line.line) == 1
 
 
@@ -99,16 +100,36 @@ def test_a_result_too_large_for_its_topic_is_counted_as_the_dead_letter_that_rep
     assert (line.stats.results, line.stats.dead_letters) == (0, 2)
 
 
+def test_a_dead_letter_that_does_not_fit_either_comes_back_and_goes_out_without_its_payload(line: Line) -> None:
+    """A refused message comes back from the producer as data; the line replaces it and commits again, for as long
+    as what it made is refused: the result, then its dead letter (the request's payload does not fit J.dlq), then
+    the letter without the payload, which fits. One transaction is begun, for what is finally produced."""
+    line.txn.topic_limits = {"unit.results": 100, "unit.dlq": 2000}
+    flight = line.launch([0, 1])
+    flight.items[0].payload = b"p" * 5000
+    line.line.queue()
+    assert line.drain() is None
+    assert line.producer.produced == [("unit.dlq", b"r0-0"), ("unit.dlq", b"r0-1")]
+    letters = [codec_for("dead_letter").decode(value) for value, _ in line.producer.values]
+    assert [(d.failure_class, len(d.payload), d.payload_size) for d in letters] == [
+        ("output_too_large", 0, 5000),  # squeezed: its size and digest instead of the payload
+        ("output_too_large", 2, None),  # the small request fits with its payload
+    ]
+    assert line.calls.count("begin") == 1 and line.txn.transactions == 1
+    assert (line.stats.results, line.stats.dead_letters) == (0, 2)
+
+
 def test_a_failure_keeps_its_meaning_across_the_line() -> None:
-    """A newer producer holding our transactional id reaches the worker as the CommitFailed's cause (it stops
-    instead of fencing back); a bug in the commit path is a fatal CommitFailed, never a silent commit."""
+    """A newer producer holding our transactional id reaches the worker as an ``id_taken`` failure (it stops
+    instead of fencing back); a bug in the commit path is a failure that retired the producer, never a silent
+    commit."""
     taken = KafkaException(KafkaError(KafkaError._FENCED, "fenced by a newer producer"))
     made = Line({"begin": [taken]})
     try:
         made.launch([0])
         made.line.queue()
         error = made.drain()
-        assert error is not None and isinstance(error.__cause__, TransactionalIdTaken)
+        assert error is not None and error.kind == "id_taken" and "taken by a newer producer" in str(error)
     finally:
         made.close()
 
@@ -122,7 +143,7 @@ def test_a_failure_keeps_its_meaning_across_the_line() -> None:
         made.launch([0])
         made.line.queue()
         error = made.drain()
-        assert error is not None and error.fatal and "RuntimeError: a bug" in str(error)
+        assert error is not None and error.retired and "RuntimeError: a bug" in str(error)
     finally:
         made.close()
 
@@ -152,7 +173,7 @@ def _flaky_new_producer(made: Line, failures: int) -> list[int]:
     def new_producer() -> Any:
         tries.append(len(tries) + 1)
         if len(tries) <= failures:
-            raise TransactionFailed("init_transactions of unit-txn failed: broker unreachable", True)
+            raise TransactionFailed("init_transactions of unit-txn failed: broker unreachable", retired=True)
         return real()
 
     made.txn.lifecycle._new_producer = new_producer  # type: ignore[method-assign]
@@ -174,7 +195,7 @@ def test_a_commit_whose_answer_was_lost_is_made_final_before_the_worker_hears_of
         made.launch([0, 1])
         made.line.queue()
         error = made.drain()
-        assert error is not None and error.ambiguous and error.fatal
+        assert error is not None and error.ambiguous and error.retired
         assert tries == [1, 2, 3], "made in recreate (failed), then by the line's settling: failed, made"
         assert not made.txn.lifecycle._replace and made.calls[-1] == "init", "reported only after the fencing producer"
         assert made.stats.transactions == 0 and made.stats.sink_failures == 1

@@ -19,7 +19,7 @@ from confluent_kafka import KafkaError, KafkaException, TopicPartition
 
 from batchline.kafka.ownership import Ownership, member_of
 from batchline.kafka.record_size import Outgoing
-from batchline.kafka.transaction_errors import ClaimLapsed
+from batchline.kafka.transaction_errors import TransactionFailed
 from tests.unit.stand_ins import Member, metadata, stand_in_txn, timed_out
 
 T = "unit.requests"
@@ -126,9 +126,9 @@ def test_a_transaction_stale_before_it_begins_makes_no_call() -> None:
     txn, _ = stand_in_txn(calls)
     guard = Guard()
     guard.why = "partitions unit.requests[0] were lost or revoked"
-    with pytest.raises(ClaimLapsed) as exc:
+    with pytest.raises(TransactionFailed) as exc:
         txn.commit(MESSAGES, OFFSETS, guard)
-    assert calls == [] and not exc.value.fatal and not exc.value.ambiguous
+    assert calls == [] and exc.value.kind == "lapsed" and not exc.value.retired
 
 
 def test_a_flush_blocked_by_a_cut_link_aborts_once_the_claim_goes_stale() -> None:
@@ -136,10 +136,10 @@ def test_a_flush_blocked_by_a_cut_link_aborts_once_the_claim_goes_stale() -> Non
     txn, producer = stand_in_txn(calls, {"flush-left": [KafkaException(1), KafkaException(1)]})
     guard = Guard()
     producer.on_call["flush"] = lambda: setattr(guard, "why", "lost") if calls.count("flush") == 2 else None
-    with pytest.raises(ClaimLapsed) as exc:
+    with pytest.raises(TransactionFailed) as exc:
         txn.commit(MESSAGES, OFFSETS, guard)
     assert calls == ["begin", "produce", "flush", "flush", "abort"]  # asked between the slices: no offsets sent
-    assert "aborted" in str(exc.value) and not exc.value.ambiguous and txn.recreated == 0
+    assert "aborted" in str(exc.value) and exc.value.kind == "lapsed" and txn.recreated == 0
 
 
 def test_offsets_are_not_sent_when_the_claim_went_stale_during_the_flush() -> None:
@@ -147,7 +147,7 @@ def test_offsets_are_not_sent_when_the_claim_went_stale_during_the_flush() -> No
     txn, producer = stand_in_txn(calls)
     guard = Guard()
     producer.on_call["flush"] = lambda: setattr(guard, "why", "lost")
-    with pytest.raises(ClaimLapsed):
+    with pytest.raises(TransactionFailed, match="claim lapsed"):
         txn.commit(MESSAGES, OFFSETS, guard)
     assert "offsets" not in calls and "commit" not in calls and calls[-1] == "abort"
 
@@ -159,10 +159,10 @@ def test_a_commit_under_way_when_the_claim_goes_stale_recreates_the_producer() -
     txn, producer = stand_in_txn(calls, {"commit": [timed_out(), timed_out()]})
     guard = Guard()
     producer.on_call["commit"] = lambda: setattr(guard, "why", "lost")
-    with pytest.raises(ClaimLapsed) as exc:
+    with pytest.raises(TransactionFailed) as exc:
         txn.commit(MESSAGES, OFFSETS, guard)
     assert calls == ["begin", "produce", "flush", "offsets", "commit", "purge", "init"]  # the commit not resumed
-    assert exc.value.ambiguous and exc.value.fatal and txn.recreated == 1
+    assert exc.value.kind == "ambiguous" and exc.value.retired and txn.recreated == 1
     # its commit is still pending inside librdkafka: destroying it would abort the process, so it is kept
     assert [p for p, _ in txn.lifecycle._retired] == [producer] and txn.lifecycle._pending is None
 
@@ -174,10 +174,10 @@ def test_a_call_that_timed_out_is_resumed_to_its_end_before_the_abort_of_a_lapse
     txn, producer = stand_in_txn(calls, {"offsets": [timed_out()]})
     guard = Guard()
     producer.on_call["offsets"] = lambda: setattr(guard, "why", "lost")
-    with pytest.raises(ClaimLapsed) as exc:
+    with pytest.raises(TransactionFailed) as exc:
         txn.commit(MESSAGES, OFFSETS, guard)
     assert calls == ["begin", "produce", "flush", "offsets", "offsets", "abort"]
-    assert not exc.value.fatal and txn.recreated == 0 and txn.lifecycle._retired == []
+    assert exc.value.kind == "lapsed" and not exc.value.retired and txn.recreated == 0 and txn.lifecycle._retired == []
 
 
 def test_a_lapsed_claims_transaction_whose_abort_fails_recreates_the_producer() -> None:
@@ -186,10 +186,10 @@ def test_a_lapsed_claims_transaction_whose_abort_fails_recreates_the_producer() 
     txn, producer = stand_in_txn(calls, {"abort": [fail]})
     guard = Guard()
     producer.on_call["flush"] = lambda: setattr(guard, "why", "lost")
-    with pytest.raises(ClaimLapsed) as exc:
+    with pytest.raises(TransactionFailed) as exc:
         txn.commit(MESSAGES, OFFSETS, guard)
     assert calls[-3:] == ["abort", "purge", "init"]
-    assert exc.value.fatal and not exc.value.ambiguous and "producer recreated" in str(exc.value)
+    assert exc.value.kind == "lapsed" and exc.value.retired and "producer recreated" in str(exc.value)
 
 
 def test_a_slice_that_times_out_is_resumed_while_the_claim_holds() -> None:

@@ -186,10 +186,10 @@ def test_what_does_not_fit_is_replaced_by_a_dead_letter_that_does() -> None:
     result, retry = _route(router, [rec, rec], {0: EngineOutput(text="long"), 1: _fail("transient")})
     (letter,) = _route(router, [rec], {0: _fail("poison")})
 
-    as_result = router.replacement(result, "too large", lambda m: True)
-    as_retry = router.replacement(retry, "too large", lambda m: True)
-    shrunk = router.replacement(letter, "too large", lambda m: True)
-    squeezed = router.replacement(result, "too large", lambda m: False)
+    as_result = router.replacement(result, "too large")
+    as_retry = router.replacement(retry, "too large")
+    shrunk = router.replacement(letter, "too large")
+    squeezed = router.replacement(as_result, "still too large")  # the replacement refused in turn
 
     assert all(p.topic == "unit.dlq" and p.kind == "dlq" for p in (as_result, as_retry, shrunk, squeezed))
     assert _letter(as_result).failure_class == "output_too_large" and _letter(as_result).payload == rec.payload

@@ -7,5 +7,6 @@
   fetch does not).
 
 Still outside this package: the stable leave and the group sampler in :mod:`batchline.kafka.groups` and the
-statistics that feed the rejoin rule of :mod:`batchline.kafka.ownership` (each skipped off embedded mode).
+statistics that feed the rejoin rule of :mod:`batchline.kafka.ownership` (each skipped off embedded mode). Every one
+of them is built in one place, :class:`batchline.kafka.membership.Membership`, for the worker and the streams alike.
 """
