@@ -1,10 +1,7 @@
-"""The line between the rebalance callbacks and the commit path, decided without a broker.
+"""The claims the commit path commits under, decided without a broker.
 
 :class:`Ownership` is driven through a stand-in consumer whose group metadata is scripted (librdkafka's serialized
-form, as confluent-kafka returns it); :class:`TransactionalProducer` through a stand-in producer whose calls are
-recorded and whose answers (a slice that times out, a failing abort) are scripted - the moments a real partition
-produces only by chance. What is asserted is which librdkafka calls were made: a stale transaction is never sent
-its offsets nor committed.
+form, as confluent-kafka returns it). What a transaction does when its claim lapses is in test_transactions.py.
 """
 
 from __future__ import annotations
@@ -15,12 +12,9 @@ import time
 from typing import Any
 
 import pytest
-from confluent_kafka import KafkaError, KafkaException, TopicPartition
 
 from batchline.kafka.ownership import Ownership, member_of
-from batchline.kafka.record_size import Outgoing
-from batchline.kafka.transaction_errors import TransactionFailed
-from tests.unit.stand_ins import Member, metadata, stand_in_txn, timed_out
+from tests.unit.stand_ins import Member, metadata
 
 T = "unit.requests"
 
@@ -91,112 +85,6 @@ def test_a_closed_consumer_owns_nothing() -> None:
     claim = own.claim([(T, 0)])
     consumer.now = None
     assert claim.stale() == "the consumer is closed"
-
-
-# -- the commit path -------------------------------------------------------------------------------
-
-
-class Guard:
-    """A claim whose staleness the test sets, from a librdkafka call's hook."""
-
-    def __init__(self) -> None:
-        self.why: str | None = None
-
-    def stale(self) -> str | None:
-        return self.why
-
-    def group_metadata(self) -> Any:
-        return b"live metadata"
-
-
-MESSAGES: list[Outgoing] = [("unit.results", b"v", b"k", [])]
-OFFSETS = [TopicPartition(T, 0, 10)]
-
-
-def test_a_claim_commits_with_the_group_metadata_it_reads_when_the_offsets_are_sent() -> None:
-    calls: list[str] = []
-    txn, producer = stand_in_txn(calls)
-    txn.commit(MESSAGES, OFFSETS, Guard())
-    assert calls == ["begin", "produce", "flush", "offsets", "commit"]
-    assert producer.sent_metadata == b"live metadata"
-
-
-def test_a_transaction_stale_before_it_begins_makes_no_call() -> None:
-    calls: list[str] = []
-    txn, _ = stand_in_txn(calls)
-    guard = Guard()
-    guard.why = "partitions unit.requests[0] were lost or revoked"
-    with pytest.raises(TransactionFailed) as exc:
-        txn.commit(MESSAGES, OFFSETS, guard)
-    assert calls == [] and exc.value.kind == "lapsed" and not exc.value.retired
-
-
-def test_a_flush_blocked_by_a_cut_link_aborts_once_the_claim_goes_stale() -> None:
-    calls: list[str] = []
-    txn, producer = stand_in_txn(calls, {"flush-left": [KafkaException(1), KafkaException(1)]})
-    guard = Guard()
-    producer.on_call["flush"] = lambda: setattr(guard, "why", "lost") if calls.count("flush") == 2 else None
-    with pytest.raises(TransactionFailed) as exc:
-        txn.commit(MESSAGES, OFFSETS, guard)
-    assert calls == ["begin", "produce", "flush", "flush", "abort"]  # asked between the slices: no offsets sent
-    assert "aborted" in str(exc.value) and exc.value.kind == "lapsed" and txn.recreated == 0
-
-
-def test_offsets_are_not_sent_when_the_claim_went_stale_during_the_flush() -> None:
-    calls: list[str] = []
-    txn, producer = stand_in_txn(calls)
-    guard = Guard()
-    producer.on_call["flush"] = lambda: setattr(guard, "why", "lost")
-    with pytest.raises(TransactionFailed, match="claim lapsed"):
-        txn.commit(MESSAGES, OFFSETS, guard)
-    assert "offsets" not in calls and "commit" not in calls and calls[-1] == "abort"
-
-
-def test_a_commit_under_way_when_the_claim_goes_stale_recreates_the_producer() -> None:
-    """librdkafka cannot abort a commit it has started: the producer is dropped (its unsent requests purged) and a
-    new one with the same transactional id fences its epoch. The outcome is ambiguous."""
-    calls: list[str] = []
-    txn, producer = stand_in_txn(calls, {"commit": [timed_out(), timed_out()]})
-    guard = Guard()
-    producer.on_call["commit"] = lambda: setattr(guard, "why", "lost")
-    with pytest.raises(TransactionFailed) as exc:
-        txn.commit(MESSAGES, OFFSETS, guard)
-    assert calls == ["begin", "produce", "flush", "offsets", "commit", "purge", "init"]  # the commit not resumed
-    assert exc.value.kind == "ambiguous" and exc.value.retired and txn.recreated == 1
-    # its commit is still pending inside librdkafka: destroying it would abort the process, so it is kept
-    assert [p for p, _ in txn.lifecycle._retired] == [producer] and txn.lifecycle._pending is None
-
-
-def test_a_call_that_timed_out_is_resumed_to_its_end_before_the_abort_of_a_lapsed_claim() -> None:
-    """librdkafka takes only the timed-out call next (another one, or destroying the producer, aborts the process
-    in librdkafka 2.16): the offsets are sent to the end, then the transaction is aborted, never committed."""
-    calls: list[str] = []
-    txn, producer = stand_in_txn(calls, {"offsets": [timed_out()]})
-    guard = Guard()
-    producer.on_call["offsets"] = lambda: setattr(guard, "why", "lost")
-    with pytest.raises(TransactionFailed) as exc:
-        txn.commit(MESSAGES, OFFSETS, guard)
-    assert calls == ["begin", "produce", "flush", "offsets", "offsets", "abort"]
-    assert exc.value.kind == "lapsed" and not exc.value.retired and txn.recreated == 0 and txn.lifecycle._retired == []
-
-
-def test_a_lapsed_claims_transaction_whose_abort_fails_recreates_the_producer() -> None:
-    calls: list[str] = []
-    fail = KafkaException(KafkaError(KafkaError._STATE, "abort refused"))
-    txn, producer = stand_in_txn(calls, {"abort": [fail]})
-    guard = Guard()
-    producer.on_call["flush"] = lambda: setattr(guard, "why", "lost")
-    with pytest.raises(TransactionFailed) as exc:
-        txn.commit(MESSAGES, OFFSETS, guard)
-    assert calls[-3:] == ["abort", "purge", "init"]
-    assert exc.value.kind == "lapsed" and exc.value.retired and "producer recreated" in str(exc.value)
-
-
-def test_a_slice_that_times_out_is_resumed_while_the_claim_holds() -> None:
-    calls: list[str] = []
-    txn, _ = stand_in_txn(calls, {"offsets": [timed_out(), timed_out()]})
-    txn.commit(MESSAGES, OFFSETS, Guard())
-    assert calls == ["begin", "produce", "flush", "offsets", "offsets", "offsets", "commit"]
 
 
 def test_a_look_older_than_the_session_proves_nothing() -> None:
