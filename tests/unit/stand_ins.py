@@ -60,8 +60,10 @@ class Producer:
         self.sent_offsets: Any = None
         self.produced: list[tuple[str, Any]] = []  # (topic, key) of every message produced
         self.values: list[tuple[Any, Any]] = []  # (value, headers) of every message produced, in the same order
-        self.deliveries: list[Any] = []
+        self.deliveries: list[tuple[Any, Any]] = []  # (on_delivery, key) not yet reported
         self.on_call: dict[str, Any] = {}
+        self.refuse: set[Any] = set()  # keys produce() refuses as too large (librdkafka's own size check)
+        self.reject: set[Any] = set()  # keys whose delivery the broker rejects as too large
 
     def _call(self, name: str) -> None:
         self.calls.append(name)
@@ -79,17 +81,21 @@ class Producer:
         self._call("begin")
 
     def produce(self, topic: str, value: Any, key: Any, headers: Any = None, on_delivery: Any = None) -> None:
+        if key in self.refuse:
+            self.calls.append("refused")
+            raise KafkaException(KafkaError(KafkaError.MSG_SIZE_TOO_LARGE, "message too large (stand-in)"))
         self.calls.append("produce")
         self.produced.append((topic, key))
         self.values.append((value, headers))
-        self.deliveries.append(on_delivery)
+        self.deliveries.append((on_delivery, key))
 
     def flush(self, timeout: float) -> int:
         self._call("flush")
         if self.script.get("flush-left"):
             return int(self.script["flush-left"].pop(0).args[0])
-        for report in self.deliveries:
-            report(None, None)
+        too_large = KafkaError(KafkaError.MSG_SIZE_TOO_LARGE, "rejected by the broker (stand-in)")
+        for report, key in self.deliveries:
+            report(too_large if key in self.reject else None, None)
         self.deliveries = []
         return 0
 
@@ -129,6 +135,7 @@ def stand_in_txn(
 
     def new_producer() -> tuple[Producer, BoundedCalls]:  # as _new_producer: init_transactions fences the epoch
         fresh = Producer(calls)
+        fresh.refuse, fresh.reject = producer.refuse, producer.reject  # what the client and the broker refuse
         fresh.init_transactions(30)
         return fresh, BoundedCalls("unit-txn")
 

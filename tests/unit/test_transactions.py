@@ -121,3 +121,50 @@ def test_a_slice_that_times_out_is_resumed_while_the_claim_holds() -> None:
     txn, _ = stand_in_txn(calls, {"offsets": [timed_out(), timed_out()]})
     txn.commit(MESSAGES, OFFSETS, Guard())
     assert calls == ["begin", "produce", "flush", "offsets", "offsets", "offsets", "commit"]
+
+
+# -- messages refused on their own come back as data -------------------------------------------------
+BATCH: list[Outgoing] = [("unit.results", b"v", key, []) for key in (b"a", b"b", b"c", b"d")]
+
+
+def test_a_message_produce_refuses_comes_back_the_rest_produced_and_the_transaction_aborted() -> None:
+    calls: list[str] = []
+    txn, producer = stand_in_txn(calls)
+    producer.refuse = {b"b"}
+    rejected = txn.commit(BATCH, OFFSETS, Guard())
+    assert {i: r.found_by for i, r in rejected.items()} == {1: "produce"}
+    assert rejected[1].error.name == "MSG_SIZE_TOO_LARGE"
+    assert calls == ["begin", "produce", "refused", "produce", "produce", "flush", "abort"], "no offsets, no commit"
+    assert txn.transactions == 1 and txn.recreated == 0
+
+
+def test_a_message_the_broker_rejects_comes_back_and_the_producer_starts_afresh() -> None:
+    """The aborted transaction's sequence numbers were counted by librdkafka: a new producer (new epoch, fresh
+    sequences) makes the next one (ProducerLifecycle.abort_or_recreate)."""
+    calls: list[str] = []
+    txn, producer = stand_in_txn(calls)
+    producer.reject = {b"c"}
+    rejected = txn.commit(BATCH, OFFSETS, Guard())
+    assert {i: r.found_by for i, r in rejected.items()} == {2: "delivery"}
+    assert "offsets" not in calls and "commit" not in calls and calls.count("abort") == 1
+    assert txn.recreated == 1 and calls[-1] == "init"
+
+
+def test_messages_rejected_together_are_told_apart_by_probes_that_are_all_aborted() -> None:
+    calls: list[str] = []
+    txn, producer = stand_in_txn(calls)
+    producer.reject = {b"b", b"d"}
+    rejected = txn.commit(BATCH, OFFSETS, Guard())
+    assert {i: r.found_by for i, r in rejected.items()} == {1: "probe", 3: "probe"}
+    assert txn.transactions == 1 and txn.probes == 2
+    assert calls.count("begin") == 3 and calls.count("abort") == 3 and "commit" not in calls
+
+
+def test_a_message_too_large_for_its_topic_comes_back_before_any_transaction_begins() -> None:
+    calls: list[str] = []
+    txn, _ = stand_in_txn(calls)
+    txn.topic_limits = {"unit.results": 150}
+    big: list[Outgoing] = [BATCH[0], ("unit.results", b"v" * 100, b"big", [])]
+    rejected = txn.commit(big, OFFSETS, Guard())
+    assert {i: r.found_by for i, r in rejected.items()} == {1: "precheck"}
+    assert rejected[1].error.limit == 150 and calls == [] and txn.transactions == 0
