@@ -3,7 +3,7 @@
 Workers of a job form one consumer group per fingerprint (``J.workers.<fp>``), and each group reads every
 record (it passes over other fingerprints' runs), so the job's backlog is the largest of its groups' backlogs:
 per partition, the high watermark minus the group's committed offset (the low watermark where the group has
-committed nothing). The fingerprints are those named in ``J.runs`` (runs, pins and claims). A job that no worker
+committed nothing). The fingerprints are those named in ``J.runs`` (runs, pins and adoptions). A job that no worker
 has ever run has its whole topic as backlog. Ends are read past the embedded broker's short high watermarks
 (:func:`batchline.kafka.scan.end_offsets`), so the figure is exact there too.
 

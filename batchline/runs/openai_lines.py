@@ -223,7 +223,7 @@ def _response(result: Result, ref: str, model: str | None) -> dict[str, Any]:
         "parallel_tool_calls": True,
         "usage": {
             "input_tokens": prompt,
-            # the engine reports no prefix-cache reads or writes per record: none are claimed
+            # the engine reports no prefix-cache reads or writes per record: zero here
             "input_tokens_details": {"cached_tokens": 0, "cache_write_tokens": 0},
             "output_tokens": completion,
             "output_tokens_details": {"reasoning_tokens": 0},

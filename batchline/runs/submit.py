@@ -47,7 +47,7 @@ class SubmitReport:
     value_total: float = 0.0
     boundaries: dict[int, tuple[int, int]] = field(default_factory=dict)
     manifest: RunManifest | None = None
-    existing: bool = False  # the idempotency key was already claimed: this is that run's report, nothing published
+    existing: bool = False  # the idempotency key was already reserved: this is that run's report, nothing published
     refusals: list[str] = field(default_factory=list)  # the first OpenAI lines refused, each naming its field
 
 
@@ -185,7 +185,7 @@ def submit_file(
 
 def existing_run(kafka: KafkaSettings, topics: JobTopics, run_id: str, view: RunsView | None = None) -> SubmitReport:
     """The report of a run already submitted (an idempotency key's owner): nothing is published. Its manifest is
-    None while its submitter has not written it yet (a claim just won, or a submitter that died after claiming).
+    None while its submitter has not written it yet (a reservation just won, or a submitter that died after reserving).
     ``view``: a started view to reuse, else one is read for this call."""
     runs = view or RunsView(kafka, topics)
     try:
@@ -222,7 +222,7 @@ def publish_run(
     """Publish ``(fallback id, record)`` pairs as one run pinned to ``fp`` and write its manifest.
 
     ``completion_window_s``: the run's records not finished that long after now end ``expired``.
-    ``idempotency_key``: claimed for this run first (:func:`batchline.runs.control.reserve_idempotency_key`); a key
+    ``idempotency_key``: reserved for this run first (:func:`batchline.runs.control.reserve_idempotency_key`); a key
     another run owns returns that run's report (``existing``) and publishes nothing (``records`` is not read).
     ``view``: a started :class:`RunsView` of the job to decide the key with (a server keeps one), else one is read.
     ``staging``: with the job's ``schedule.fair_share``, the run is staged in one partition of ``J.staged``
