@@ -1,5 +1,5 @@
 """The worker never stalls: records too large for the broker, and a flow-controlled worker whose partitions move
-to a second worker and back. Every id reaches an outcome within a bound (issue 9's worker scenarios), and the
+to a second worker and back. Every id reaches an outcome within a bound, and the
 oracle finds exactly one committed outcome per id and nothing left open."""
 
 from __future__ import annotations
