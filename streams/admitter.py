@@ -154,7 +154,8 @@ class BacklogWatch:
 
     def _count_members(self, group: str) -> int:
         """The group's members, described every :data:`MEMBERS_EVERY_S` (the last count while the broker is
-        suspected down: describing a group during a cut can crash librdkafka, ``batchline/kafka/groups.py``)."""
+        suspected down: describing a group during a cut can crash librdkafka,
+        ``batchline/kafka/embedded/ghost_leader.py``)."""
         now = time.monotonic()
         known = self._members.get(group)
         if known is not None and (now - known[0] < MEMBERS_EVERY_S or self.broker_down()):

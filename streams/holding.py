@@ -402,7 +402,7 @@ class HoldingMember:
             self.runs.stop()
             self.republisher.close()
         finally:
-            self.membership.close()  # once the group is stable (embedded mode: batchline.kafka.groups)
+            self.membership.close()  # once the group is stable (embedded mode: batchline.kafka.embedded.ghost_leader)
         log.info(
             "%s %s stopped: %d held, %d re-published in %d transactions, %d failed attempts, "
             "%d dead-lettered as %s, %d of cancelled or expired runs dead-lettered",

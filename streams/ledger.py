@@ -39,7 +39,7 @@ from confluent_kafka import Consumer, KafkaError, KafkaException, Message, Topic
 from batchline.config import JobConfig, KafkaSettings, LedgerSettings
 from batchline.kafka.client import make_consumer, make_producer, make_reader
 from batchline.kafka.embedded.aborted import AbortedIndex
-from batchline.kafka.groups import close_member, watch_member
+from batchline.kafka.embedded.ghost_leader import close_member, watch_member
 from batchline.kafka.liveness import BrokerDown, never_down
 from batchline.kafka.topics import JobTopics
 from batchline.runs.status import TOP_QUARANTINED
@@ -366,7 +366,7 @@ class Ledger(ShardAssignment):
         finally:
             try:
                 # leaves the group once it is stable (the others take over at once): a leader leaving a re-forming
-                # group jams the embedded broker (batchline.kafka.groups)
+                # group jams the embedded broker (batchline.kafka.embedded.ghost_leader)
                 close_member(self.members, self.kafka, self.group)
             finally:
                 if self.store is not None:

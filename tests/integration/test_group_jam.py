@@ -1,10 +1,10 @@
 """The embedded broker's ghost leader, and batchline's way of leaving a group that does not trigger it.
 
-The sequence (exactly-once issue, item 1): consumer c1 owns every partition; c2 subscribes, so the group
-re-forms with c1 still its leader; c1 leaves about a second later. With a plain close (a LeaveGroup while the
-group re-forms) the embedded broker keeps the departed c1 as leader and never assigns again: c2 waits for good.
-batchline's members leave through :func:`batchline.kafka.groups.close_member` (once the group is stable), and
-then c2 gets every partition. The first test pins the broker's fault, so a fixed broker build shows up here.
+The sequence: consumer c1 owns every partition; c2 subscribes, so the group re-forms with c1 still its leader; c1
+leaves about a second later. With a plain close (a LeaveGroup while the group re-forms) the embedded broker keeps the
+departed c1 as leader and never assigns again: c2 waits for good. batchline's members leave through
+:func:`batchline.kafka.embedded.ghost_leader.close_member` (once the group is stable), and then c2 gets every
+partition. The first test pins the broker's fault, so a fixed broker build shows up here.
 """
 
 from __future__ import annotations
@@ -21,7 +21,8 @@ from confluent_kafka import Consumer, TopicPartition
 
 from batchline.config import KafkaSettings, load_job_config
 from batchline.kafka.client import make_admin, make_consumer
-from batchline.kafka.groups import AssignmentWatch, close_member, describe_group
+from batchline.kafka.embedded.ghost_leader import close_member
+from batchline.kafka.groups import AssignmentWatch, describe_group
 from batchline.kafka.topics import JobTopics
 from batchline.runs.identity import fingerprint_of
 from batchline.runs.submit import submit_file

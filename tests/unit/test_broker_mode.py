@@ -9,7 +9,7 @@ import pytest
 
 from batchline.config import KafkaSettings
 from batchline.kafka.embedded.aborted import AbortedIndex
-from batchline.kafka.groups import close_member, watch_member
+from batchline.kafka.embedded.ghost_leader import close_member, watch_member
 from batchline.kafka.liveness import never_down
 
 

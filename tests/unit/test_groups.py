@@ -135,12 +135,12 @@ class _Admin:
 def test_the_sampler_describes_the_group_only_while_the_answer_can_matter() -> None:
     """Half the rebalance timeout without partitions, and the broker not suspected down: a describe in flight while
     the broker is cut off aborts the process in librdkafka 2.16 (see GroupSampler)."""
-    import batchline.kafka.groups as groups
+    from batchline.kafka.embedded import ghost_leader
 
     down = {"now": False}
     watch, clock = _watch()
     admin = _Admin()
-    sampler = groups.GroupSampler(admin, watch, lambda: down["now"])
+    sampler = ghost_leader.GroupSampler(admin, watch, lambda: down["now"])
     watch.assigned(4)
     assert not sampler.sample()  # assigned: nothing to decide
     watch.assigned(0)  # lost them

@@ -4,9 +4,11 @@
 - :mod:`.aborted`: aborted records, and each partition's last stable offset, read from the log itself (its
   read_committed delivers aborted records and answers a wrong end while a transaction is open);
 - :mod:`.takeover`: a newly assigned partition waits for the transactions open on the group's outputs (its offset
-  fetch does not).
+  fetch does not);
+- :mod:`.ghost_leader`: a member leaves its group only once the group is stable (a leader leaving a re-forming group
+  jams it), and a sampler of the group's state tells when a member is stuck.
 
-Still outside this package: the stable leave and the group sampler in :mod:`batchline.kafka.groups` and the
-statistics that feed the rejoin rule of :mod:`batchline.kafka.ownership` (each skipped off embedded mode). Every one
-of them is built in one place, :class:`batchline.kafka.membership.Membership`, for the worker and the streams alike.
+Still outside this package: the rejoin rule of :mod:`batchline.kafka.ownership`, fed by librdkafka's statistics only
+in embedded mode. A process's parts are built in one place, :class:`batchline.kafka.membership.Membership`, for the
+worker and the streams alike.
 """
