@@ -167,6 +167,10 @@ class CommitLine:
         """Records launched and not yet committed (inferring or committing)."""
         return self._held
 
+    def committing(self) -> int:
+        """Micro-batches routed into transactions not yet harvested (queued or committing)."""
+        return self._committing
+
     def ready(self) -> bool:
         """Something to do now: a transaction to harvest, or a finished micro-batch to queue."""
         if self._line and self._line[0].done:

@@ -431,8 +431,13 @@ class Worker(WorkerParts):
         """Partitions taken from us (session timeout): commit nothing for them, forget everything uncommitted
         and re-read the partitions still ours."""
         lost = {(p.topic, p.partition) for p in partitions}
-        held = self._held()
-        log.warning("lost %s: dropping uncommitted work (%d records held)", sorted(lost), held)
+        held, committing = self._held(), self.commits.committing()
+        log.warning(
+            "lost %s: dropping uncommitted work (%d records held, %d micro-batches committing)",
+            sorted(lost),
+            held,
+            committing,
+        )
         self.ownership.release(lost)  # the commit thread aborts what holds their records: their new owner re-reads them
         self.rollback.rewind(self.pauses.assigned - lost, in_callback=True)
         self.pauses.gone(partitions)
