@@ -9,8 +9,9 @@ members (the retry scheduler, the admitter) build alike, built once here, and th
   callbacks;
 - ``watch`` (:mod:`batchline.kafka.groups`) and ``sampler``: whether the member is stuck without partitions;
 - where the embedded broker's workarounds are built (:attr:`~batchline.kafka.settings.KafkaSettings.embedded`), and
-  only there: librdkafka's statistics, every second, to ``on_stats`` (the rejoin rule of
-  :meth:`Ownership.rejoined_late <batchline.kafka.ownership.Ownership.rejoined_late>`), the takeover gate
+  only there: the rejoin rule (:mod:`batchline.kafka.embedded.rejoin`) and librdkafka's statistics that feed it,
+  every second, to ``on_stats`` (:meth:`Ownership.rejoined_late <batchline.kafka.ownership.Ownership.rejoined_late>`),
+  the takeover gate
   (``takeover``, :mod:`batchline.kafka.embedded.takeover`), the sampler's thread and the stable leave. The
   aborted-record index (``aborted``, :mod:`batchline.kafka.embedded.aborted`) reads only there too.
 
@@ -28,9 +29,10 @@ from confluent_kafka import Consumer
 from batchline.kafka.client import make_consumer
 from batchline.kafka.embedded.aborted import AbortedIndex
 from batchline.kafka.embedded.ghost_leader import LEAVE_TIMEOUT_S, close_member, watch_member
+from batchline.kafka.embedded.rejoin import STATS_EVERY_MS
 from batchline.kafka.embedded.takeover import TakeoverGate
 from batchline.kafka.liveness import BrokerDown
-from batchline.kafka.ownership import STATS_EVERY_MS, Ownership
+from batchline.kafka.ownership import Ownership
 from batchline.kafka.settings import KafkaSettings
 from batchline.kafka.slots import SlotSweeper, hold_slot
 
@@ -65,7 +67,7 @@ class Membership:
         stats = {"statistics.interval.ms": STATS_EVERY_MS, "stats_cb": on_stats} if kafka.embedded else {}
         self.consumer: Consumer = make_consumer(kafka, group, **consumer_settings, **stats)
         # released by the rebalance callbacks, asked by whoever commits; a look older than the session proves nothing
-        self.ownership = Ownership(self.consumer, kafka.session_timeout_ms / 1000, broker_down)
+        self.ownership = Ownership(self.consumer, kafka.session_timeout_ms / 1000, broker_down, rejoin=kafka.embedded)
         self.aborted = AbortedIndex(kafka) if aborted else None
         # the embedded broker's offset fetch does not wait for open transactions: a newly assigned partition waits
         # until those open on the group's outputs have ended

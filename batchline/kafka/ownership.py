@@ -26,20 +26,13 @@ A view of the membership older than ``lease_s`` (the session timeout) proves not
 VM pause) past it resumes before librdkafka has noticed its session is gone, so its claims are stale until the
 consumer's thread has looked again.
 
-A rejoin that lasts longer than a claim's lifetime, with the broker out of reach or the process frozen during it,
-proves nothing either (:meth:`Ownership.joining`, fed with librdkafka's join state from its statistics on the
-consumer's thread, and :meth:`Ownership.disrupted`). A member cut off while it rejoins keeps
-its partitions (cooperative rebalancing) and librdkafka checks no session timeout while it waits for JoinGroup;
-the embedded broker completes generations without it, gives its partitions away, then lets it rejoin as itself
-and even hands the partitions back - no ``on_lost``, no new member id, and offsets of the old generation accepted
-(seen: 8 and 11 ids committed twice in the chaos test). So claims are stale while such a rejoin has lasted past the
-claim TTL, and when it completes the member drops what it holds and re-reads it from the committed
-offsets, as if its partitions had been lost and assigned again.
+In embedded mode one more rule holds (:class:`~batchline.kafka.embedded.rejoin.RejoinRule`, built only there): no
+claim holds while a rejoin left behind by its group lasts, and when it completes what the member holds is released
+(:meth:`Ownership.rejoined_late`).
 """
 
 from __future__ import annotations
 
-import json
 import struct
 import threading
 import time
@@ -47,24 +40,17 @@ from collections.abc import Iterable
 from dataclasses import dataclass
 from typing import Any, Protocol
 
+from batchline.kafka.embedded.rejoin import RejoinRule
 from batchline.kafka.liveness import BrokerDown, never_down
 
 TP = tuple[str, int]
-REJOINING = frozenset({"init", "wait-join", "wait-sync", "wait-metadata"})  # librdkafka's cgrp join states
 METADATA_MAGIC = b"CGMDv2:"  # librdkafka's serialized rd_kafka_consumer_group_metadata_t
-STATS_EVERY_MS = 1000  # librdkafka's statistics.interval.ms for a consumer whose rejoins Ownership.rejoined_late reads
 
 
 class GroupMember(Protocol):
     """What ownership needs of a consumer (confluent_kafka.Consumer has it)."""
 
     def consumer_group_metadata(self) -> Any: ...
-
-
-def join_state_of(stats: str) -> str | None:
-    """librdkafka's consumer-group join state in one of its statistics documents (``statistics.interval.ms``)."""
-    state = json.loads(stats).get("cgrp", {}).get("join_state")
-    return state if isinstance(state, str) else None
 
 
 def member_of(metadata: Any) -> tuple[int, str] | None:
@@ -104,9 +90,15 @@ class Ownership:
     any number of readers (the committing thread)."""
 
     def __init__(
-        self, consumer: GroupMember, lease_s: float | None = None, broker_down: BrokerDown = never_down
+        self,
+        consumer: GroupMember,
+        lease_s: float | None = None,
+        broker_down: BrokerDown = never_down,
+        *,
+        rejoin: bool = False,
     ) -> None:
-        """``broker_down``: the process's liveness detector (a rejoin while the broker is out of reach is doubted)."""
+        """``broker_down``: the process's liveness detector (a rejoin while the broker is out of reach is doubted);
+        ``rejoin``: apply the embedded broker's rejoin rule (:class:`RejoinRule`)."""
         self.consumer = consumer
         self.lease_s = lease_s
         self.broker_down = broker_down
@@ -121,10 +113,8 @@ class Ownership:
         self._reader: int | None = None  # that thread
         self._observed = 0.0  # when (monotonic)
         self._previous = 0.0  # the look before it
-        self._rejoining_since: float | None = None  # when (monotonic) librdkafka left the steady join state
-        self._disrupted = float("-inf")  # when (monotonic) the broker was last out of reach, or this process frozen
         self.released = 0  # partitions released so far (a counter for logs and tests)
-        self.late_rejoins = 0  # rejoins that outlasted the claim TTL (a counter for logs and tests)
+        self.rejoin = RejoinRule(self.claim_ttl_s, lease_s, broker_down) if rejoin else None
 
     def observe(self, max_age_s: float = 0.0) -> Any:
         """Read the consumer's group metadata (the consumer's own thread only) and keep it for the others; not
@@ -133,8 +123,9 @@ class Ownership:
             return self._metadata
         with self._lock:
             self._previous, self._observed = self._observed, time.monotonic()
-            if self.lease_s is not None and self._previous and self._observed - self._previous > self.lease_s:
-                self._disrupted = self._observed  # no look for a session: frozen (or starved) meanwhile
+            frozen = self.lease_s is not None and self._previous and self._observed - self._previous > self.lease_s
+        if frozen and self.rejoin is not None:
+            self.rejoin.disrupted(self._observed)  # no look for a session: frozen (or starved) meanwhile
         try:
             metadata = self.consumer.consumer_group_metadata()
         except RuntimeError:  # confluent-kafka: the consumer is closed
@@ -150,60 +141,19 @@ class Ownership:
         with self._lock:
             return self._metadata
 
-    def disrupted(self, now: float | None = None) -> None:
-        """The broker is out of reach now (the process's liveness detector says so): a rejoin under way may be
-        left behind by its group."""
-        with self._lock:
-            self._disrupted = time.monotonic() if now is None else now
-
     def rejoined_late(self, stats: str, held: set[TP]) -> bool:
         """One of librdkafka's statistics documents (its ``stats_cb``, on the consumer's thread), with the partitions
-        the member holds: True when a rejoin left behind has just completed - ``held`` is released then, and the
-        caller must drop what it holds of them and read them again from the committed offsets."""
-        if self.broker_down():
-            self.disrupted()
-        state = join_state_of(stats)
-        if state is None or not self.joining(state, bool(held)):
+        the member holds: True when a rejoin left behind has just completed (:meth:`RejoinRule.completed_late`) -
+        ``held`` is released then, and the caller must drop what it holds of them and read them again from the
+        committed offsets. Never off embedded mode."""
+        if self.rejoin is None or not self.rejoin.completed_late(stats, bool(held)):
             return False
         self.release(held)  # what was claimed before, or during the rejoin, never commits
         return True
 
-    def joining(self, join_state: str, holding: bool, now: float | None = None) -> bool:
-        """librdkafka's join state of the consumer, as its statistics report it (the consumer's thread), and whether
-        it holds partitions. True when a rejoin begun while holding partitions, and that outlasted the claim TTL,
-        has just completed: what the member holds may have been another member's meanwhile, so it must be dropped
-        and re-read from the committed offsets (module docstring). A first join holds nothing and counts not."""
-        at = time.monotonic() if now is None else now
-        with self._lock:
-            since = self._rejoining_since
-            if join_state in REJOINING:
-                if since is None and holding:
-                    self._rejoining_since = at
-                return False
-            self._rejoining_since = None
-        late = since is not None and self._left_behind(since, at)
-        self.late_rejoins += late
-        return late
-
     def rejoining_too_long(self, now: float | None = None) -> float | None:
-        """How long the consumer has been rejoining, once that is past the claim TTL and the broker was out of reach
-        (or this process frozen) during it: no claim can hold then. A long rejoin without such a disruption is a
-        slow rebalance, and the member keeps committing through it (cooperative rebalancing)."""
-        with self._lock:
-            since = self._rejoining_since
-        at = time.monotonic() if now is None else now
-        if since is None or not self._left_behind(since, at):
-            return None
-        return at - since
-
-    def _left_behind(self, since: float, at: float) -> bool:
-        """A rejoin begun at ``since`` may have been completed without this member by ``at``: it lasted past the
-        claim TTL and a disruption fell inside it (or within a session before it)."""
-        if self.claim_ttl_s is None or at - since <= self.claim_ttl_s:
-            return False
-        with self._lock:
-            disrupted = self._disrupted
-        return disrupted >= since - (self.lease_s or 0.0)
+        """How long a rejoin left behind has lasted (:meth:`RejoinRule.rejoining_too_long`): no claim holds then."""
+        return None if self.rejoin is None else self.rejoin.rejoining_too_long(now)
 
     def claim(self, partitions: Iterable[TP]) -> Claim:
         """A claim on ``partitions`` as they are now (the consumer's own thread)."""

@@ -118,39 +118,41 @@ def test_a_claim_held_past_its_ttl_is_stale_whatever_the_member_id_says() -> Non
 def test_a_rejoin_left_behind_holds_no_claim_and_asks_for_a_re_read_when_it_completes() -> None:
     """A member cut off while it rejoins keeps its partitions and hears nothing when the embedded broker gives them
     away (chaos seed 2: 8 and 11 ids committed twice). While a rejoin has lasted past the claim TTL with the broker
-    out of reach during it, no claim holds; when it completes, ``joining`` says so once, so the worker re-reads what
-    it holds from the committed offsets. A short rejoin, a long one with no disruption (a slow rebalance: the member
-    commits through it) and a first join (nothing held) change nothing."""
-    own = Ownership(Member(), lease_s=6.0)
+    out of reach during it, no claim holds; when it completes, ``RejoinRule.joining`` says so once, so the worker
+    re-reads what it holds from the committed offsets. A short rejoin, a long one with no disruption (a slow
+    rebalance: the member commits through it) and a first join (nothing held) change nothing."""
+    own = Ownership(Member(), lease_s=6.0, rejoin=True)
+    rule = own.rejoin
+    assert rule is not None
     assert own.claim_ttl_s == pytest.approx(4.0)
     now = time.monotonic()
-    assert not own.joining("wait-join", holding=False, now=now - 60)  # the first join: nothing held
-    assert not own.joining("steady", holding=True, now=now - 50)
+    assert not rule.joining("wait-join", holding=False, now=now - 60)  # the first join: nothing held
+    assert not rule.joining("steady", holding=True, now=now - 50)
 
-    assert not own.joining("wait-join", holding=True, now=now - 40)  # a slow rebalance, the broker reachable
+    assert not rule.joining("wait-join", holding=True, now=now - 40)  # a slow rebalance, the broker reachable
     assert own.rejoining_too_long(now=now - 30) is None and own.claim([(T, 0)]).stale() is None
-    assert not own.joining("steady", holding=True, now=now - 30), "10 s, nothing disrupted: committed through"
+    assert not rule.joining("steady", holding=True, now=now - 30), "10 s, nothing disrupted: committed through"
 
-    assert not own.joining("wait-join", holding=True, now=now - 3)  # a rebalance begins while holding partitions
-    own.disrupted(now=now - 2)
+    assert not rule.joining("wait-join", holding=True, now=now - 3)  # a rebalance begins while holding partitions
+    rule.disrupted(now=now - 2)
     assert own.rejoining_too_long() is None and own.claim([(T, 0)]).stale() is None, "3 s: within a claim's life"
-    assert not own.joining("steady", holding=True)
+    assert not rule.joining("steady", holding=True)
 
-    assert not own.joining("wait-join", holding=True, now=now - 5)
-    own.disrupted(now=now - 4)  # cut off while rejoining
+    assert not rule.joining("wait-join", holding=True, now=now - 5)
+    rule.disrupted(now=now - 4)  # cut off while rejoining
     assert own.rejoining_too_long() == pytest.approx(5.0, abs=0.5)
     assert "rejoining the group for 5" in str(own.claim([(T, 0)]).stale())
-    assert own.joining("steady", holding=True), "a rejoin left behind completed: re-read what is held"
-    assert own.late_rejoins == 1 and own.rejoining_too_long() is None
+    assert rule.joining("steady", holding=True), "a rejoin left behind completed: re-read what is held"
+    assert rule.late_rejoins == 1 and own.rejoining_too_long() is None
     assert own.claim([(T, 0)]).stale() is None
-    assert not own.joining("steady", holding=True), "said once"
+    assert not rule.joining("steady", holding=True), "said once"
 
 
 def test_rejoined_late_reads_librdkafkas_statistics_and_fences_what_is_held() -> None:
     """The statistics path the worker and the retry scheduler share: the join state from a statistics document,
     the broker's reachability from the liveness detector at each document, and a fence on the partitions held."""
     down = [False]
-    own = Ownership(Member(), lease_s=0.3, broker_down=lambda: down[0])
+    own = Ownership(Member(), lease_s=0.3, broker_down=lambda: down[0], rejoin=True)
     held = {(T, 0)}
 
     def stats(join_state: str) -> str:
@@ -167,3 +169,12 @@ def test_rejoined_late_reads_librdkafkas_statistics_and_fences_what_is_held() ->
     assert own.rejoined_late(stats("steady"), held)
     assert claim.stale() == f"partitions {T}[0] were lost or revoked"
     assert own.claim(held).stale() is None and not own.rejoined_late(stats("steady"), held)
+
+
+def test_off_embedded_mode_no_rejoin_rule_is_built_and_statistics_change_nothing() -> None:
+    own = Ownership(Member(), lease_s=0.3, broker_down=lambda: True)
+    held = {(T, 0)}
+    stats = json.dumps({"name": "rdkafka#consumer-1", "cgrp": {"state": "up", "join_state": "wait-join"}})
+    assert own.rejoin is None and not own.rejoined_late(stats, held)
+    threading.Event().wait(0.25)
+    assert own.rejoining_too_long() is None and own.claim(held).stale() is None

@@ -8,7 +8,10 @@
 - :mod:`.ghost_leader`: a member leaves its group only once the group is stable (a leader leaving a re-forming group
   jams it), and a sampler of the group's state tells when a member is stuck.
 
-Still outside this package: the rejoin rule of :mod:`batchline.kafka.ownership`, fed by librdkafka's statistics only
-in embedded mode. A process's parts are built in one place, :class:`batchline.kafka.membership.Membership`, for the
-worker and the streams alike.
+- :mod:`.rejoin`: no claim holds while a rejoin left behind by its group lasts (the broker hands a late rejoiner its
+  partitions back without a word), fed by librdkafka's statistics.
+
+A process's parts are built in one place, :class:`batchline.kafka.membership.Membership`, for the worker and the
+streams alike; the aborted-record index is also asked by the one-shot readers (:mod:`batchline.kafka.scan`) and the
+ledger.
 """
