@@ -96,7 +96,9 @@ def test_a_small_run_finishes_while_the_backfill_ahead_of_it_is_mostly_pending(
     kafka: KafkaSettings, job_name: str, make_job: Callable[..., JobTopics], tmp_path: Path
 ) -> None:
     topics = make_job(job_name, partitions=2, tiers=("1s", "2s"))
-    cfg = _fair_job(tmp_path / "job.toml", ahead=128, latency_ms=2)
+    # 5 ms a record: the backfill lasts about 25 s of engine time, longer than a `batchline submit` takes to start on
+    # a CI machine busy with vLLM tests beside it (at 2 ms the backfill once ended before the small run was staged)
+    cfg = _fair_job(tmp_path / "job.toml", ahead=128, latency_ms=5)
     big_ids, _ = requests_file(tmp_path / "big.jsonl", BIG, prefix="big")
     small_ids, _ = requests_file(tmp_path / "small.jsonl", SMALL, prefix="small")
     port = free_port()
@@ -105,6 +107,8 @@ def test_a_small_run_finishes_while_the_backfill_ahead_of_it_is_mostly_pending(
         big = _submit(kafka, topics.job, cfg, tmp_path / "big.jsonl", "--tenant", "archive")
         wait_for(lambda: _alive(worker, streams) or len(results(kafka, topics)) >= 200, RUN_TIMEOUT_S, "under way")
         small = _submit(kafka, topics.job, cfg, tmp_path / "small.jsonl", "--tenant", "daily")
+        at_submit = sum(rid.startswith("big") for rid in results(kafka, topics))
+        assert at_submit < BIG // 2, f"the small run was staged only after {at_submit} of {BIG}: too late to judge"
 
         def small_done() -> dict[str, int] | None:
             _alive(worker, streams)
@@ -114,7 +118,9 @@ def test_a_small_run_finishes_while_the_backfill_ahead_of_it_is_mostly_pending(
 
         at_small_done = wait_for(small_done, RUN_TIMEOUT_S, "the small run finished")
         # FIFO would finish the small run after every one of the backfill's records
-        print(f"backfill results when the small run finished: {at_small_done['big']} of {BIG}")
+        print(
+            f"backfill results when the small run was staged / finished: {at_submit} / {at_small_done['big']} of {BIG}"
+        )
         assert at_small_done["big"] < BIG // 2, at_small_done
 
         samples = scrape(port)  # the admitter's figures by tenant
