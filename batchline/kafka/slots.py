@@ -14,8 +14,9 @@ wait that long), the embedded broker never does (they wait for good). So each tr
 
 Two live processes never share a slot on one host: a second claim of an explicit id held by a live process is
 refused with one line (:class:`SlotTaken`). Across hosts only the hostnames keep automatic slots apart; an
-explicit id given to two processes on two hosts is caught by the broker instead - the one fenced stops
-(:class:`batchline.kafka.transaction_errors.TransactionalIdTaken`) rather than fencing back.
+explicit id given to two processes on two hosts is caught by the broker instead - the one fenced stops (its
+commit fails with :class:`~batchline.kafka.transaction_errors.TransactionFailed` of kind ``id_taken``) rather
+than fencing back.
 
 A slot that never comes back (scale-down, a crash nobody restarts): :func:`fence_dead_slots` takes the lock of
 every slot file of the group whose holder is dead, fences its transactional id (``init_transactions``, then close)
