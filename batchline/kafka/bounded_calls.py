@@ -34,6 +34,7 @@ class BoundedCalls:
         self._call: Callable[[], Any] | None = None
         self._outcome: tuple[bool, Any] = (True, None)
         self.hung = False
+        self.closed = False
         self._thread = threading.Thread(target=self._run, name=f"txn-calls {name}", daemon=True)
         self._thread.start()
 
@@ -41,25 +42,36 @@ class BoundedCalls:
         """``fn(timeout)`` on the runner's thread; its result or its exception, or :class:`CallHung`."""
         if self.hung:
             raise CallHung("an earlier call of this producer is still blocked")
+        if self.closed:
+            raise CallHung("the calls of this producer were closed")
         self._done.clear()
         self._call = lambda: fn(timeout)
         self._ready.set()
         if not self._done.wait(timeout + HANG_GRACE_S):
             self.hung = True
             raise CallHung(f"a transactional call still blocked {timeout + HANG_GRACE_S:.0f}s after it began")
-        ok, value = self._outcome
+        (ok, value), self._outcome = self._outcome, (True, None)  # held no longer than the call
         if not ok:
             raise value
         return value
+
+    def close(self) -> None:
+        """End the runner's thread once it is idle (never waited for): a hung one ends if its call ever returns.
+        Its last call and outcome are not kept, so nothing here keeps a retired producer alive."""
+        self.closed = True
+        self._call = None
+        self._ready.set()
 
     def _run(self) -> None:
         while True:
             self._ready.wait()
             self._ready.clear()
             call, self._call = self._call, None
-            assert call is not None
+            if call is None:  # closed
+                return
             try:
                 self._outcome = (True, call())
             except BaseException as exc:  # handed to the caller's thread, raised there
                 self._outcome = (False, exc)
+            del call  # the closure holds the producer it called: not kept while idle
             self._done.set()

@@ -89,6 +89,7 @@ class ProducerLifecycle:
         try:
             calls.call(producer.init_transactions, CALL_TIMEOUT_S)
         except (CallHung, KafkaException) as exc:
+            calls.close()
             self._retired.append((producer, calls))
             why = exc if isinstance(exc, CallHung) else exc.args[0].str()
             message = f"init_transactions of {self.transactional_id} failed: {why}"
@@ -134,8 +135,8 @@ class ProducerLifecycle:
                 errors += 0 if resumed else 1
                 down = not while_down and self.broker_down()
                 give_up = time.monotonic() >= deadline or down
-                if resumed:
-                    self._pending = fn
+                # Only a time-out leaves the operation going on inside librdkafka: any other error ended the call
+                self._pending = fn if resumed else None
                 if not err.retriable() or errors >= CALL_RETRIES or give_up:
                     raise
                 if not resumed:
@@ -205,6 +206,7 @@ class ProducerLifecycle:
                 log.warning("keeping the old producer of %s: a call of it is still pending", self.transactional_id)
                 self._retired.append((old, calls))
                 self._pending = None
+            calls.close()  # else its idle thread, and the last call's closure with the old producer, live on
             self._replace = True
             if not calls.hung:
                 try:
@@ -220,6 +222,7 @@ class ProducerLifecycle:
             log.error("closing %s with a transaction left to the broker's timeout: %s", self.transactional_id, exc)
             return
         self.producer.flush(timeout)
+        self._calls.close()
 
 
 def check_guard(guard: Guard | None) -> None:

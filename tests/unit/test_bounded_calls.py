@@ -7,8 +7,10 @@ so that a hang is declared in a fraction of a second.
 
 from __future__ import annotations
 
+import gc
 import threading
 import time
+import weakref
 from collections.abc import Callable, Iterator
 
 import pytest
@@ -110,3 +112,26 @@ def test_after_a_hang_every_call_raises_call_hung_at_once_without_running(releas
     release.set()  # the hung call returns now: what was refused is not run late either
     threading.Event().wait(GRACE_S)
     assert ran == [] and calls.hung
+
+
+def test_a_closed_runner_ends_its_thread_keeps_nothing_of_its_last_call_and_refuses_more_calls() -> None:
+    """What a retired producer's runner must not do: live on, idle, holding the last call's closure (and with it
+    the producer it called)."""
+
+    class Held:
+        pass
+
+    held = Held()
+    calls = BoundedCalls("unit-closed")
+    assert calls.call(lambda _t, h=held: type(h).__name__, 1.0) == "Held"
+    gone = weakref.ref(held)
+    del held
+    gc.collect()
+    assert gone() is None, "the idle runner still holds its last call"
+    calls.close()
+    calls._thread.join(BLOCKED_S)
+    assert not calls._thread.is_alive()
+    ran: list[int] = []
+    with pytest.raises(CallHung, match="closed"):
+        calls.call(lambda _t: ran.append(1), 1.0)
+    assert ran == []

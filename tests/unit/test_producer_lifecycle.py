@@ -9,8 +9,10 @@ these (stale claims, rejected messages) is in test_transactions.py.
 
 from __future__ import annotations
 
+import gc
 import threading
 import time
+import weakref
 from collections.abc import Iterator
 from types import SimpleNamespace
 from typing import Any
@@ -278,6 +280,18 @@ def test_an_abort_is_not_made_when_the_pending_call_fails_as_it_is_resumed(monke
     assert made.producer(0).calls == ["init", "offsets", "offsets"], "no abort_transaction after the failure"
 
 
+def test_a_call_ended_by_an_error_after_a_time_out_is_not_left_pending(monkeypatch: pytest.MonkeyPatch) -> None:
+    """Only a time-out leaves librdkafka's operation going on: a commit that times out, then ends with an abortable
+    error, is over, so the abort that must follow is sent on the same producer (not refused as if the commit were
+    still under way, which would retire the producer and report the transaction in doubt)."""
+    made = Life(monkeypatch, {"commit": [timed_out(), refused("abortable (stand-in)")]})
+    with pytest.raises(KafkaException):
+        made.life.call(made.life.commit_transaction)
+    assert made.life.abort()
+    assert made.producer(0).calls == ["init", "commit", "commit", "abort"]
+    assert made.life.recreated == 0 and made.life._retired == []
+
+
 def test_an_abort_that_hangs_is_given_up_and_its_producer_retired_for_a_later_replacement(
     monkeypatch: pytest.MonkeyPatch, release: threading.Event
 ) -> None:
@@ -317,6 +331,28 @@ def test_recreate_flushes_or_purges_a_producer_with_nothing_pending_and_lets_it_
     assert [p.calls for p in made.made.producers] == [["init", "flush"], ["init", "purge"], ["init"]]
     assert made.life.producer is made.producer(2) and made.life.recreated == 2
     assert made.life._retired == [] and not made.life._replace
+
+
+def test_a_recreated_producer_with_nothing_pending_is_let_go_with_its_runner_thread(
+    monkeypatch: pytest.MonkeyPatch,
+) -> None:
+    """Each recreate (a resync after a rejected record batch, a fatal error, a lapsed claim) leaves neither the old
+    librdkafka client (its threads and sockets) nor an idle runner thread behind."""
+    made = Life(monkeypatch)
+    first = made.life._calls._thread
+    made.life.abort()
+    old = weakref.ref(made.producer(0))
+    made.life.recreate()
+    made.made.producers.pop(0)  # the test's own reference
+    gc.collect()
+    assert old() is None, "the old producer is still referenced"
+    first.join(BLOCKED_S)
+    assert not first.is_alive(), "the old runner thread lives on"
+    second = made.life._calls._thread
+    made.life.close()
+    assert made.producer(0).calls == ["init", "flush"]
+    second.join(BLOCKED_S)
+    assert not second.is_alive(), "close leaves the runner thread behind"
 
 
 def test_recreate_keeps_a_producer_whose_call_is_pending_and_makes_a_new_one(monkeypatch: pytest.MonkeyPatch) -> None:
