@@ -1,6 +1,6 @@
 """Stand-ins for librdkafka clients, to drive the commit path without a broker: a consumer as ownership sees it
 (its group metadata, scripted), a committed-offset answer, and a transactional producer whose calls are recorded and
-whose answers are scripted.
+whose answers are scripted; and a clock moved by hand.
 """
 
 from __future__ import annotations
@@ -26,6 +26,16 @@ class Answer:
     partition: int
     offset: int
     error: KafkaError | None = None
+
+
+class Clock:
+    """A monotonic clock the test moves by hand (``clock.now += 5``)."""
+
+    def __init__(self, now: float = 100.0) -> None:
+        self.now = now
+
+    def __call__(self) -> float:
+        return self.now
 
 
 def metadata(generation: int, member: str, group: str = "g") -> bytes:

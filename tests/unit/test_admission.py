@@ -17,17 +17,10 @@ from consumers.lanes import Lanes
 from consumers.pauses import PauseBook
 from consumers.schedule import Schedule
 from tests.unit.helpers import config
+from tests.unit.stand_ins import Clock
 
 T = "unit.requests"
 LIMIT = 100
-
-
-class Clock:
-    def __init__(self) -> None:
-        self.now = 100.0
-
-    def __call__(self) -> float:
-        return self.now
 
 
 class Consumer:

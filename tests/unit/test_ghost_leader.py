@@ -20,19 +20,12 @@ from batchline.config import KafkaSettings
 from batchline.kafka.embedded.ghost_leader import LOOK_EVERY_S, STABLE_LOOKS, GroupSampler, close_member
 from batchline.kafka.groups import DESCRIBE_TIMEOUT_S, AssignmentWatch
 from batchline.kafka.liveness import never_down
+from tests.unit.stand_ins import Clock
 
 GROUP = "unit.workers.x"
 EMBEDDED = KafkaSettings(broker="embedded", bootstrap="127.0.0.1:9")  # nothing listens, and nothing here connects
 TIMEOUT_S = 60.0  # the watch's rebalance timeout
 LOGGER = "batchline.kafka.embedded.ghost_leader"
-
-
-class Clock:
-    def __init__(self) -> None:
-        self.now = 0.0
-
-    def __call__(self) -> float:
-        return self.now
 
 
 class Consumer:
@@ -86,7 +79,7 @@ class Admin:
 def _leave(answers: list[str | None], leave_timeout_s: float = 30.0) -> tuple[bool, list[str], Clock, Admin]:
     """Close a member in embedded mode: whether it left a stable group, what happened in order (polls run
     together), the clock when it closed, and the admin client that looked."""
-    clock, events = Clock(), list[str]()
+    clock, events = Clock(0.0), list[str]()
     admin = Admin(answers, events)
     stable = close_member(Consumer(clock, events), EMBEDDED, GROUP, leave_timeout_s, clock, admin)
     runs = [e for i, e in enumerate(events) if i == 0 or e != events[i - 1]]
@@ -156,7 +149,7 @@ def test_in_embedded_mode_no_leave_timeout_closes_at_once_without_a_look_or_a_wa
 
 
 def _watch() -> tuple[AssignmentWatch, Clock]:
-    clock = Clock()
+    clock = Clock(0.0)
     return AssignmentWatch(GROUP, TIMEOUT_S, clock), clock
 
 

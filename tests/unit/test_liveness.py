@@ -9,16 +9,9 @@ from batchline.cli.failures import report
 from batchline.config import KafkaSettings
 from batchline.exceptions import BrokerLost, BrokerUnreachable, ExitCode, MissingTopicError
 from batchline.kafka.liveness import BrokerLiveness, client_error_cb, tcp_reason
+from tests.unit.stand_ins import Clock
 
 ADDRESS = "127.0.0.1:1"
-
-
-class Clock:
-    def __init__(self) -> None:
-        self.now = 100.0
-
-    def __call__(self) -> float:
-        return self.now
 
 
 class Broker:
