@@ -59,8 +59,16 @@ class _Ids:
         self._tick()
         return added
 
-    def letter(self, rid: str, value: bytes) -> None:
-        self.db.execute("INSERT OR REPLACE INTO letters VALUES (?, ?)", (rid, value))
+    def letter(self, rid: str, value: bytes, readable: bool = True) -> None:
+        """Keep ``rid``'s letter: a readable one replaces the one kept; an unreadable one is kept only while ``rid``
+        has none (it still counts as an outcome, never hides a readable letter, and is never yielded)."""
+        verb = "REPLACE" if readable else "IGNORE"
+        self.db.execute(f"INSERT OR {verb} INTO letters VALUES (?, ?)", (rid, value))
+        self._tick()
+
+    def forget(self, rid: str) -> None:
+        """Undo :meth:`first`: the copy recorded turned out unreadable, so a later one may still be yielded."""
+        self.db.execute("DELETE FROM seen WHERE id = ?", (rid,))
         self._tick()
 
     def has_outcome(self, rid: str) -> bool:
@@ -129,16 +137,29 @@ class RunOutcomes:
             yield result, lineage
 
     def _decode_result(self, msg: Any) -> tuple[Result | None, Lineage | None]:
-        """The message's result and lineage, or (None, None) if its request id was already yielded."""
+        """The message's result and lineage, or (None, None) if its request id was already yielded. A keyed copy
+        of an id already yielded is not decoded; an unreadable one leaves its id free for a later readable copy
+        (or its dead letter). A lineage header that does not decode is logged and left out (None)."""
         key: bytes | None = msg.key()
         result: Result | None = None if key else codec_for("result").decode(msg.value() or b"")
         rid = key.decode("utf-8", "replace") if key else result.request_id  # type: ignore[union-attr]
         if not self._ids.first(rid):
             return None, None
         if result is None:
-            result = codec_for("result").decode(msg.value() or b"")
+            try:
+                result = codec_for("result").decode(msg.value() or b"")
+            except DecodeError:
+                self._ids.forget(rid)
+                raise
         raw = h.as_dict(msg.headers()).get(h.LINEAGE)
-        return result, codec_for("lineage").decode(raw) if raw else None
+        if not raw:
+            return result, None
+        try:
+            return result, codec_for("lineage").decode(raw)
+        except DecodeError as exc:
+            where = f"{msg.topic()}[{msg.partition()}]@{msg.offset()}"
+            log.warning("the result at %s has an unreadable lineage header, left out: %s", where, exc)
+            return result, None
 
     def letters(self) -> Iterator[DeadLetter]:
         """The latest dead letter of each request id without a result (call after :meth:`results`), by id."""
@@ -146,17 +167,22 @@ class RunOutcomes:
         for msg in scan(self.kafka, self.topics.dlq, **self._reader):
             if not _in_run(msg, self._wanted):
                 continue
-            try:
-                rid = msg.key().decode("utf-8", "replace") if msg.key() else codec.decode(msg.value() or b"").request_id
-            except DecodeError:
+            key: bytes | None = msg.key()
+            try:  # decoded here, so an unreadable latest letter never hides a readable earlier one
+                rid = codec.decode(msg.value() or b"").request_id
+                readable = True
+            except DecodeError as exc:
                 self.unreadable += 1
-                continue
-            self._ids.letter(rid, msg.value() or b"")
+                where = f"{msg.topic()}[{msg.partition()}]@{msg.offset()}"
+                log.warning("skipping an unreadable dead letter at %s: %s", where, exc)
+                if not key:
+                    continue
+                readable = False
+            self._ids.letter(key.decode("utf-8", "replace") if key else rid, msg.value() or b"", readable)
         for value in self._ids.letters_without_result():
             try:
                 letter: DeadLetter = codec.decode(value)
-            except DecodeError:
-                self.unreadable += 1
+            except DecodeError:  # an id whose only letters are unreadable: counted as it was read
                 continue
             self.letters_read += 1
             yield letter
