@@ -38,6 +38,45 @@ class Clock:
         return self.now
 
 
+class Message:
+    """A consumed message as librdkafka hands it over (``confluent_kafka.Message``'s accessors), or a consumer
+    error (``error`` set)."""
+
+    def __init__(
+        self,
+        topic: str,
+        partition: int,
+        offset: int,
+        key: bytes | None = None,
+        value: bytes | None = None,
+        headers: list[tuple[str, bytes]] | None = None,
+        error: KafkaError | None = None,
+    ) -> None:
+        self._topic, self._partition, self._offset = topic, partition, offset
+        self._key, self._value, self._headers, self._error = key, value, headers, error
+
+    def error(self) -> KafkaError | None:
+        return self._error
+
+    def topic(self) -> str:
+        return self._topic
+
+    def partition(self) -> int:
+        return self._partition
+
+    def offset(self) -> int:
+        return self._offset
+
+    def key(self) -> bytes | None:
+        return self._key
+
+    def value(self) -> bytes | None:
+        return self._value
+
+    def headers(self) -> list[tuple[str, bytes]] | None:
+        return self._headers or None  # librdkafka gives None, not [], for a message without headers
+
+
 def metadata(generation: int, member: str, group: str = "g") -> bytes:
     return b"CGMDv2:" + struct.pack("=i", generation) + group.encode() + b"\0" + member.encode() + b"\0\x01"
 

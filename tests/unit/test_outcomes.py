@@ -20,6 +20,7 @@ from batchline.runs import outcomes
 from batchline.runs.manifests import STREAM_RUN
 from batchline.runs.outcomes import READER, RunOutcomes, _Ids, run_header_values
 from schemas import DeadLetter, Lineage, PartitionBoundary, Result, RunManifest, codec_for
+from tests.unit.stand_ins import Message
 
 NOW = datetime(2026, 1, 1, tzinfo=UTC)
 RUN = "r-1"
@@ -28,39 +29,11 @@ KAFKA = KafkaSettings()
 GARBAGE = b"\xc3\x01not an avro record"
 
 
-class Msg:
-    """A consumed message as RunOutcomes reads it (confluent_kafka.Message's accessors)."""
-
-    def __init__(
-        self, topic: str, partition: int, offset: int, key: bytes | None, value: bytes | None, headers: h.Headers
-    ) -> None:
-        self._topic, self._partition, self._offset = topic, partition, offset
-        self._key, self._value, self._headers = key, value, headers
-
-    def topic(self) -> str:
-        return self._topic
-
-    def partition(self) -> int:
-        return self._partition
-
-    def offset(self) -> int:
-        return self._offset
-
-    def key(self) -> bytes | None:
-        return self._key
-
-    def value(self) -> bytes | None:
-        return self._value
-
-    def headers(self) -> h.Headers | None:
-        return self._headers or None  # librdkafka gives None, not [], for a message without headers
-
-
 class Topics:
     """Topics held in memory; :meth:`scan` stands in for the Kafka read and records how it was asked."""
 
     def __init__(self) -> None:
-        self.logs: dict[tuple[str, int], list[Msg]] = {}
+        self.logs: dict[tuple[str, int], list[Message]] = {}
         self.scans: list[tuple[str, dict[int, tuple[int, int]] | None, dict[str, Any]]] = []
 
     def append(
@@ -72,7 +45,7 @@ class Topics:
         partition: int = 0,
     ) -> None:
         log = self.logs.setdefault((topic, partition), [])
-        log.append(Msg(topic, partition, len(log), key, value, headers or []))
+        log.append(Message(topic, partition, len(log), key, value, headers or []))
 
     def scan(
         self,
@@ -81,7 +54,7 @@ class Topics:
         ranges: dict[int, tuple[int, int]] | None = None,
         committed_only: bool = True,
         **overrides: Any,
-    ) -> Iterator[Msg]:
+    ) -> Iterator[Message]:
         self.scans.append((topic, ranges, overrides))
         for (name, partition), log in sorted(self.logs.items()):
             if name != topic or (ranges is not None and partition not in ranges):
