@@ -67,7 +67,7 @@ class ProducerLifecycle:
         # cut off from the broker aborted its transaction). So the timed-out call is kept (``_pending``) and
         # resumed before an abort, and a producer whose commit is pending is retired, kept referenced, not
         # destroyed. Owned by the thread that calls commit().
-        # A call that hangs (librdkafka #5456, :class:`BoundedCalls`) leaves its producer blocked inside it: the
+        # A call that hangs (:class:`BoundedCalls`) leaves its producer blocked inside it: the
         # producer and its runner are retired the same way, and the next commit (or close) makes a new producer,
         # whose init_transactions fences the transaction the hung one held. Not at once: the broker that did not
         # answer would keep the caller waiting as long again (``_replace``).

@@ -1,4 +1,4 @@
-"""A transactional call that never returns (librdkafka #5456) is abandoned, and its transaction aborted.
+"""A transactional call that never returns is abandoned, and its transaction aborted.
 
 librdkafka 2.16's ``send_offsets_to_transaction`` sends its coordinator requests without a time-out of their own:
 behind a link that accepts connections and never answers (a blackhole,
