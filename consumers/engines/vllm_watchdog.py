@@ -1,7 +1,9 @@
 """What keeps a worker from hanging on a dead vLLM: the engine-core watchdog, and which errors are out of memory.
 
 Threads: :class:`Watchdog` runs its own thread (``vllm-watchdog``); the engine thread marks a call's start and end
-(:meth:`Watchdog.call`), the watchdog only reads that mark and puts an error into vLLM's output queue.
+(:meth:`Watchdog.call`), the watchdog reads that mark and puts an error into vLLM's output queue. The two meet under
+``_lock``: the watchdog fires only for the call it measured, still running, and a call that returned before it read
+the error takes it back out of the queue, so an error never reaches a later call.
 """
 
 from __future__ import annotations
@@ -38,7 +40,10 @@ class Watchdog:
         self._procs: list[Any] = list(getattr(manager, "processes", None) or [])
         self._queue: Any = getattr(core, "outputs_queue", None)  # private to vLLM: absent, we only detect
         self.timeout_s = timeout_s
-        self._started: float | None = None
+        self._lock = threading.Lock()
+        self._watched: tuple[int, float] | None = None  # (the call's number, its start): under _lock
+        self._calls = 0
+        self._fired: EngineGone | None = None  # what was put into the queue for the call now watched
         self._stopped = threading.Event()
         threading.Thread(target=self._loop, name="vllm-watchdog", daemon=True).start()
 
@@ -47,25 +52,45 @@ class Watchdog:
 
     @contextmanager
     def call(self) -> Iterator[None]:
-        self._started = time.monotonic()
+        with self._lock:
+            self._calls += 1
+            self._watched = (self._calls, time.monotonic())
         try:
             yield
         finally:
-            self._started = None
+            with self._lock:
+                self._watched = None
+                fired, self._fired = self._fired, None
+            if fired is not None:
+                self._take_back(fired)
 
     def stop(self) -> None:
         self._stopped.set()
 
     def _loop(self) -> None:
         while not self._stopped.wait(WATCH_INTERVAL_S):
-            started = self._started
-            if started is None or self._queue is None:
+            watched = self._watched
+            if watched is None or self._queue is None:
                 continue
             if not self.alive():
                 problem = "vLLM's engine-core process exited mid-call"
-            elif self.timeout_s is not None and time.monotonic() - started > self.timeout_s:
+            elif self.timeout_s is not None and time.monotonic() - watched[1] > self.timeout_s:
                 problem = f"vLLM call ran over infer_timeout_s={self.timeout_s}"
             else:
                 continue
-            self._started = None
-            self._queue.put_nowait(EngineGone(problem))
+            with self._lock:
+                if self._watched is not watched:  # that call returned meanwhile
+                    continue
+                self._watched = None  # one error a call
+                self._fired = EngineGone(problem)
+                self._queue.put_nowait(self._fired)
+
+    def _take_back(self, error: EngineGone) -> None:
+        """Remove ``error`` from the output queue if the call it was meant for returned without reading it (a
+        ``queue.Queue``: its own lock makes the removal atomic against vLLM's output thread; order kept)."""
+        mutex, items = getattr(self._queue, "mutex", None), getattr(self._queue, "queue", None)
+        if mutex is None or items is None:
+            return
+        with mutex:
+            if any(item is error for item in items):
+                items.remove(error)

@@ -248,7 +248,7 @@ def test_an_engine_dying_mid_call_is_a_transient_engine_error_and_it_restarts(en
 
     def kill_once_inferring() -> None:
         deadline = time.monotonic() + KILL_WAIT_S
-        while engine._watchdog._started is None and time.monotonic() < deadline:
+        while engine._watchdog._watched is None and time.monotonic() < deadline:
             time.sleep(0.001)
         os.kill(core.pid, signal.SIGKILL)
 

@@ -86,7 +86,9 @@ def watch(monkeypatch: pytest.MonkeyPatch) -> Iterator[Callable[..., Dog]]:
         made.append(Rounds())
         return made[-1]
 
-    monkeypatch.setattr(vllm_watchdog, "threading", SimpleNamespace(Event=event, Thread=threading.Thread))
+    monkeypatch.setattr(
+        vllm_watchdog, "threading", SimpleNamespace(Event=event, Thread=threading.Thread, Lock=threading.Lock)
+    )
     dogs: list[Dog] = []
 
     def make(llm: Any, timeout_s: float | None) -> Dog:
@@ -146,6 +148,46 @@ def test_a_stuck_call_gets_one_error_not_one_per_round(watch: Callable[..., Dog]
         core.dead = True  # over time and dead: still nothing more for this call
         dog.rounds.pass_()
         assert outputs.empty()
+
+
+def test_an_error_for_a_call_that_returned_without_reading_it_is_taken_back(watch: Callable[..., Dog]) -> None:
+    """The call outran its timeout but vLLM answered it just as the watchdog fired: the error must not wait in the
+    queue for the next call (which would fail, and restart the engine, for nothing)."""
+    outputs: queue.Queue[Any] = queue.Queue()
+    outputs.put_nowait("an output already waiting")
+    dog = watch(_llm([EngineCoreProc()], outputs), timeout_s=0.01)
+    with dog.watchdog.call():
+        deadline = time.monotonic() + WAIT_S
+        while outputs.qsize() < 2 and time.monotonic() < deadline:  # the error is put; the call never reads it
+            time.sleep(0.001)
+        assert outputs.qsize() == 2
+    assert list(outputs.queue) == ["an output already waiting"], "the error is taken back, the rest kept"
+
+
+def test_a_call_that_returns_while_the_watchdog_decides_leaves_no_error_behind(watch: Callable[..., Dog]) -> None:
+    """The watchdog read a call's start and, while it asked whether the engine-core lives, that call returned and
+    the next one began and returned; only then is the first call over time: nothing is put for either."""
+    outputs: queue.Queue[Any] = queue.Queue()
+    armed: list[Any] = []
+
+    class Switching(EngineCoreProc):
+        def is_alive(self) -> bool:
+            if armed:
+                armed.pop().__exit__(None, None, None)  # the measured call returns
+                with dog.watchdog.call():  # the next one runs whole
+                    pass
+                dog.watchdog.timeout_s = 0.01  # and now the measured one reads as over time
+            return True
+
+    dog = watch(_llm([Switching()], outputs), timeout_s=60.0)
+    measured = dog.watchdog.call()
+    measured.__enter__()
+    time.sleep(0.02)
+    armed.append(measured)
+    dog.rounds.pass_()
+    assert not armed, "the watchdog looked"
+    dog.rounds.pass_()
+    assert outputs.empty()
 
 
 def test_a_dead_engine_core_between_calls_is_reported_by_alive_not_put_in_the_queue(
