@@ -13,11 +13,12 @@ from typing import Any
 
 from batchline.config import KafkaSettings
 from batchline.exceptions import NotFoundError
+from batchline.kafka import headers as h
 from batchline.kafka.scan import scan
 from batchline.kafka.topics import JobTopics
 from batchline.runs.control import STOP_CLASSES
 from batchline.runs.identity import Fingerprint
-from batchline.runs.manifests import RunsView
+from batchline.runs.manifests import STREAM_RUN, RunsView
 from batchline.runs.staging import Staging, records_topic
 from batchline.runs.submit import Format, SubmitReport, publish_run, submit_file
 from schemas import DeadLetter, codec_for
@@ -30,31 +31,58 @@ class ReplayError(NotFoundError):
     """A replay cannot be made (unknown run, nothing to replay): exit code 7."""
 
 
-def succeeded_ids(kafka: KafkaSettings, topics: JobTopics) -> set[str]:
-    return {m.key().decode() for m in scan(kafka, topics.results) if m.key()}
+def succeeded_ids(kafka: KafkaSettings, topics: JobTopics) -> set[tuple[str, str]]:
+    """(run, request id) of every result; a request id is its run's own (the same file submitted twice gives its
+    records the same ids in two runs)."""
+    return {(_run_of(m.headers()), m.key().decode()) for m in scan(kafka, topics.results) if m.key()}
 
 
 def quarantined(
     kafka: KafkaSettings, topics: JobTopics, run_id: str | None = None, failure_class: str | None = None
 ) -> dict[str, DeadLetter]:
-    """The latest dead letter of each id that has no result, filtered by run and class. Records of a cancelled or
-    expired run (classes ``cancelled``, ``expired``) are not quarantined: only an explicit ``failure_class`` names
-    them (``dlq J replay --run R --class cancelled`` runs them after all, as a child run)."""
-    letters: dict[str, DeadLetter] = {}
+    """The latest dead letter of each record (a request id of a run) that has no result, in its run or in a replay
+    descending from it, filtered by run and class. Records of a cancelled or expired run (classes ``cancelled``,
+    ``expired``) are not quarantined: only an explicit ``failure_class`` names them (``dlq J replay --run R --class
+    cancelled`` runs them after all, as a child run). Keyed by request id; without ``run_id`` an id quarantined in
+    several runs appears once, with its latest letter."""
+    letters: dict[tuple[str, str], DeadLetter] = {}
     for msg in scan(kafka, topics.dlq):
         try:
             letter: DeadLetter = codec_for("dead_letter").decode(msg.value() or b"")
         except DecodeError:
             continue
-        letters[letter.request_id] = letter
-    done = succeeded_ids(kafka, topics)
+        letters[(letter.run_id or STREAM_RUN, letter.request_id)] = letter
+    parents = _parents(kafka, topics)
+    done = {(run, rid) for result_run, rid in succeeded_ids(kafka, topics) for run in _lineage(result_run, parents)}
     return {
         rid: dl
-        for rid, dl in letters.items()
-        if rid not in done
-        and (run_id is None or dl.run_id == run_id)
+        for (run, rid), dl in letters.items()
+        if (run, rid) not in done
+        and (run_id is None or run == run_id)
         and (dl.failure_class == failure_class if failure_class is not None else dl.failure_class not in STOP_CLASSES)
     }
+
+
+def _run_of(headers: Any) -> str:
+    return h.as_dict(headers).get(h.RUN_ID, b"").decode("utf-8", "replace") or STREAM_RUN
+
+
+def _parents(kafka: KafkaSettings, topics: JobTopics) -> dict[str, str]:
+    """Each replay's parent run, from the manifests in J.runs."""
+    view = RunsView(kafka, topics)
+    try:
+        view.sync()
+        return {run: m.parent_run_id for run, m in view.all().items() if m.parent_run_id}
+    finally:
+        view.stop()
+
+
+def _lineage(run: str, parents: dict[str, str]) -> list[str]:
+    """``run``, its parent, the parent's parent...: a result of a replay answers its ancestors' letters too."""
+    line = [run]
+    while (parent := parents.get(line[-1])) is not None and parent not in line:
+        line.append(parent)
+    return line
 
 
 @dataclass
