@@ -193,9 +193,15 @@ def embed_input(value: Any, line: Line, param: str) -> None:
 
 def max_tokens(value: Any, line: Line, param: str) -> None:
     other = line.given("max_completion_tokens")
-    if other is not None and other != value:
+    if other is not None and (type(other) is not type(value) or other != value):  # true is not 1 here either
+        if _is_count(value) and not _is_count(other):
+            raise invalid("body.max_completion_tokens", "must be an integer")
         raise invalid(param, f"{value!r} differs from body.max_completion_tokens {other!r}")
     line.put("sampling.max_tokens", value, param)
+
+
+def _is_count(value: Any) -> bool:
+    return isinstance(value, int) and not isinstance(value, bool)
 
 
 def chat_logprobs(value: Any, line: Line, param: str) -> None:
@@ -287,12 +293,16 @@ def structured_outputs(value: Any, line: Line, param: str) -> None:
         raise invalid(param, "give one of body.response_format and body.structured_outputs")
     if not isinstance(value, dict):
         raise invalid(param, f"must be an object with one of {', '.join(STRUCTURED_KEYS)}")
+    named = 0
     for key, item in value.items():
         if key not in STRUCTURED_KEYS and item not in (None, False):
             raise unsupported(f"{param}.{key}", "is not carried (json, regex, choice, grammar, json_object are)")
         if key in STRUCTURED_KEYS and item is not None:
             line.put(f"structured.{STRUCTURED_KEYS[key]}", item, f"{param}.{key}")
             line.origin["structured"] = param
+            named += 1
+    if not named:  # as vLLM: a constraint object that constrains nothing is refused, never run unconstrained
+        raise invalid(param, f"names no constraint: give one of {', '.join(STRUCTURED_KEYS)}")
 
 
 def tools(value: Any, line: Line, param: str) -> None:
