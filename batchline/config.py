@@ -13,7 +13,7 @@ import socket
 import tempfile
 import tomllib
 from pathlib import Path
-from typing import Any, Literal
+from typing import Annotated, Any, Literal
 
 from pydantic import BaseModel, ConfigDict, Field, ValidationError, field_validator, model_validator
 from pydantic_settings import BaseSettings, SettingsConfigDict
@@ -334,10 +334,10 @@ class ScheduleConfig(_Frozen):
         "when the workers are fast: 0.3 s of their measured rate). A new run's records wait behind about that many, "
         "plus what the workers hold.",
     )
-    tenant_weights: dict[str, float] = Field(
+    tenant_weights: dict[str, Annotated[float, Field(gt=0, allow_inf_nan=False)]] = Field(
         default_factory=dict,
-        description="Fair admission: each tenant's share relative to the others (a tenant not named weighs 1). "
-        "Within a tenant a run of priority p weighs 2**p against its other runs.",
+        description="Fair admission: each tenant's share relative to the others (a tenant not named weighs 1; a "
+        "weight is a positive number). Within a tenant a run of priority p weighs 2**p against its other runs.",
     )
 
     @field_validator("windows")

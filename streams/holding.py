@@ -125,6 +125,9 @@ class HoldingMember:
         self.paused: set[TP] = set()  # what this member asked librdkafka to pause: partitions with a held head
         self.assigned: set[TP] = set()
         self.unsettled: set[TP] = set()  # partitions of a commit whose outcome is unknown: no re-publish until read
+        # (topic, partition, offset) -> why, of the records such a commit carried as dead letters (cancelled or
+        # expired runs): what _settle finds committed is counted as released, these as stopped
+        self._stopped_in_doubt: dict[tuple[str, int, int], str] = {}
         self._left_open = False  # a failed commit retired its producer with the transaction open: fence it
         self.stats = SchedulerStats()
         self.last_activity = time.monotonic()
@@ -229,6 +232,7 @@ class HoldingMember:
             self._backoff_until = time.monotonic() + FAILURE_BACKOFF_S
             if exc.ambiguous or exc.retired:  # the broker may have committed: learn it before re-publishing
                 self.unsettled |= set(taken)
+                self._stopped_in_doubt |= {_where(batch[i]): why for i, why in stops.items()}
             self._left_open = self._left_open or exc.retired  # a retired producer's transaction: fence it (_settle)
             log.error("%s; held for another try in %.0fs (outcome unknown: %s)", exc, FAILURE_BACKOFF_S, exc.ambiguous)
             return
@@ -243,7 +247,9 @@ class HoldingMember:
         log.debug("%s released %d records (first %s, at %d)", self.name, len(batch), batch[0], at)
 
     def _released(self, batch: list[Held], stops: dict[int, str]) -> None:
-        """Called after a release committed (the admitter counts what it admitted)."""
+        """Called once records are known released: by a release that committed, or by an ambiguous one whose
+        commit the group's offsets show (``_settle``). ``stops``: the indexes that went out as dead letters. The
+        admitter counts what it admitted."""
 
     def _stop(self, held: Held) -> str | None:
         """``cancelled`` / ``expired`` when the held record's run stopped (cancelled, or past its window), else None."""
@@ -282,14 +288,18 @@ class HoldingMember:
                 continue
             key = (tp.topic, tp.partition)
             queue = self.queues.get(key)
-            done = 0
+            done: list[Held] = []
             while queue is not None and len(queue) and queue.records[0].offset < tp.offset:
+                done.append(queue.records[0])
                 queue.drop(1)
-                done += 1
-            self.stats.already_committed += done
+            self.stats.already_committed += len(done)
             self.unsettled.discard(key)
             if done:
-                log.warning("%s[%d]: %d held retries were committed by the ambiguous commit: dropped", *key, done)
+                log.warning("%s[%d]: %d held records were committed by the ambiguous commit: dropped", *key, len(done))
+                stopped = self._stopped_in_doubt
+                self._released(done, {i: stopped[_where(b)] for i, b in enumerate(done) if _where(b) in stopped})
+        if not self.unsettled:
+            self._stopped_in_doubt = {}
         return not self.unsettled
 
     def _flow_control(self) -> None:
@@ -420,3 +430,7 @@ class HoldingMember:
 
 def _names(partitions: Iterable[TopicPartition]) -> str:
     return ", ".join(f"{tp.topic}[{tp.partition}]" for tp in partitions) or "nothing"
+
+
+def _where(held: Held) -> tuple[str, int, int]:
+    return held.topic, held.partition, held.offset
