@@ -1,10 +1,14 @@
-"""Pure-stage helpers: WorkItems and configs without a broker."""
+"""Pure-stage helpers: WorkItems and configs without a broker, and one OpenAI body field converted as the field
+table converts it."""
 
 from __future__ import annotations
 
 from typing import Any
 
+import pytest
+
 from batchline.config import JobConfig, load_job_config
+from batchline.runs.openai_convert import Converter, Line, LineError
 from consumers.work import Failure, Source, WorkItem
 from schemas import Request
 
@@ -62,3 +66,16 @@ def run_stage(cfg: JobConfig, engine: Any, items: list[WorkItem]) -> dict[int, A
     finally:
         feeder.close()
     return flight.outcomes
+
+
+def convert_field(convert: Converter, name: str, line: Line) -> Line:
+    """``convert`` run on the body's ``name``, as the table runs it: the value, the line, ``body.<name>``."""
+    convert(line.body[name], line, f"body.{name}")
+    return line
+
+
+def refusal(convert: Converter, name: str, line: Line) -> LineError:
+    """The LineError ``convert`` raises for the body's ``name`` (the test fails if it raises none)."""
+    with pytest.raises(LineError) as caught:
+        convert_field(convert, name, line)
+    return caught.value

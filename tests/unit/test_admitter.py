@@ -33,8 +33,8 @@ from streams.admitter import ADMITTED_AT, MEASURE_EVERY_S, Admitter, BacklogWatc
 from streams.fair_share import CHUNK
 from streams.holding import FAILURE_BACKOFF_S, MAX_WAIT_S, MIN_WAIT_S, TP
 from tests.unit.helpers import config
+from tests.unit.holding_stand_ins import Consumer, Membership, Release, Republisher
 from tests.unit.stand_ins import Clock, Message
-from tests.unit.test_holding import Consumer, Membership, Release, Republisher
 
 KAFKA = KafkaSettings(bootstrap="unit.invalid:9092")
 IN_FLIGHT = 20  # what one worker holds (batching.max_in_flight_records)
@@ -142,6 +142,15 @@ class Rig:
         while self.consumer.inbox:
             self.turn()
         assert self.published == []
+
+    def turns(self, n: int, members: int = 1) -> tuple[Counter[str], int]:
+        """``n`` turns, each after a fresh reading of ``members`` idle workers: the records each run was admitted,
+        and the most the room allowed over them."""
+        got: Counter[str] = Counter()
+        for _ in range(n):
+            self.measure(members=members)
+            got.update(self.turn())
+        return got, n * (members * IN_FLIGHT + AHEAD)
 
     def held(self, partition: int) -> list[int]:
         queue = self.member.queues.get((S, partition))
@@ -317,11 +326,7 @@ def test_tenants_share_the_room_by_their_configured_weight_and_a_tenant_not_name
     rig.stage(1, rig.run("l", tenant="light"), 3000)
     rig.stage(2, "no-manifest", 3000)  # tenant "" (no manifest), weighs one too
     rig.fetch()
-    got: Counter[str] = Counter()
-    for _ in range(40):
-        rig.measure(members=4)
-        got.update(rig.turn())
-    total = 40 * (4 * IN_FLIGHT + AHEAD)
+    got, total = rig.turns(40, members=4)
     assert sum(got.values()) == total
     assert abs(got["h"] - 3 * total / 5) <= CHUNK and abs(got["l"] - total / 5) <= CHUNK, got
     assert abs(got["l"] - got["no-manifest"]) <= CHUNK, got
@@ -350,11 +355,7 @@ def test_within_a_tenant_each_priority_step_doubles_a_runs_share_up_to_the_bound
     rig.stage(0, rig.run("first", tenant="t", priority=first), 3000)
     rig.stage(1, rig.run("second", tenant="t", priority=second), 3000)
     rig.fetch()
-    got: Counter[str] = Counter()
-    for _ in range(30):
-        rig.measure(members=4)
-        got.update(rig.turn())
-    total = 30 * (4 * IN_FLIGHT + AHEAD)
+    got, total = rig.turns(30, members=4)
     assert sum(got.values()) == total
     assert abs(got["first"] - total * ratio / (1 + ratio)) <= CHUNK, got
 

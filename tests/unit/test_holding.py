@@ -12,7 +12,7 @@ with the real re-publisher over a stand-in librdkafka producer (tests/unit/stand
 from __future__ import annotations
 
 import time
-from collections.abc import Callable, Mapping
+from collections.abc import Callable
 from dataclasses import dataclass, field
 from types import SimpleNamespace
 from typing import Any
@@ -22,7 +22,6 @@ from confluent_kafka import OFFSET_BEGINNING, KafkaError, KafkaException, TopicP
 
 from batchline.config import KafkaSettings
 from batchline.kafka import headers as h
-from batchline.kafka.ownership import Claim, Ownership
 from batchline.kafka.topics import JobTopics
 from batchline.kafka.transaction_errors import Kind, TransactionFailed, id_taken
 from streams import holding
@@ -31,7 +30,8 @@ from streams.holding import FAILURE_BACKOFF_S, MAX_TXN_RECORDS, RECONCILE_S, TP,
 from streams.partition_queue import PartitionQueue
 from streams.republish import RETRIED_AT, Held, held_of
 from tests.unit.helpers import config
-from tests.unit.stand_ins import Answer, Clock, Message, Producer, metadata, stand_in_txn
+from tests.unit.holding_stand_ins import Consumer, Membership, Release, Republisher
+from tests.unit.stand_ins import Clock, Message, Producer, stand_in_txn
 
 KAFKA = KafkaSettings(bootstrap="unit.invalid:9092")
 CONFIG = config()
@@ -41,7 +41,6 @@ P0: TP = (T, 0)
 P1: TP = (T, 1)
 AT_MS = 1_000_000  # "now" in epoch ms, as the member's release sees it
 NOT_DUE = 1 << 62
-Offset = tuple[str, int, int]
 
 
 def rec(tp: TP, offset: int, due: int = 0, run: str = "") -> Message:
@@ -54,151 +53,6 @@ def rec(tp: TP, offset: int, due: int = 0, run: str = "") -> Message:
 def failed(code: int) -> Message:
     """A consumer error as consume() hands it over."""
     return Message(T, 0, -1, error=KafkaError(code, "stand-in consumer error"))
-
-
-def _keys(tps: list[TopicPartition]) -> set[TP]:
-    return {(tp.topic, tp.partition) for tp in tps}
-
-
-class Consumer:
-    """The member's librdkafka consumer: serves ``inbox``, keeps its own pauses (librdkafka keeps an application pause
-    across a revoke and a re-assign), records seeks, answers ``committed`` from ``offsets`` (or raises ``failure``)."""
-
-    def __init__(self, events: list[str]) -> None:
-        self.events = events
-        self.inbox: list[Message] = []
-        self.paused: set[TP] = set()
-        self.assigned: set[TP] = set()
-        self.seeks: list[Offset] = []
-        self.offsets: dict[TP, int] = {}
-        self.errors: dict[TP, KafkaError] = {}  # a partition whose committed offset comes back with an error
-        self.failure: KafkaException | None = None
-        self.asked: list[list[TP]] = []  # each committed() call's partitions
-        self.metadata = metadata(3, "m-1")
-
-    def subscribe(self, topics: list[str], **callbacks: Any) -> None:
-        self.subscribed = (topics, callbacks)
-
-    def poll(self, timeout: float) -> Message | None:
-        return self.inbox.pop(0) if self.inbox else None
-
-    def consume(self, num_messages: int, timeout: float) -> list[Message]:
-        out, self.inbox = self.inbox[:num_messages], self.inbox[num_messages:]
-        return out
-
-    def seek(self, tp: TopicPartition) -> None:
-        self.seeks.append((tp.topic, tp.partition, tp.offset))
-
-    def pause(self, tps: list[TopicPartition]) -> None:
-        self.paused |= _keys(tps)
-
-    def resume(self, tps: list[TopicPartition]) -> None:
-        self.events.append("resume")
-        self.paused -= _keys(tps)
-
-    def assignment(self) -> list[TopicPartition]:
-        return [TopicPartition(t, p) for t, p in sorted(self.assigned)]
-
-    def incremental_assign(self, tps: list[TopicPartition]) -> None:
-        self.events.append("assign")
-        self.assigned |= _keys(tps)
-
-    def committed(self, tps: list[TopicPartition], timeout: float) -> list[Answer]:
-        self.asked.append(sorted(_keys(tps)))
-        if self.failure is not None:
-            raise self.failure
-        return [
-            Answer(tp.topic, tp.partition, self.offsets.get((tp.topic, tp.partition), -1001),
-                   self.errors.get((tp.topic, tp.partition)))
-            for tp in tps
-        ]  # fmt: skip
-
-    def consumer_group_metadata(self) -> Any:
-        return self.metadata
-
-
-class Watch:
-    """The group watch: how many partitions the member said it has, each time."""
-
-    def __init__(self) -> None:
-        self.told: list[int] = []
-
-    def assigned(self, partitions: int) -> None:
-        self.told.append(partitions)
-
-
-class Membership:
-    """The group's Kafka parts, as the member reads them; ``built_with`` is what it was asked for."""
-
-    def __init__(self, events: list[str], group: str, instance_id: str | None, **kw: Any) -> None:
-        self.events = events
-        self.built_with = {"group": group, **kw}
-        self.slot = SimpleNamespace(slot=instance_id)
-        self.transactional_id = f"{group}-{instance_id}"
-        self.consumer = Consumer(events)
-        self.ownership = Ownership(self.consumer, KAFKA.session_timeout_ms / 1000)  # as Membership builds it
-        self.watch = Watch()
-        self.aborted: Any = None
-        self.takeover: Any = None
-
-    def start(self) -> None:
-        self.events.append("membership.start")
-
-    def close(self) -> None:
-        self.events.append("membership.close")
-
-
-@dataclass
-class Release:
-    """One committed release: the records (topic, partition, offset), the offsets sent, the stopped records."""
-
-    batch: list[Offset]
-    offsets: list[Offset]
-    stops: dict[int, str]
-    claimed: list[TP]
-    stale: str | None
-
-
-class Republisher:
-    """Records each release; ``failures`` are raised by the next publishes, ``settle_failures`` by the next settles."""
-
-    def __init__(self, events: list[str]) -> None:
-        self.events = events
-        self.published: list[Release] = []
-        self.attempts = 0
-        self.failures: list[TransactionFailed] = []
-        self.settles = 0
-        self.settle_failures: list[TransactionFailed] = []
-        self.close_failure: Exception | None = None
-        self.oversize = 0
-
-    def publish(
-        self, batch: list[Held], offsets: list[TopicPartition], claim: Claim, stopped: Mapping[int, str] | None = None
-    ) -> None:
-        self.events.append("publish")
-        self.attempts += 1
-        if self.failures:
-            raise self.failures.pop(0)
-        self.published.append(
-            Release(
-                [(r.topic, r.partition, r.offset) for r in batch],
-                [(tp.topic, tp.partition, tp.offset) for tp in offsets],
-                dict(stopped or {}),
-                [tp for tp, _ in claim.epochs],
-                claim.stale(),
-            )
-        )
-
-    def settle(self) -> None:
-        self.events.append("settle")
-        self.settles += 1
-        if self.settle_failures:
-            raise self.settle_failures.pop(0)
-
-    def close(self) -> None:
-        self.events.append("republisher.close")
-        if self.close_failure is not None:
-            raise self.close_failure
 
 
 class Runs:

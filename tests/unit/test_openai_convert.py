@@ -15,6 +15,7 @@ from openai.types.chat import ChatCompletionMessageParam, ChatCompletionToolPara
 from batchline.runs import openai_convert as c
 from batchline.runs.openai_convert import Converter, Line, LineError, check, param_of
 from schemas.models import MAX_INPUTS, MAX_TOKENS
+from tests.unit.helpers import convert_field, refusal
 
 CHAT, COMPLETIONS, EMBEDDINGS = "/v1/chat/completions", "/v1/completions", "/v1/embeddings"
 HI = [{"role": "user", "content": "hi"}]
@@ -25,18 +26,6 @@ def _line(endpoint: str = CHAT, **body: Any) -> Line:
     """A line of ``body`` whose input is already converted (what :func:`check` needs besides the fields tested)."""
     source = {"text": "t"} if endpoint == EMBEDDINGS else {"messages": HI}
     return Line({"model": "m", **body}, endpoint, out={"id": "i", **source}, origin={"id": "custom_id"})
-
-
-def _apply(convert: Converter, name: str, line: Line) -> Line:
-    """``convert`` run on the body's ``name``, as the table runs it: the value, the line, ``body.<name>``."""
-    convert(line.body[name], line, f"body.{name}")
-    return line
-
-
-def _refused(convert: Converter, name: str, line: Line) -> LineError:
-    with pytest.raises(LineError) as caught:
-        _apply(convert, name, line)
-    return caught.value
 
 
 # -- the Line and the contract check -----------------------------------------------------------------------------
@@ -133,7 +122,7 @@ def test_a_sampling_value_is_kept_exactly_within_its_bounds_and_refused_by_name_
     convert: Converter, name: str, value: Any, param: str | None
 ) -> None:
     """Bounds are vLLM's and the contract is strict: ``true`` is not a count, ``2.0`` not an n, ``"1"`` no bias."""
-    line = _apply(convert, name, _line(**{name: value}))
+    line = convert_field(convert, name, _line(**{name: value}))
     if param is None:
         out = check(line)
         (kept,) = out["sampling"].values()
@@ -162,7 +151,7 @@ def test_sdk_messages_become_role_and_text_with_developer_as_system_and_parts_jo
                                      {"type": "text", "text": "b"}]},
         {"role": "assistant", "content": ""},
     ]  # fmt: skip
-    line = _apply(c.messages, "messages", Line({"messages": messages}, CHAT))
+    line = convert_field(c.messages, "messages", Line({"messages": messages}, CHAT))
     assert line.out == {
         "messages": [
             {"role": "system", "content": "s"},
@@ -196,13 +185,13 @@ def test_sdk_messages_become_role_and_text_with_developer_as_system_and_parts_jo
     ],
 )  # fmt: skip
 def test_a_message_that_cannot_be_carried_is_refused_at_its_own_path(messages: Any, code: str, param: str) -> None:
-    error = _refused(c.messages, "messages", Line({"messages": messages}, CHAT))
+    error = refusal(c.messages, "messages", Line({"messages": messages}, CHAT))
     assert (error.param, error.code) == (param, code)
 
 
 def test_message_fields_given_as_null_are_not_given() -> None:
     messages = [{"role": "user", "content": [{"type": "text", "text": "a", "cache_control": None}], "name": None}]
-    line = _apply(c.messages, "messages", Line({"messages": messages}, CHAT))
+    line = convert_field(c.messages, "messages", Line({"messages": messages}, CHAT))
     assert line.out["messages"] == [{"role": "user", "content": "a"}]
 
 
@@ -215,7 +204,7 @@ def test_message_fields_given_as_null_are_not_given() -> None:
 )
 def test_one_prompt_alone_or_in_a_list_of_one_becomes_the_prompt(prompt: Any, expected: str) -> None:
     body: completion_create_params.CompletionCreateParamsNonStreaming = {"model": "m", "prompt": prompt}
-    line = _apply(c.prompt, "prompt", Line(body, COMPLETIONS))
+    line = convert_field(c.prompt, "prompt", Line(body, COMPLETIONS))
     assert line.out == {"prompt": expected} and line.origin["prompt"] == "body.prompt"
 
 
@@ -230,14 +219,14 @@ def test_one_prompt_alone_or_in_a_list_of_one_becomes_the_prompt(prompt: Any, ex
     ],
 )
 def test_a_prompt_that_is_not_one_string_is_refused(prompt: Any, code: str, fragment: str) -> None:
-    error = _refused(c.prompt, "prompt", Line({"prompt": prompt}, COMPLETIONS))
+    error = refusal(c.prompt, "prompt", Line({"prompt": prompt}, COMPLETIONS))
     assert (error.param, error.code) == ("body.prompt", code) and fragment in error.reason
 
 
 def test_an_embeddings_input_list_is_inputs_even_of_one_and_a_string_is_text() -> None:
     """A list of one keeps the list shape: the output's ``data`` has one embedding per input either way."""
-    assert _apply(c.embed_input, "input", Line({"input": ["a"]}, EMBEDDINGS)).out == {"inputs": ["a"]}
-    assert _apply(c.embed_input, "input", Line({"input": "a"}, EMBEDDINGS)).out == {"text": "a"}
+    assert convert_field(c.embed_input, "input", Line({"input": ["a"]}, EMBEDDINGS)).out == {"inputs": ["a"]}
+    assert convert_field(c.embed_input, "input", Line({"input": "a"}, EMBEDDINGS)).out == {"text": "a"}
 
 
 @pytest.mark.parametrize(
@@ -250,14 +239,14 @@ def test_an_embeddings_input_list_is_inputs_even_of_one_and_a_string_is_text() -
     ],
 )
 def test_an_embeddings_input_that_is_not_text_is_refused(value: Any, code: str, param: str) -> None:
-    error = _refused(c.embed_input, "input", Line({"input": value}, EMBEDDINGS))
+    error = refusal(c.embed_input, "input", Line({"input": value}, EMBEDDINGS))
     assert (error.param, error.code) == (param, code)
 
 
 def test_an_embeddings_line_holds_at_most_openais_2048_inputs() -> None:
-    ok = _apply(c.embed_input, "input", Line({"input": ["a"] * MAX_INPUTS}, EMBEDDINGS, out={"id": "i"}))
+    ok = convert_field(c.embed_input, "input", Line({"input": ["a"] * MAX_INPUTS}, EMBEDDINGS, out={"id": "i"}))
     assert len(check(ok)["inputs"]) == MAX_INPUTS
-    over = _apply(c.embed_input, "input", Line({"input": ["a"] * (MAX_INPUTS + 1)}, EMBEDDINGS, out={"id": "i"}))
+    over = convert_field(c.embed_input, "input", Line({"input": ["a"] * (MAX_INPUTS + 1)}, EMBEDDINGS, out={"id": "i"}))
     with pytest.raises(LineError) as caught:
         check(over)
     assert caught.value.param == "body.input"
@@ -265,7 +254,7 @@ def test_an_embeddings_line_holds_at_most_openais_2048_inputs() -> None:
 
 @pytest.mark.parametrize(("value", "ok"), [(1, True), (1 << 16, True), ((1 << 16) + 1, False), (True, False)])
 def test_dimensions_are_1_to_65536(value: Any, ok: bool) -> None:
-    line = _apply(c.to("dimensions"), "dimensions", _line(EMBEDDINGS, dimensions=value))
+    line = convert_field(c.to("dimensions"), "dimensions", _line(EMBEDDINGS, dimensions=value))
     if ok:
         assert check(line)["dimensions"] == value
     else:
@@ -275,13 +264,13 @@ def test_dimensions_are_1_to_65536(value: Any, ok: bool) -> None:
 
 @pytest.mark.parametrize("value", ["float", "base64"])
 def test_encoding_format_is_the_batchs_not_the_requests(value: str) -> None:
-    line = _apply(c.encoding_format, "encoding_format", _line(EMBEDDINGS, encoding_format=value))
+    line = convert_field(c.encoding_format, "encoding_format", _line(EMBEDDINGS, encoding_format=value))
     assert line.encoding_format == value and "encoding_format" not in line.out
 
 
 @pytest.mark.parametrize("value", ["bytes", "FLOAT", 0, True])
 def test_an_encoding_format_other_than_float_or_base64_is_refused(value: Any) -> None:
-    error = _refused(c.encoding_format, "encoding_format", _line(EMBEDDINGS, encoding_format=value))
+    error = refusal(c.encoding_format, "encoding_format", _line(EMBEDDINGS, encoding_format=value))
     assert (error.param, error.code) == ("body.encoding_format", "unsupported_parameter")
 
 
@@ -290,18 +279,18 @@ def test_an_encoding_format_other_than_float_or_base64_is_refused(value: Any) ->
 
 def test_max_tokens_equal_to_max_completion_tokens_is_kept_and_named_by_max_tokens() -> None:
     line = _line(max_completion_tokens=7, max_tokens=7)
-    _apply(c.to("sampling.max_tokens"), "max_completion_tokens", line)
-    _apply(c.max_tokens, "max_tokens", line)
+    convert_field(c.to("sampling.max_tokens"), "max_completion_tokens", line)
+    convert_field(c.max_tokens, "max_tokens", line)
     assert check(line)["sampling"] == {"max_tokens": 7} and line.origin["sampling.max_tokens"] == "body.max_tokens"
 
 
 def test_max_tokens_alone_is_the_output_bound() -> None:
-    line = _apply(c.max_tokens, "max_tokens", _line(max_tokens=3))
+    line = convert_field(c.max_tokens, "max_tokens", _line(max_tokens=3))
     assert check(line)["sampling"] == {"max_tokens": 3}
 
 
 def test_max_tokens_different_from_max_completion_tokens_is_refused_naming_both() -> None:
-    error = _refused(c.max_tokens, "max_tokens", _line(max_completion_tokens=6, max_tokens=5))
+    error = refusal(c.max_tokens, "max_tokens", _line(max_completion_tokens=6, max_tokens=5))
     assert (error.param, error.code) == ("body.max_tokens", "invalid_body")
     assert "differs from body.max_completion_tokens 6" in error.reason
 
@@ -309,8 +298,8 @@ def test_max_tokens_different_from_max_completion_tokens_is_refused_naming_both(
 def test_max_completion_tokens_true_is_not_a_count_even_beside_max_tokens_1() -> None:
     line = _line(max_completion_tokens=True, max_tokens=1)
     with pytest.raises(LineError) as caught:
-        _apply(c.to("sampling.max_tokens"), "max_completion_tokens", line)
-        _apply(c.max_tokens, "max_tokens", line)
+        convert_field(c.to("sampling.max_tokens"), "max_completion_tokens", line)
+        convert_field(c.max_tokens, "max_tokens", line)
         check(line)
     assert caught.value.param == "body.max_completion_tokens"
 
@@ -322,18 +311,18 @@ def test_max_completion_tokens_true_is_not_a_count_even_beside_max_tokens_1() ->
 def test_chat_logprobs_true_asks_top_logprobs_alternatives_and_only_the_sampled_token_without(
     top: int | None, logprobs: int, origin: str
 ) -> None:
-    line = _apply(c.chat_logprobs, "logprobs", _line(logprobs=True, top_logprobs=top))
+    line = convert_field(c.chat_logprobs, "logprobs", _line(logprobs=True, top_logprobs=top))
     assert check(line)["sampling"] == {"logprobs": logprobs} and line.origin["sampling.logprobs"] == origin
 
 
 def test_chat_logprobs_false_asks_nothing() -> None:
-    line = _apply(c.chat_logprobs, "logprobs", _line(logprobs=False))
+    line = convert_field(c.chat_logprobs, "logprobs", _line(logprobs=False))
     assert "sampling" not in line.out
 
 
 @pytest.mark.parametrize("top", [-1, 21, 2.0, True])
 def test_top_logprobs_outside_0_to_20_or_not_an_integer_is_refused_as_top_logprobs(top: Any) -> None:
-    line = _apply(c.chat_logprobs, "logprobs", _line(logprobs=True, top_logprobs=top))
+    line = convert_field(c.chat_logprobs, "logprobs", _line(logprobs=True, top_logprobs=top))
     with pytest.raises(LineError) as caught:
         check(line)
     assert caught.value.param == "body.top_logprobs"
@@ -341,24 +330,24 @@ def test_top_logprobs_outside_0_to_20_or_not_an_integer_is_refused_as_top_logpro
 
 @pytest.mark.parametrize("logprobs", [1, "true", 0])
 def test_chat_logprobs_must_be_a_boolean(logprobs: Any) -> None:
-    error = _refused(c.chat_logprobs, "logprobs", _line(logprobs=logprobs))
+    error = refusal(c.chat_logprobs, "logprobs", _line(logprobs=logprobs))
     assert (error.param, error.reason) == ("body.logprobs", "must be a boolean")
 
 
 @pytest.mark.parametrize("logprobs", [None, False, 1, "true"])
 def test_top_logprobs_needs_logprobs_true(logprobs: Any) -> None:
-    error = _refused(c.top_logprobs, "top_logprobs", _line(logprobs=logprobs, top_logprobs=2))
+    error = refusal(c.top_logprobs, "top_logprobs", _line(logprobs=logprobs, top_logprobs=2))
     assert (error.param, error.code) == ("body.top_logprobs", "invalid_body") and "body.logprobs" in error.reason
 
 
 def test_top_logprobs_with_logprobs_true_is_taken_by_logprobs_not_twice() -> None:
-    line = _apply(c.top_logprobs, "top_logprobs", _line(logprobs=True, top_logprobs=2))
+    line = convert_field(c.top_logprobs, "top_logprobs", _line(logprobs=True, top_logprobs=2))
     assert line.out == _line().out
 
 
 @pytest.mark.parametrize(("value", "ok"), [(0, True), (5, True), (20, True), (21, False), (-1, False)])
 def test_completions_logprobs_is_a_count_of_alternatives_0_to_20(value: int, ok: bool) -> None:
-    line = _apply(c.completion_logprobs, "logprobs", _line(COMPLETIONS, logprobs=value))
+    line = convert_field(c.completion_logprobs, "logprobs", _line(COMPLETIONS, logprobs=value))
     if ok:
         assert check(line)["sampling"] == {"logprobs": value}
     else:
@@ -368,13 +357,13 @@ def test_completions_logprobs_is_a_count_of_alternatives_0_to_20(value: int, ok:
 
 @pytest.mark.parametrize("value", [True, False])
 def test_completions_logprobs_is_not_a_boolean(value: bool) -> None:
-    error = _refused(c.completion_logprobs, "logprobs", _line(COMPLETIONS, logprobs=value))
+    error = refusal(c.completion_logprobs, "logprobs", _line(COMPLETIONS, logprobs=value))
     assert error.param == "body.logprobs" and "not a boolean" in error.reason
 
 
 @pytest.mark.parametrize(("stop", "expected"), [("END", ["END"]), (["a", "b"], ["a", "b"]), ([], [])])
 def test_stop_is_a_list_of_strings_a_single_string_being_a_list_of_one(stop: Any, expected: list[str]) -> None:
-    line = _apply(c.stop, "stop", _line(stop=stop))
+    line = convert_field(c.stop, "stop", _line(stop=stop))
     assert check(line)["sampling"] == {"stop": expected}
 
 
@@ -385,9 +374,9 @@ def test_stop_is_a_list_of_strings_a_single_string_being_a_list_of_one(stop: Any
 def test_best_of_is_served_only_equal_to_n_whose_default_is_1(best_of: Any, n: Any, ok: bool) -> None:
     line = _line(COMPLETIONS, best_of=best_of, n=n)
     if ok:
-        assert _apply(c.best_of, "best_of", line).out == _line(COMPLETIONS).out  # n alone carries it
+        assert convert_field(c.best_of, "best_of", line).out == _line(COMPLETIONS).out  # n alone carries it
     else:
-        error = _refused(c.best_of, "best_of", line)
+        error = refusal(c.best_of, "best_of", line)
         assert (error.param, error.code) == ("body.best_of", "unsupported_parameter")
 
 
@@ -396,7 +385,7 @@ def test_best_of_is_served_only_equal_to_n_whose_default_is_1(best_of: Any, n: A
 
 def test_metadata_of_16_pairs_with_64_character_keys_and_512_character_values_is_kept() -> None:
     metadata = {f"{i:02d}".ljust(64, "k"): "v" * 512 for i in range(16)}
-    line = _apply(c.metadata, "metadata", _line(metadata=metadata))
+    line = convert_field(c.metadata, "metadata", _line(metadata=metadata))
     assert check(line)["metadata"] == metadata
     assert line.origin["metadata.00" + "k" * 62] == "body.metadata.00" + "k" * 62
 
@@ -414,16 +403,16 @@ def test_metadata_of_16_pairs_with_64_character_keys_and_512_character_values_is
     ],
 )
 def test_metadata_beyond_openais_limits_is_refused_at_the_pair(metadata: Any, param: str) -> None:
-    error = _refused(c.metadata, "metadata", _line(metadata=metadata))
+    error = refusal(c.metadata, "metadata", _line(metadata=metadata))
     assert (error.param, error.code) == (param, "invalid_body")
 
 
 def test_an_empty_metadata_adds_nothing() -> None:
-    assert "metadata" not in _apply(c.metadata, "metadata", _line(metadata={})).out
+    assert "metadata" not in convert_field(c.metadata, "metadata", _line(metadata={})).out
 
 
 def test_a_field_kept_in_metadata_is_there_under_its_own_name() -> None:
-    line = _apply(c.meta("safety_identifier"), "safety_identifier", _line(safety_identifier="h"))
+    line = convert_field(c.meta("safety_identifier"), "safety_identifier", _line(safety_identifier="h"))
     assert check(line)["metadata"] == {"safety_identifier": "h"}
     assert line.origin["metadata.safety_identifier"] == "body.safety_identifier"
 
@@ -435,13 +424,13 @@ def test_a_json_schema_response_format_becomes_its_schema_as_compact_sorted_json
     fmt = {"type": "json_schema",
            "json_schema": {"name": "r", "strict": None, "description": None,
                            "schema": {"type": "object", "properties": {"b": {"type": "string"}, "a": {}}}}}  # fmt: skip
-    line = _apply(c.response_format, "response_format", _line(response_format=fmt))
+    line = convert_field(c.response_format, "response_format", _line(response_format=fmt))
     assert check(line)["structured"] == {"json_schema": '{"properties":{"a":{},"b":{"type":"string"}},"type":"object"}'}
     assert line.origin["structured.json_schema"] == "body.response_format"
 
 
 def test_a_text_response_format_asks_nothing() -> None:
-    line = _apply(c.response_format, "response_format", _line(response_format={"type": "text"}))
+    line = convert_field(c.response_format, "response_format", _line(response_format={"type": "text"}))
     assert line.out == _line().out
 
 
@@ -470,7 +459,7 @@ def test_a_text_response_format_asks_nothing() -> None:
 def test_a_response_format_that_cannot_be_honoured_is_refused_at_its_own_path(
     fmt: dict[str, Any], code: str, param: str
 ) -> None:
-    error = _refused(c.response_format, "response_format", _line(response_format=fmt))
+    error = refusal(c.response_format, "response_format", _line(response_format=fmt))
     assert (error.param, error.code) == (param, code)
 
 
@@ -487,14 +476,14 @@ def test_a_response_format_that_cannot_be_honoured_is_refused_at_its_own_path(
 def test_structured_outputs_become_the_one_constraint_under_requests_name(
     outputs: dict[str, Any], structured: dict[str, Any]
 ) -> None:
-    line = _apply(c.structured_outputs, "structured_outputs", _line(structured_outputs=outputs))
+    line = convert_field(c.structured_outputs, "structured_outputs", _line(structured_outputs=outputs))
     assert check(line)["structured"] == structured
     assert line.origin["structured"] == "body.structured_outputs"
 
 
 def test_structured_outputs_beside_a_text_response_format_are_honoured() -> None:
     line = _line(response_format={"type": "text"}, structured_outputs={"regex": "[a-z]+"})
-    assert _apply(c.structured_outputs, "structured_outputs", line).out["structured"] == {"regex": "[a-z]+"}
+    assert convert_field(c.structured_outputs, "structured_outputs", line).out["structured"] == {"regex": "[a-z]+"}
 
 
 @pytest.mark.parametrize(
@@ -508,7 +497,7 @@ def test_structured_outputs_beside_a_text_response_format_are_honoured() -> None
     ],
 )
 def test_a_structured_output_the_contract_refuses_is_named_by_its_key(outputs: dict[str, Any], param: str) -> None:
-    line = _apply(c.structured_outputs, "structured_outputs", _line(structured_outputs=outputs))
+    line = convert_field(c.structured_outputs, "structured_outputs", _line(structured_outputs=outputs))
     with pytest.raises(LineError) as caught:
         check(line)
     assert caught.value.param == param
@@ -518,7 +507,7 @@ def test_a_structured_output_the_contract_refuses_is_named_by_its_key(outputs: d
 def test_structured_outputs_without_a_constraint_are_refused(outputs: dict[str, Any]) -> None:
     line = _line(structured_outputs=outputs)
     with pytest.raises(LineError) as caught:
-        _apply(c.structured_outputs, "structured_outputs", line)
+        convert_field(c.structured_outputs, "structured_outputs", line)
         check(line)
     assert caught.value.param == "body.structured_outputs"
 
@@ -532,7 +521,7 @@ def test_sdk_function_tools_are_carried_as_given() -> None:
                                           "strict": True}},
         {"type": "function", "function": {"name": "g"}},
     ]  # fmt: skip
-    line = _apply(c.tools, "tools", _line(tools=tools))
+    line = convert_field(c.tools, "tools", _line(tools=tools))
     assert line.out["tools"] == tools and line.origin["tools"] == "body.tools"
     check(line)
 
@@ -549,20 +538,22 @@ def test_sdk_function_tools_are_carried_as_given() -> None:
     ],
 )
 def test_a_tool_that_is_not_a_named_function_is_refused_at_its_index(tools: Any, code: str, param: str) -> None:
-    error = _refused(c.tools, "tools", _line(tools=tools))
+    error = refusal(c.tools, "tools", _line(tools=tools))
     assert (error.param, error.code) == (param, code)
 
 
 @pytest.mark.parametrize("choice", ["auto", "required", "none"])
 def test_a_tool_choice_mode_with_tools_is_kept(choice: str) -> None:
-    line = _apply(c.tool_choice, "tool_choice", _line(tools=[TOOL], tool_choice=choice))
+    line = convert_field(c.tool_choice, "tool_choice", _line(tools=[TOOL], tool_choice=choice))
     assert line.out["tool_choice"] == choice and line.origin["tool_choice"] == "body.tool_choice"
 
 
 def test_a_named_function_of_the_tools_is_kept_as_given() -> None:
     choice = {"type": "function", "function": {"name": "g"}}
     tools = [TOOL, {"type": "function", "function": {"name": "g"}}]
-    assert _apply(c.tool_choice, "tool_choice", _line(tools=tools, tool_choice=choice)).out["tool_choice"] == choice
+    assert (
+        convert_field(c.tool_choice, "tool_choice", _line(tools=tools, tool_choice=choice)).out["tool_choice"] == choice
+    )
 
 
 @pytest.mark.parametrize(
@@ -579,9 +570,9 @@ def test_a_named_function_of_the_tools_is_kept_as_given() -> None:
     ],
 )  # fmt: skip
 def test_a_tool_choice_of_no_offered_tool_is_refused(body: dict[str, Any], code: str, param: str) -> None:
-    error = _refused(c.tool_choice, "tool_choice", _line(**body))
+    error = refusal(c.tool_choice, "tool_choice", _line(**body))
     assert (error.param, error.code) == (param, code)
 
 
 def test_tool_choice_none_without_tools_asks_nothing() -> None:
-    assert _apply(c.tool_choice, "tool_choice", _line(tool_choice="none")).out == _line().out
+    assert convert_field(c.tool_choice, "tool_choice", _line(tool_choice="none")).out == _line().out

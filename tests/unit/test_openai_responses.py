@@ -11,8 +11,9 @@ import pytest
 from openai.types.responses import EasyInputMessageParam, FunctionToolParam, ResponseInputItemParam
 
 from batchline.runs import openai_responses as r
-from batchline.runs.openai_convert import Converter, Line, LineError, check
+from batchline.runs.openai_convert import Line, LineError, check
 from schemas.models import MAX_TOKENS
+from tests.unit.helpers import convert_field, refusal
 
 RESPONSES = "/v1/responses"
 LOGPROBS = "message.output_text.logprobs"
@@ -24,20 +25,8 @@ def _line(**body: Any) -> Line:
     return Line({"model": "m", **body}, RESPONSES, out={"id": "i"}, origin={"id": "custom_id"})
 
 
-def _apply(convert: Converter, name: str, line: Line) -> Line:
-    """``convert`` run on the body's ``name``, as the table runs it: the value, the line, ``body.<name>``."""
-    convert(line.body[name], line, f"body.{name}")
-    return line
-
-
-def _refused(convert: Converter, name: str, line: Line) -> LineError:
-    with pytest.raises(LineError) as caught:
-        _apply(convert, name, line)
-    return caught.value
-
-
 def _messages(**body: Any) -> list[dict[str, str]]:
-    line = _apply(r.input_items, "input", _line(**body))
+    line = convert_field(r.input_items, "input", _line(**body))
     assert line.origin["messages"] == "body.input"
     messages: list[dict[str, str]] = check(line)["messages"]
     return messages
@@ -131,16 +120,16 @@ def test_an_input_that_cannot_be_carried_is_refused_at_its_own_path(value: Any, 
     if code is None:
         assert _messages(input=value) == [{"role": "user", "content": value}]
         return
-    error = _refused(r.input_items, "input", _line(input=value))
+    error = refusal(r.input_items, "input", _line(input=value))
     assert (error.param, error.code) == (param, code)
 
 
 def test_instructions_that_are_not_a_string_are_refused_by_the_input_conversion_as_instructions() -> None:
     """``input`` comes first in the table and reads ``instructions``: the error names the field at fault."""
-    error = _refused(r.input_items, "input", _line(input="x", instructions=["be brief"]))
+    error = refusal(r.input_items, "input", _line(input="x", instructions=["be brief"]))
     assert (error.param, error.code) == ("body.instructions", "invalid_body")
-    assert _refused(r.instructions, "instructions", _line(instructions=1)).param == "body.instructions"
-    assert _apply(r.instructions, "instructions", _line(instructions="s")).out == _line().out  # input carries it
+    assert refusal(r.instructions, "instructions", _line(instructions=1)).param == "body.instructions"
+    assert convert_field(r.instructions, "instructions", _line(instructions="s")).out == _line().out  # input carries it
 
 
 # -- text.format ---------------------------------------------------------------------------------------------------
@@ -149,18 +138,18 @@ def test_instructions_that_are_not_a_string_are_refused_by_the_input_conversion_
 def test_a_flat_json_schema_format_becomes_its_schema_as_compact_sorted_json_text() -> None:
     fmt = {"type": "json_schema", "name": "r", "strict": False, "description": None,
            "schema": {"type": "object", "required": ["b", "a"]}}  # fmt: skip
-    line = _apply(r.text, "text", _with_messages(text={"format": fmt, "verbosity": None}))
+    line = convert_field(r.text, "text", _with_messages(text={"format": fmt, "verbosity": None}))
     assert check(line)["structured"] == {"json_schema": '{"required":["b","a"],"type":"object"}'}
     assert line.origin["structured.json_schema"] == "body.text.format"
 
 
 @pytest.mark.parametrize("value", [{}, {"format": None}, {"format": {"type": "text"}}])
 def test_a_text_without_a_constraint_asks_nothing(value: dict[str, Any]) -> None:
-    assert _apply(r.text, "text", _line(text=value)).out == _line().out
+    assert convert_field(r.text, "text", _line(text=value)).out == _line().out
 
 
 def test_a_json_object_format_is_structured_json_object() -> None:
-    line = _apply(r.text, "text", _with_messages(text={"format": {"type": "json_object"}}))
+    line = convert_field(r.text, "text", _with_messages(text={"format": {"type": "json_object"}}))
     assert check(line)["structured"] == {"json_object": True}
 
 
@@ -182,19 +171,19 @@ def test_a_json_object_format_is_structured_json_object() -> None:
     ],
 )  # fmt: skip
 def test_a_text_that_cannot_be_honoured_is_refused_at_its_own_path(value: Any, code: str, param: str) -> None:
-    error = _refused(r.text, "text", _line(text=value))
+    error = refusal(r.text, "text", _line(text=value))
     assert (error.param, error.code) == (param, code)
 
 
 @pytest.mark.parametrize("text", [None, {}, {"format": None}, {"format": {"type": "text"}}])
 def test_structured_outputs_are_honoured_without_a_text_format_constraint(text: Any) -> None:
     line = _with_messages(text=text, structured_outputs={"regex": "[0-9]+"})
-    assert check(_apply(r.structured_outputs, "structured_outputs", line))["structured"] == {"regex": "[0-9]+"}
+    assert check(convert_field(r.structured_outputs, "structured_outputs", line))["structured"] == {"regex": "[0-9]+"}
 
 
 @pytest.mark.parametrize("fmt", [{"type": "json_object"}, {"type": "json_schema", "name": "r", "schema": {}}])
 def test_structured_outputs_beside_a_text_format_constraint_are_refused(fmt: dict[str, Any]) -> None:
-    error = _refused(r.structured_outputs, "structured_outputs",
+    error = refusal(r.structured_outputs, "structured_outputs",
                      _line(text={"format": fmt}, structured_outputs={"regex": "x"}))  # fmt: skip
     assert (error.param, error.code) == ("body.structured_outputs", "invalid_body")
     assert "body.text.format" in error.reason
@@ -208,7 +197,7 @@ def test_flat_function_tools_are_carried_in_chats_shape_with_their_given_fields(
         {"type": "function", "name": "f", "description": "d", "parameters": {"type": "object"}, "strict": False},
         {"type": "function", "name": "g", "parameters": None, "strict": None, "defer_loading": False},
     ]
-    line = _apply(r.tools, "tools", _with_messages(tools=tools))
+    line = convert_field(r.tools, "tools", _with_messages(tools=tools))
     assert check(line)["tools"] == [
         {"type": "function", "function": {"name": "f", "description": "d", "parameters": {"type": "object"},
                                           "strict": False}},
@@ -233,13 +222,13 @@ def test_flat_function_tools_are_carried_in_chats_shape_with_their_given_fields(
     ],
 )  # fmt: skip
 def test_a_tool_that_is_not_a_flat_named_function_is_refused_at_its_index(tools: Any, code: str, param: str) -> None:
-    error = _refused(r.tools, "tools", _line(tools=tools))
+    error = refusal(r.tools, "tools", _line(tools=tools))
     assert (error.param, error.code) == (param, code)
 
 
 def test_a_named_function_choice_is_chats_named_function() -> None:
     line = _line(tools=[TOOL, {**TOOL, "name": "g"}], tool_choice={"type": "function", "name": "g"})
-    assert _apply(r.tool_choice, "tool_choice", line).out["tool_choice"] == {
+    assert convert_field(r.tool_choice, "tool_choice", line).out["tool_choice"] == {
         "type": "function",
         "function": {"name": "g"},
     }
@@ -248,7 +237,10 @@ def test_a_named_function_choice_is_chats_named_function() -> None:
 
 @pytest.mark.parametrize("choice", ["auto", "required", "none"])
 def test_a_tool_choice_mode_with_tools_is_kept(choice: str) -> None:
-    assert _apply(r.tool_choice, "tool_choice", _line(tools=[TOOL], tool_choice=choice)).out["tool_choice"] == choice
+    assert (
+        convert_field(r.tool_choice, "tool_choice", _line(tools=[TOOL], tool_choice=choice)).out["tool_choice"]
+        == choice
+    )
 
 
 @pytest.mark.parametrize(
@@ -267,12 +259,12 @@ def test_a_tool_choice_mode_with_tools_is_kept(choice: str) -> None:
     ],
 )  # fmt: skip
 def test_a_tool_choice_of_no_offered_function_is_refused(body: dict[str, Any], code: str, param: str) -> None:
-    error = _refused(r.tool_choice, "tool_choice", _line(**body))
+    error = refusal(r.tool_choice, "tool_choice", _line(**body))
     assert (error.param, error.code) == (param, code)
 
 
 def test_tool_choice_none_without_tools_asks_nothing() -> None:
-    assert _apply(r.tool_choice, "tool_choice", _line(tool_choice="none")).out == _line().out
+    assert convert_field(r.tool_choice, "tool_choice", _line(tool_choice="none")).out == _line().out
 
 
 # -- include and top_logprobs --------------------------------------------------------------------------------------
@@ -285,13 +277,13 @@ def test_tool_choice_none_without_tools_asks_nothing() -> None:
 def test_include_output_text_logprobs_asks_top_logprobs_alternatives_and_only_the_sampled_token_without(
     top: int | None, logprobs: int, origin: str
 ) -> None:
-    line = _apply(r.include, "include", _with_messages(include=[LOGPROBS, LOGPROBS], top_logprobs=top))
+    line = convert_field(r.include, "include", _with_messages(include=[LOGPROBS, LOGPROBS], top_logprobs=top))
     assert check(line)["sampling"] == {"logprobs": logprobs} and line.origin["sampling.logprobs"] == origin
 
 
 @pytest.mark.parametrize("top", [-1, 21, True, "2"])
 def test_top_logprobs_outside_0_to_20_or_not_an_integer_is_refused_as_top_logprobs(top: Any) -> None:
-    line = _apply(r.include, "include", _with_messages(include=[LOGPROBS], top_logprobs=top))
+    line = convert_field(r.include, "include", _with_messages(include=[LOGPROBS], top_logprobs=top))
     with pytest.raises(LineError) as caught:
         check(line)
     assert caught.value.param == "body.top_logprobs"
@@ -307,18 +299,18 @@ def test_top_logprobs_outside_0_to_20_or_not_an_integer_is_refused_as_top_logpro
 )
 def test_an_include_other_than_output_text_logprobs_is_refused_at_its_index(include: Any, code: str,
                                                                             param: str) -> None:  # fmt: skip
-    error = _refused(r.include, "include", _line(include=include))
+    error = refusal(r.include, "include", _line(include=include))
     assert (error.param, error.code) == (param, code)
 
 
 @pytest.mark.parametrize("include", [None, [], ["message.output_text"], LOGPROBS])
 def test_top_logprobs_needs_include_to_hold_output_text_logprobs(include: Any) -> None:
-    error = _refused(r.top_logprobs, "top_logprobs", _line(include=include, top_logprobs=2))
+    error = refusal(r.top_logprobs, "top_logprobs", _line(include=include, top_logprobs=2))
     assert (error.param, error.code) == ("body.top_logprobs", "invalid_body") and LOGPROBS in error.reason
 
 
 def test_top_logprobs_with_include_is_taken_by_include_not_twice() -> None:
-    assert _apply(r.top_logprobs, "top_logprobs", _line(include=[LOGPROBS], top_logprobs=2)).out == _line().out
+    assert convert_field(r.top_logprobs, "top_logprobs", _line(include=[LOGPROBS], top_logprobs=2)).out == _line().out
 
 
 # -- accepted fields -----------------------------------------------------------------------------------------------
@@ -327,9 +319,9 @@ def test_top_logprobs_with_include_is_taken_by_include_not_twice() -> None:
 @pytest.mark.parametrize(("value", "ok"), [(1, True), (1 << 40, True), (0, False), (True, False), (1.0, False)])
 def test_max_tool_calls_is_a_positive_integer_that_changes_nothing(value: Any, ok: bool) -> None:
     if ok:
-        assert _apply(r.max_tool_calls, "max_tool_calls", _line(max_tool_calls=value)).out == _line().out
+        assert convert_field(r.max_tool_calls, "max_tool_calls", _line(max_tool_calls=value)).out == _line().out
     else:
-        error = _refused(r.max_tool_calls, "max_tool_calls", _line(max_tool_calls=value))
+        error = refusal(r.max_tool_calls, "max_tool_calls", _line(max_tool_calls=value))
         assert (error.param, error.code) == ("body.max_tool_calls", "invalid_body")
 
 
@@ -337,7 +329,7 @@ def test_max_tool_calls_is_a_positive_integer_that_changes_nothing(value: Any, o
 def test_max_output_tokens_is_the_output_bound_within_the_contracts_range(value: Any, ok: bool) -> None:
     (spec,) = [f for f in r.RESPONSES_FIELDS if f.name == "max_output_tokens"]
     assert spec.convert is not None
-    line = _apply(spec.convert, "max_output_tokens", _with_messages(max_output_tokens=value))
+    line = convert_field(spec.convert, "max_output_tokens", _with_messages(max_output_tokens=value))
     if ok:
         assert check(line)["sampling"] == {"max_tokens": value}
     else:
