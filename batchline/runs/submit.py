@@ -55,15 +55,16 @@ def new_run_id() -> str:
     return f"run-{datetime.now(UTC):%Y%m%d-%H%M%S}-{uuid.uuid4().hex[:6]}"
 
 
-def _openai_to_request(obj: dict[str, Any]) -> dict[str, Any]:
-    """The Request fields of one OpenAI batch line: every body field by its rule (``batchline.runs.openai_fields``,
-    the table the API applies), or :class:`LineError` naming the field it cannot honour."""
+def _openai_to_request(obj: dict[str, Any], request_id: str) -> dict[str, Any]:
+    """The Request fields of one OpenAI batch line (its request id: the ``custom_id``, or the fallback): every body
+    field by its rule (``batchline.runs.openai_fields``, the table the API applies), or :class:`LineError` naming
+    the field it cannot honour."""
     url, body = obj.get("url"), obj.get("body")
     if not isinstance(url, str) or url not in FIELDS:
         raise LineError("url", f"is none of {', '.join(FIELDS)}")
     if not isinstance(body, dict):
         raise LineError("body", "must be an object")
-    return convert(str(obj.get("custom_id")), body, url).out
+    return convert(request_id, body, url).out
 
 
 def read_records(
@@ -95,7 +96,7 @@ def read_records(
                 custom_id = obj.get("custom_id")
                 fallback = custom_id if isinstance(custom_id, str) and custom_id else f"{tag}-{n}"
                 try:
-                    request = _openai_to_request(obj)
+                    request = _openai_to_request(obj, fallback)
                 except LineError as exc:
                     if refusals is not None and len(refusals) < MAX_REFUSALS:
                         refusals.append(f"line {n}: {exc}")
@@ -108,16 +109,23 @@ def read_records(
 
 def _parquet_records(path: Path) -> Iterator[tuple[int, dict[str, Any]]]:
     """Rows of a Parquet file, one record batch at a time: memory holds one batch, not the table."""
-    import pyarrow.parquet as pq
-
     try:
-        parquet = pq.ParquetFile(path)
-        batches = parquet.iter_batches(batch_size=PARQUET_BATCH_ROWS)
+        batches = _parquet_file(path).iter_batches(batch_size=PARQUET_BATCH_ROWS)
         n = 0
         for batch in batches:
             for row in batch.to_pylist():
                 n += 1
                 yield n, {k: v for k, v in row.items() if v is not None}
+    except (OSError, ValueError) as exc:  # pyarrow's ArrowInvalid is a ValueError, ArrowIOError an OSError
+        raise InputFileError(f"{path}: not a readable Parquet file ({exc})") from None
+
+
+def _parquet_file(path: Path) -> Any:
+    """``path`` opened as Parquet (its footer read), or InputFileError."""
+    import pyarrow.parquet as pq
+
+    try:
+        return pq.ParquetFile(path)
     except (OSError, ValueError) as exc:  # pyarrow's ArrowInvalid is a ValueError, ArrowIOError an OSError
         raise InputFileError(f"{path}: not a readable Parquet file ({exc})") from None
 
@@ -163,6 +171,8 @@ def submit_file(
     used before: then that run's report, ``existing``)."""
     if not path.is_file():
         raise InputFileError(f"no such file: {path}")
+    if fmt == "parquet":
+        _parquet_file(path)  # a file that is not Parquet is refused before a key is reserved or a run opened
     file_tag = _file_tag(path)
     refusals: list[str] = []
     records = read_records(path, fmt, file_tag, refusals)
