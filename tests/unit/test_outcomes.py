@@ -6,10 +6,8 @@ from __future__ import annotations
 
 import logging
 import tempfile
-from collections.abc import Iterator
 from datetime import UTC, datetime
 from pathlib import Path
-from typing import Any
 
 import pytest
 
@@ -20,47 +18,12 @@ from batchline.runs import outcomes
 from batchline.runs.manifests import STREAM_RUN
 from batchline.runs.outcomes import READER, RunOutcomes, _Ids, run_header_values
 from schemas import DeadLetter, Lineage, PartitionBoundary, Result, RunManifest, codec_for
-from tests.unit.stand_ins import Message
+from tests.unit.outcome_topics import GARBAGE, Topics, run_headers
 
 NOW = datetime(2026, 1, 1, tzinfo=UTC)
 RUN = "r-1"
 TOPICS = JobTopics("unit")
 KAFKA = KafkaSettings()
-GARBAGE = b"\xc3\x01not an avro record"
-
-
-class Topics:
-    """Topics held in memory; :meth:`scan` stands in for the Kafka read and records how it was asked."""
-
-    def __init__(self) -> None:
-        self.logs: dict[tuple[str, int], list[Message]] = {}
-        self.scans: list[tuple[str, dict[int, tuple[int, int]] | None, dict[str, Any]]] = []
-
-    def append(
-        self,
-        topic: str,
-        key: bytes | None,
-        value: bytes | None,
-        headers: h.Headers | None = None,
-        partition: int = 0,
-    ) -> None:
-        log = self.logs.setdefault((topic, partition), [])
-        log.append(Message(topic, partition, len(log), key, value, headers or []))
-
-    def scan(
-        self,
-        kafka: KafkaSettings,
-        topic: str,
-        ranges: dict[int, tuple[int, int]] | None = None,
-        committed_only: bool = True,
-        **overrides: Any,
-    ) -> Iterator[Message]:
-        self.scans.append((topic, ranges, overrides))
-        for (name, partition), log in sorted(self.logs.items()):
-            if name != topic or (ranges is not None and partition not in ranges):
-                continue
-            start, end = ranges[partition] if ranges is not None else (0, len(log))
-            yield from log[start:end]
 
 
 @pytest.fixture
@@ -68,11 +31,6 @@ def topics(monkeypatch: pytest.MonkeyPatch) -> Topics:
     held = Topics()
     monkeypatch.setattr(outcomes, "scan", held.scan)
     return held
-
-
-def run_headers(run: str | None, lineage: Lineage | None = None) -> h.Headers:
-    out: h.Headers = [] if run is None else [(h.RUN_ID, run.encode())]
-    return out + ([(h.LINEAGE, codec_for("lineage").encode(lineage))] if lineage is not None else [])
 
 
 def add_result(

@@ -5,7 +5,6 @@ times, and what the new run's manifest says."""
 
 from __future__ import annotations
 
-from collections.abc import Iterator
 from datetime import UTC, datetime
 from pathlib import Path
 from typing import Any
@@ -16,108 +15,30 @@ from batchline.config import KafkaSettings
 from batchline.exceptions import ExitCode
 from batchline.kafka import headers as h
 from batchline.kafka.topics import JobTopics
-from batchline.runs import replay, submit
+from batchline.runs import replay
 from batchline.runs.identity import Fingerprint
 from batchline.runs.replay import ReplayError, quarantined, replay_archive, replay_dlq, replay_offsets, summarise
 from schemas import DeadLetter, PartitionBoundary, Request, RunManifest, codec_for
-from schemas.codec import decode_request_model
-from tests.unit.stand_ins import Message
+from tests.unit.outcome_topics import GARBAGE, Topics
+from tests.unit.publish_stand_ins import Published, install
 
 NOW = datetime(2026, 1, 1, tzinfo=UTC)
 TOPICS = JobTopics("unit")
 KAFKA = KafkaSettings()
 FP = Fingerprint("m", None, "d", "deterministic", "1", "c", "p")
-GARBAGE = b"\xc3\x01not an avro record"
 
 
-class Topics:
-    """Topics held in memory; :meth:`scan` stands in for the Kafka read and records the ranges it was asked for."""
-
-    def __init__(self) -> None:
-        self.logs: dict[tuple[str, int], list[Message]] = {}
-        self.runs: dict[str, RunManifest] = {}  # J.runs, as RunsView reads it
-        self.scans: list[tuple[str, dict[int, tuple[int, int]] | None]] = []
-
-    def append(
-        self, topic: str, key: bytes | None, value: bytes, headers: h.Headers | None = None, partition: int = 0
-    ) -> None:
-        log = self.logs.setdefault((topic, partition), [])
-        log.append(Message(topic, partition, len(log), key, value, headers))
-
-    def scan(
-        self, kafka: KafkaSettings, topic: str, ranges: dict[int, tuple[int, int]] | None = None, **kw: Any
-    ) -> Iterator[Message]:
-        self.scans.append((topic, ranges))
-        for (name, partition), log in sorted(self.logs.items()):
-            if name == topic and (ranges is None or partition in ranges):
-                start, end = ranges[partition] if ranges is not None else (0, len(log))
-                yield from log[start:end]
-
-
-class Producer:
-    """librdkafka's producer as publish_run uses it: every message kept, each delivered at flush."""
+class JobTopicsHeld(Topics):
+    """The job's topics in memory, and J.runs as RunsView reads it."""
 
     def __init__(self) -> None:
-        self.sent: list[dict[str, Any]] = []
-        self._reports: list[Any] = []
-
-    def produce(self, topic: str, value: bytes, key: bytes, headers: h.Headers, on_delivery: Any, **kw: Any) -> None:
-        self.sent.append({"topic": topic, "key": key.decode(), "value": value, "headers": headers})
-        self._reports.append(on_delivery)
-
-    def poll(self, timeout: float) -> int:
-        return 0
-
-    def flush(self, timeout: float) -> int:
-        for offset, report in enumerate(self._reports):
-            report(None, Message(TOPICS.requests, 0, offset))
-        self._reports = []
-        return 0
-
-
-class Published:
-    """What a replay wrote: the messages and the manifests (the last is the run's final one)."""
-
-    def __init__(self) -> None:
-        self.producer = Producer()
-        self.manifests: list[RunManifest] = []
-
-    @property
-    def sent(self) -> list[dict[str, Any]]:
-        return self.producer.sent
-
-    @property
-    def keys(self) -> list[str]:
-        return [m["key"] for m in self.sent]
-
-    @property
-    def run(self) -> RunManifest:
-        return self.manifests[-1]
-
-    def request(self, key: str) -> Request:
-        (value,) = [m["value"] for m in self.sent if m["key"] == key]
-        return decode_request_model(value)
-
-
-class NoCancel:
-    """J.runs read back after publishing: nobody cancelled the run meanwhile."""
-
-    def __init__(self, *args: Any, **kw: Any) -> None:
-        pass
-
-    def sync(self) -> None:
-        pass
-
-    def get(self, run_id: str) -> None:
-        return None
-
-    def stop(self) -> None:
-        pass
+        super().__init__()
+        self.runs: dict[str, RunManifest] = {}
 
 
 @pytest.fixture
-def topics(monkeypatch: pytest.MonkeyPatch) -> Topics:
-    held = Topics()
+def topics(monkeypatch: pytest.MonkeyPatch) -> JobTopicsHeld:
+    held = JobTopicsHeld()
     monkeypatch.setattr(replay, "scan", held.scan)
     monkeypatch.setattr(replay, "RunsView", lambda kafka, topics: Runs(held.runs))
     return held
@@ -125,16 +46,7 @@ def topics(monkeypatch: pytest.MonkeyPatch) -> Topics:
 
 @pytest.fixture
 def published(monkeypatch: pytest.MonkeyPatch) -> Published:
-    out = Published()
-
-    def write_manifest(kafka: KafkaSettings, topics: JobTopics, m: RunManifest, key: str | None = None) -> int:
-        out.manifests.append(m)
-        return len(out.manifests) - 1
-
-    monkeypatch.setattr(submit, "make_producer", lambda kafka: out.producer)
-    monkeypatch.setattr(submit, "write_manifest", write_manifest)
-    monkeypatch.setattr(submit, "RunsView", NoCancel)
-    return out
+    return install(monkeypatch)
 
 
 def request_bytes(rid: str, run: str, value: float = 1.0, prompt: str = "hello") -> bytes:
@@ -142,7 +54,7 @@ def request_bytes(rid: str, run: str, value: float = 1.0, prompt: str = "hello")
 
 
 def add_letter(
-    topics: Topics, rid: str, run: str | None, cls: str = "poison", payload: bytes | None = None, **fields: Any
+    topics: JobTopicsHeld, rid: str, run: str | None, cls: str = "poison", payload: bytes | None = None, **fields: Any
 ) -> DeadLetter:
     base: dict[str, Any] = dict(
         request_id=rid, run_id=run, failure_class=cls, error_type="E", error_message="boom", attempts=3,
@@ -155,7 +67,7 @@ def add_letter(
     return letter
 
 
-def add_result(topics: Topics, rid: str, run: str) -> None:
+def add_result(topics: JobTopicsHeld, rid: str, run: str) -> None:
     """A result of ``rid`` in run ``run`` (the router gives every result its run's header)."""
     topics.append(TOPICS.results, rid.encode(), b"a result", [(h.RUN_ID, run.encode())])
 
@@ -163,7 +75,7 @@ def add_result(topics: Topics, rid: str, run: str) -> None:
 # Which dead letters are quarantined
 
 
-def test_quarantined_is_the_latest_letter_of_each_id_of_the_run_without_a_result(topics: Topics) -> None:
+def test_quarantined_is_the_latest_letter_of_each_id_of_the_run_without_a_result(topics: JobTopicsHeld) -> None:
     add_letter(topics, "a", "p", "timeout")
     add_letter(topics, "a", "p", "poison", error_message="the second failure")
     add_letter(topics, "b", "p")
@@ -201,7 +113,7 @@ def test_the_dlq_summary_counts_every_class_and_samples_the_highest_values_first
 
 
 def test_a_dlq_replay_publishes_each_quarantined_record_once_under_a_new_run_that_names_its_parent(
-    topics: Topics, published: Published
+    topics: JobTopicsHeld, published: Published
 ) -> None:
     add_letter(topics, "a", "p", payload=request_bytes("a", "p", value=2.5, prompt="first"))
     add_letter(topics, "a", "p", payload=request_bytes("a", "p", value=2.5, prompt="fixed upstream"))
@@ -222,7 +134,7 @@ def test_a_dlq_replay_publishes_each_quarantined_record_once_under_a_new_run_tha
     assert (run.record_count, run.value_total, run.fingerprint) == (2, 6.5, FP.value)
 
 
-def test_a_replayed_record_starts_with_a_fresh_attempt_count(topics: Topics, published: Published) -> None:
+def test_a_replayed_record_starts_with_a_fresh_attempt_count(topics: JobTopicsHeld, published: Published) -> None:
     """Its dead letter's attempts and the retry tier's headers stay behind: the new run's first delivery is
     attempt 1."""
     add_letter(topics, "a", "p", attempts=5)
@@ -233,7 +145,7 @@ def test_a_replayed_record_starts_with_a_fresh_attempt_count(topics: Topics, pub
 
 
 def test_a_payload_that_does_not_decode_is_replayed_as_its_own_bytes_under_its_request_id(
-    topics: Topics, published: Published
+    topics: JobTopicsHeld, published: Published
 ) -> None:
     add_letter(topics, "line-7", "p", "invalid_input", payload=b"{not json")
     report = replay_dlq(KAFKA, TOPICS, FP, "p", "invalid_input")
@@ -241,7 +153,7 @@ def test_a_payload_that_does_not_decode_is_replayed_as_its_own_bytes_under_its_r
     assert (published.run.invalid_count, published.run.source, report.records) == (1, "dlq:p:invalid_input", 1)
 
 
-def test_a_replay_of_every_runs_dead_letters_names_no_parent(topics: Topics, published: Published) -> None:
+def test_a_replay_of_every_runs_dead_letters_names_no_parent(topics: JobTopicsHeld, published: Published) -> None:
     add_letter(topics, "a", "p")
     add_letter(topics, "b", "q")
     report = replay_dlq(KAFKA, TOPICS, FP, None)
@@ -252,7 +164,7 @@ def test_a_replay_of_every_runs_dead_letters_names_no_parent(topics: Topics, pub
 
 
 def test_letters_whose_payload_was_too_large_to_keep_are_left_out_not_republished_empty(
-    topics: Topics, published: Published
+    topics: JobTopicsHeld, published: Published
 ) -> None:
     add_letter(topics, "small", "p")
     add_letter(topics, "big", "p", payload=b"", payload_size=9_000_000, payload_sha256="ab" * 32)
@@ -262,7 +174,7 @@ def test_letters_whose_payload_was_too_large_to_keep_are_left_out_not_republishe
 
 @pytest.mark.parametrize("only_big", [True, False], ids=["only-letters-without-payload", "no-letters"])
 def test_nothing_to_replay_is_a_not_found_error_that_publishes_nothing(
-    topics: Topics, published: Published, only_big: bool
+    topics: JobTopicsHeld, published: Published, only_big: bool
 ) -> None:
     add_letter(topics, "done", "p")
     add_result(topics, "done", "p")
@@ -274,7 +186,7 @@ def test_nothing_to_replay_is_a_not_found_error_that_publishes_nothing(
     assert published.sent == [] and published.manifests == [], "not even an empty run"
 
 
-def test_another_runs_outcome_for_the_same_request_id_does_not_hide_a_runs_dead_letter(topics: Topics) -> None:
+def test_another_runs_outcome_for_the_same_request_id_does_not_hide_a_runs_dead_letter(topics: JobTopicsHeld) -> None:
     """The same file submitted twice gives its records the same ids in two runs (the fallback id is the file's
     digest and line): run ``b`` succeeding or failing on ``x`` leaves run ``a``'s dead letter of ``x`` in its DLQ."""
     add_letter(topics, "x", "a")
@@ -285,7 +197,7 @@ def test_another_runs_outcome_for_the_same_request_id_does_not_hide_a_runs_dead_
     assert sorted(quarantined(KAFKA, TOPICS, "b")) == ["y"]
 
 
-def test_a_result_in_a_replay_answers_the_letters_of_the_runs_it_descends_from(topics: Topics) -> None:
+def test_a_result_in_a_replay_answers_the_letters_of_the_runs_it_descends_from(topics: JobTopicsHeld) -> None:
     """A dead-letter replay of ``a`` (run ``c``) that succeeds on ``x`` fixes ``a``'s letter of ``x``, and a replay of
     that replay (``d``) fixes ``y`` for both; ``z``, failed again in ``c``, stays quarantined in both."""
     topics.runs = {"c": manifest("c", {}, parent_run_id="a"), "d": manifest("d", {}, parent_run_id="c")}
@@ -332,7 +244,7 @@ def manifest(run: str, boundaries: dict[int, tuple[int, int]], **fields: Any) ->
 
 
 def test_an_offset_replay_publishes_exactly_the_parents_records_inside_its_boundaries(
-    monkeypatch: pytest.MonkeyPatch, topics: Topics, published: Published
+    monkeypatch: pytest.MonkeyPatch, topics: JobTopicsHeld, published: Published
 ) -> None:
     req, run_p, run_q = TOPICS.requests, [(h.RUN_ID, b"p")], [(h.RUN_ID, b"q")]
     topics.append(req, b"before", request_bytes("before", "p"), run_p)  # offset 0: before the run's range
@@ -345,7 +257,7 @@ def test_an_offset_replay_publishes_exactly_the_parents_records_inside_its_bound
     topics.append(req, b"p4", request_bytes("p4", "p"), run_p, partition=1)
     monkeypatch.setattr(replay, "RunsView", lambda kafka, topics: Runs({"p": manifest("p", {0: (1, 5), 1: (0, 1)})}))
     report = replay_offsets(KAFKA, TOPICS, FP, "p")
-    assert topics.scans == [(TOPICS.requests, {0: (1, 5), 1: (0, 1)})]
+    assert [s[:2] for s in topics.scans] == [(TOPICS.requests, {0: (1, 5), 1: (0, 1)})]
     assert published.keys == ["p1", "p2", "p-0-4", "p3"]
     assert published.request("p1").value == 3.0 and published.request("p1").run_id == report.run_id
     assert {tuple(m["headers"]) for m in published.sent} == {
@@ -355,19 +267,19 @@ def test_an_offset_replay_publishes_exactly_the_parents_records_inside_its_bound
 
 
 def test_an_offset_replay_of_a_staged_run_reads_its_records_on_the_staging_topic(
-    monkeypatch: pytest.MonkeyPatch, topics: Topics, published: Published
+    monkeypatch: pytest.MonkeyPatch, topics: JobTopicsHeld, published: Published
 ) -> None:
     topics.append(TOPICS.staged, b"s1", request_bytes("s1", "p"), [(h.RUN_ID, b"p")])
     topics.append(TOPICS.requests, b"r1", request_bytes("r1", "p"), [(h.RUN_ID, b"p")])
     staged = manifest("p", {0: (0, 1)}, staged=True)
     monkeypatch.setattr(replay, "RunsView", lambda kafka, topics: Runs({"p": staged}))
     replay_offsets(KAFKA, TOPICS, FP, "p")
-    assert published.keys == ["s1"] and [t for t, _ in topics.scans] == [TOPICS.staged]
+    assert published.keys == ["s1"] and [t for t, *_ in topics.scans] == [TOPICS.staged]
 
 
 @pytest.mark.parametrize("runs", [{}, {"p": manifest("p", {})}], ids=["unknown-run", "no-boundaries"])
 def test_an_offset_replay_of_a_run_without_boundaries_is_a_not_found_error(
-    monkeypatch: pytest.MonkeyPatch, topics: Topics, published: Published, runs: dict[str, RunManifest]
+    monkeypatch: pytest.MonkeyPatch, topics: JobTopicsHeld, published: Published, runs: dict[str, RunManifest]
 ) -> None:
     monkeypatch.setattr(replay, "RunsView", lambda kafka, topics: Runs(runs))
     with pytest.raises(ReplayError, match=f"run p has no manifest with boundaries in {TOPICS.runs}") as e:
