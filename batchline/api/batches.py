@@ -28,6 +28,7 @@ from batchline.api.service import ApiService
 from batchline.api.settings import CHAT, COMPLETIONS, EMBEDDINGS, RESPONSES
 from batchline.api.validate import requests, validate
 from batchline.config import KafkaSettings
+from batchline.exceptions import NotFoundError
 from batchline.runs.control import cancel_run, parse_window, reserve_idempotency_key
 from batchline.runs.export import openai_error, openai_output, openai_stopped
 from batchline.runs.manifests import EXPIRED
@@ -220,7 +221,11 @@ def cancel(service: ApiService, record: BatchRecord) -> dict[str, Any]:
     if current["status"] in TERMINAL or record.job is None:
         raise ApiError(409, f"Cannot cancel a batch with status {current['status']}.", code="batch_not_cancellable")
     job = service.job_of(record)
-    cancel_run(service.kafka, job.topics, record.run_id, view=job.runs)
+    try:
+        cancel_run(service.kafka, job.topics, record.run_id, view=job.runs)
+    except NotFoundError:  # validating, its run not opened yet: being created, or its creator stopped
+        message = "The batch's run is not open yet: cancel again in a moment (left validating: create it again)."
+        raise ApiError(409, message, code="conflict") from None
     return render(service, record, sync=True)
 
 

@@ -30,6 +30,7 @@ from batchline.api.records import BatchError, BatchRecord, FileRecord
 from batchline.api.service import ApiService
 from batchline.api.settings import ApiTopics, ModelRoute
 from batchline.config import KafkaSettings, load_job_config
+from batchline.exceptions import NotFoundError
 from batchline.kafka import headers as h
 from batchline.kafka.topics import JobTopics
 from batchline.runs import outcomes
@@ -240,6 +241,8 @@ class World:
 
     def cancel(self, kafka: KafkaSettings, topics: JobTopics, run_id: str, view: Any = None) -> RunManifest:
         self.cancels.append(run_id)
+        if run_id not in self.job.manifests:  # as cancel_run: a run with no manifest
+            raise NotFoundError(f"no run {run_id!r} in {topics.runs}")
         manifest = self.job.manifests[run_id].model_copy(update={"cancelled_at": datetime.now(UTC)})
         self.job.manifests[run_id] = manifest
         return manifest
@@ -474,6 +477,18 @@ def test_a_batch_that_has_ended_cannot_be_cancelled(world: World) -> None:
         assert status in err.value.message
         assert world.now(batch_id).status == status
     assert world.cancels == []
+
+
+def test_a_batch_whose_run_is_not_opened_yet_answers_a_cancel_with_a_conflict_to_retry(world: World) -> None:
+    """Between the batch record and its run's first manifest (a moment) the batch is validating and its run
+    unknown: the cancel is a 409 the caller can retry, not a server error, and changes nothing."""
+    batch_id = world.create(["a"])["id"]
+    world.job.manifests.pop(batch_id)
+    assert world.now(batch_id).status == "validating"
+    with pytest.raises(ApiError) as err:
+        batches.cancel(world.service, world.records.items[batch_id])
+    assert (err.value.status, err.value.code) == (409, "conflict")
+    assert world.now(batch_id).status == "validating"
 
 
 # -- creation: what fails a batch, what answers with an earlier one -------------------------------------------
