@@ -12,8 +12,9 @@
   request id). The response body is a ``chat.completion`` with every choice, its logprobs and tool calls
   (generate, classify: the label is the message) or an embedding ``list`` with one entry per input (embed); a run
   records no endpoint, so a ``/v1/completions`` file's results come out as ``chat.completion`` too (``batchline
-  api`` knows each batch's endpoint and writes ``text_completion`` bodies). A failed request is a 400 (``invalid_input``) or 500 response with OpenAI's error body;
-  records of a cancelled or expired run carry OpenAI's ``error`` codes ``batch_cancelled`` / ``batch_expired``.
+  api`` knows each batch's endpoint and writes ``text_completion`` bodies). A failed request is a 400
+  (``invalid_input``) or 500 response with OpenAI's error body; records of a cancelled or expired run carry
+  OpenAI's ``error`` codes ``batch_cancelled`` / ``batch_expired``.
 - ``parquet``: one row per result (``scores`` a map, ``embedding`` a list, ``embeddings`` a list of lists,
   ``choices`` a list of structs with their logprobs and tool calls nested, ``lineage`` a struct), written in row
   groups; the error file is JSONL as above.
