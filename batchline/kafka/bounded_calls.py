@@ -20,11 +20,11 @@ class BoundedCalls:
     """Runs one producer's blocking transactional calls on a daemon thread of their own, so the caller waits at most
     the call's timeout plus :data:`HANG_GRACE_S`. librdkafka 2.16 may block such a call for good whatever timeout it
     is given: ``send_offsets_to_transaction`` after a connection reset or behind a blackhole waits in
-    ``rd_kafka_txn_op_req0`` for a coordinator request that never times out (upstream: confluentinc/librdkafka
-    issue 5456, "send_offsets_to_transaction() ignores timeout", open; when it is fixed this thread can go, see
-    docs/architecture.md "Threads"). A call that hangs keeps its thread: the runner is abandoned with its producer (see
-    :meth:`~batchline.kafka.producer_lifecycle.ProducerLifecycle.recreate`), and a daemon thread never holds the
-    process's exit.
+    ``rd_kafka_txn_op_req0`` for a coordinator request that never times out (an open librdkafka bug:
+    ``send_offsets_to_transaction()`` ignores its timeout, the coordinator request's own is never checked; when it
+    is fixed this thread can go, see docs/architecture.md "Threads"). A call that hangs keeps its thread: the runner
+    is abandoned with its producer (see :meth:`~batchline.kafka.producer_lifecycle.ProducerLifecycle.recreate`),
+    and a daemon thread never holds the process's exit.
 
     Hand-off: the caller's thread puts one call in ``_call`` and waits on ``_done``; the runner's thread runs it
     and stores its outcome. One call at a time (the producer's owner is one thread)."""

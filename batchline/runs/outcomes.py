@@ -96,6 +96,11 @@ def run_header_values(run_id: str) -> set[bytes]:
     return {run_id.encode()} | ({b"", STREAM_RUN.encode()} if run_id == STREAM_RUN else set())
 
 
+def _where(msg: Any) -> str:
+    """A record's place, as the log names it: ``topic[partition]@offset``."""
+    return f"{msg.topic()}[{msg.partition()}]@{msg.offset()}"
+
+
 def _in_run(msg: Any, wanted: set[bytes]) -> bool:
     return h.as_dict(msg.headers()).get(h.RUN_ID, b"") in wanted
 
@@ -126,9 +131,7 @@ class RunOutcomes:
                 result, lineage = self._decode_result(msg)
             except DecodeError as exc:
                 self.unreadable += 1
-                log.warning(
-                    "skipping an unreadable result at %s[%d]@%d: %s", msg.topic(), msg.partition(), msg.offset(), exc
-                )
+                log.warning("skipping an unreadable result at %s: %s", _where(msg), exc)
                 continue
             if result is None:
                 self.duplicates += 1
@@ -157,8 +160,7 @@ class RunOutcomes:
         try:
             return result, codec_for("lineage").decode(raw)
         except DecodeError as exc:
-            where = f"{msg.topic()}[{msg.partition()}]@{msg.offset()}"
-            log.warning("the result at %s has an unreadable lineage header, left out: %s", where, exc)
+            log.warning("the result at %s has an unreadable lineage header, left out: %s", _where(msg), exc)
             return result, None
 
     def letters(self) -> Iterator[DeadLetter]:
@@ -173,8 +175,7 @@ class RunOutcomes:
                 readable = True
             except DecodeError as exc:
                 self.unreadable += 1
-                where = f"{msg.topic()}[{msg.partition()}]@{msg.offset()}"
-                log.warning("skipping an unreadable dead letter at %s: %s", where, exc)
+                log.warning("skipping an unreadable dead letter at %s: %s", _where(msg), exc)
                 if not key:
                     continue
                 readable = False

@@ -64,7 +64,7 @@ def quarantined(
 
 
 def _run_of(headers: Any) -> str:
-    return h.as_dict(headers).get(h.RUN_ID, b"").decode("utf-8", "replace") or STREAM_RUN
+    return h.text(h.as_dict(headers), h.RUN_ID) or STREAM_RUN
 
 
 def _parents(kafka: KafkaSettings, topics: JobTopics) -> dict[str, str]:
