@@ -77,8 +77,6 @@ class WorkerParts:
         self.worker_id = self.membership.slot.slot
         self.consumer: Consumer = self.membership.consumer
         self.ownership = self.membership.ownership
-        assert self.membership.aborted is not None  # made: the worker's sources are transactional
-        self.aborted = self.membership.aborted
         self.takeover = self.membership.takeover
         self.health.watch_problem("group", self.membership.watch.stuck)
         self._incarnation = uuid.uuid4().hex[:6]  # batch ids stay unique across restarts of one slot

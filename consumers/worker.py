@@ -179,7 +179,11 @@ class Worker(WorkerParts):
             self.feeder.close_engine()
 
     def _idle_done(self) -> bool:
-        if self.idle_exit_s is None or self.commits or len(self.batcher) or not self.pauses.assigned:
+        """Idle for ``idle_exit_s`` since the worker could first take records (its engine loaded and partitions
+        assigned: a model that loads for minutes is not idleness), or since its last record."""
+        if self.idle_exit_s is None or not self._engine_ready or not self.pauses.assigned:
+            return False
+        if self.commits or len(self.batcher):
             return False
         return time.monotonic() - self._last_record >= self.idle_exit_s
 
@@ -201,6 +205,7 @@ class Worker(WorkerParts):
     def _engine_loaded(self) -> None:
         """The engine thread has loaded the engine (or was given one): records may come in."""
         self._engine_ready = True
+        self._last_record = time.monotonic()  # the idle clock starts when records can first come in
         self.intake.count_tokens = self.feeder.engine.count_tokens
         self.health.set_engine_loaded()  # readiness
         gc.collect()
@@ -232,28 +237,9 @@ class Worker(WorkerParts):
                 msgs = self.consumer.consume(want, 0) if want > 0 else []
             else:  # nothing in flight: records are what we wait for (take() returns with the first one)
                 msgs = take(self.consumer, want, self._linger_left(WAIT_IDLE_S))
-        held_back: set[TP] = set()  # partitions sought back to a record whose transaction cannot be told yet
-        # consume() returns runs of one partition: the aborted index is asked about a run's first record, then only
-        # past the offset below which it knows of no aborted transaction (AbortedIndex.clear_to)
-        run: TP = ("", -1)
-        clear = -1
         admitted: list[WorkItem] = []
-        for msg in msgs:
-            if msg.error():
-                if msg.error().code() != KafkaError._PARTITION_EOF:
-                    log.warning("consume error: %s", msg.error())
-                    self.liveness.on_error(msg.error())
-                continue
+        for msg, aborted in self.membership.sift(msgs, self.rewinder.seek, self._on_consume_error):
             item = self.intake.admit(msg)
-            topic, partition, offset, _ = item.source
-            if offset < clear and partition == run[1] and topic == run[0]:
-                aborted: bool | None = False
-            else:
-                aborted = self.aborted.aborted_or_seek_back(topic, partition, offset, held_back, self.rewinder.seek)
-                if aborted is None:
-                    continue  # read again, later
-                run = (topic, partition)
-                clear = -1 if aborted else self.aborted.clear_to(topic, partition, offset)
             item.passed_over = self.pinning.pass_over(item)
             if item.passed_over:
                 self.stats.passed_over += 1
@@ -265,6 +251,10 @@ class Worker(WorkerParts):
         if msgs:
             self._last_record = time.monotonic()
         self._after_callbacks()
+
+    def _on_consume_error(self, err: KafkaError) -> None:
+        log.warning("consume error: %s", err)
+        self.liveness.on_error(err)
 
     def _after_callbacks(self) -> None:
         """What rebalance callbacks left to do, after ``consume()`` returned: the seeks of their rollbacks, and

@@ -14,7 +14,7 @@ from dataclasses import dataclass, field
 
 from confluent_kafka import OFFSET_BEGINNING, Consumer, KafkaException, TopicPartition
 
-from batchline.kafka.embedded.aborted import AbortedIndex
+from batchline.kafka.broker_mode import AbortedRecords
 from batchline.kafka.groups import AssignmentWatch
 from batchline.kafka.topics import JobTopics
 from streams.exceptions import StreamsError
@@ -40,7 +40,7 @@ class ShardAssignment:
 
     topics: JobTopics
     reader: Consumer
-    aborted: AbortedIndex
+    aborted: AbortedRecords
     group_watch: AssignmentWatch
     store: LedgerStore | None
     cluster: str

@@ -98,8 +98,9 @@ class HoldingMember:
         # The group's Kafka parts (batchline/kafka/membership.py): the slot (a restarted member fences the
         # transaction its predecessor left open; the sweeper, those of members that never come back), the consumer
         # (a small prefetch: paused partitions are not fetched, but a due tier should not flood memory), the claims,
-        # the group watch, and in embedded mode the aborted-record index (asked on this thread, in step(); none where
-        # no transaction writes the sources: the admitter's) and the takeover gate over what this group writes.
+        # the group watch, the filter of aborted records (asked on this thread, in step(); nothing to ask where no
+        # transaction writes the sources: the admitter's) and, in embedded mode, the takeover gate over what this
+        # group writes.
         self.membership = Membership(
             kafka,
             self.group,
@@ -114,7 +115,6 @@ class HoldingMember:
         self.group_watch = self.membership.watch  # stuck unassigned? (the streams' /readyz)
         self.consumer: Consumer = self.membership.consumer
         self.ownership = self.membership.ownership
-        self.aborted = self.membership.aborted
         self.takeover = self.membership.takeover
         limits = effective_max_message_bytes(kafka, [self.topics.requests, self.topics.dlq])
         self.republisher = Republisher(
@@ -164,22 +164,8 @@ class HoldingMember:
     # -- the loop ----------------------------------------------------------------------------------
     def step(self) -> None:
         """Wait for records (at most :meth:`_wait_s`), then release what the rule chooses and pause what it holds."""
-        held_back: set[TP] = set()  # partitions sought back to a record whose transaction cannot be told yet
-        for msg in take(self.consumer, POLL_BATCH, self._wait_s()):  # consume() would wait out the whole wait
-            if msg.error():
-                if msg.error().code() != KafkaError._PARTITION_EOF:
-                    log.warning("%s consumer: %s", self.name, msg.error().str())
-                continue
-            if (msg.topic(), msg.partition()) not in self.assigned:
-                continue  # a straggler of a partition given away
-            if self.aborted is None:
-                self._hold(self._held_of(msg))
-                continue
-            aborted = self.aborted.aborted_or_seek_back(
-                msg.topic(), msg.partition(), msg.offset(), held_back, self._seek
-            )
-            if aborted is None:
-                continue  # read again, later
+        msgs = take(self.consumer, POLL_BATCH, self._wait_s())  # consume() would wait out the whole wait
+        for msg, aborted in self.membership.sift(msgs, self._seek, self._on_consume_error, self.assigned):
             if aborted:
                 self.stats.aborted += 1  # a worker's aborted transaction: the worker redoes that record itself
             else:
@@ -188,6 +174,9 @@ class HoldingMember:
         if time.monotonic() >= self._backoff_until and self._settle() and self.ownership.rejoining_too_long() is None:
             self._release_due()  # (no claim holds while a rejoin has lasted past its lifetime)
         self._flow_control()
+
+    def _on_consume_error(self, err: KafkaError) -> None:
+        log.warning("%s consumer: %s", self.name, err.str())
 
     def _seek(self, topic: str, partition: int, offset: int) -> None:
         self.consumer.seek(TopicPartition(topic, partition, offset))
@@ -412,7 +401,7 @@ class HoldingMember:
             self.runs.stop()
             self.republisher.close()
         finally:
-            self.membership.close()  # once the group is stable (embedded mode: batchline.kafka.embedded.ghost_leader)
+            self.membership.close()  # once the group is stable, in embedded mode
         log.info(
             "%s %s stopped: %d held, %d re-published in %d transactions, %d failed attempts, "
             "%d dead-lettered as %s, %d of cancelled or expired runs dead-lettered",

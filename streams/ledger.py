@@ -18,9 +18,10 @@ and re-reads the last record of each partition to check the store matches the to
 without the data): a mismatch rebuilds the shard from the beginning, as does a lost or unreadable store.
 
 Committed records only: every record the reader gets is checked against an
-:class:`~batchline.kafka.embedded.aborted.AbortedIndex` (the embedded broker's read_committed shows aborted
-transactions; the index finds them from the log's COMMIT/ABORT markers; it is asked about the first record of a run
-of one partition and then only past what it has cleared); an aborted one moves the checkpoint and counts nothing.
+:class:`~batchline.kafka.broker_mode.AbortedRecords` from the broker's quirks object (the embedded broker's
+read_committed shows aborted transactions; its index finds them from the log's COMMIT/ABORT markers; it is asked
+about the first record of a run of one partition and then only past what it has cleared; on Apache Kafka nothing is
+asked); an aborted one moves the checkpoint and counts nothing.
 
 ``J.requests`` is not read: results and dead letters carry the request's value, and a run's total comes from its
 manifest (docs/streams.md). faust was not used, see ``retry_scheduler``.
@@ -37,10 +38,10 @@ from datetime import UTC, datetime
 from confluent_kafka import Consumer, KafkaError, KafkaException, Message, TopicPartition
 
 from batchline.config import JobConfig, KafkaSettings, LedgerSettings
-from batchline.kafka.client import make_consumer, make_producer, make_reader
-from batchline.kafka.embedded.aborted import AbortedIndex
-from batchline.kafka.embedded.ghost_leader import close_member, watch_member
+from batchline.kafka.broker_mode import quirks_for
+from batchline.kafka.client import make_producer, make_reader
 from batchline.kafka.liveness import BrokerDown, never_down
+from batchline.kafka.membership import GroupMember
 from batchline.kafka.topics import JobTopics
 from batchline.runs.status import TOP_QUARANTINED
 from schemas import codec_for
@@ -85,11 +86,13 @@ class Ledger(ShardAssignment):
         self.settings = settings or LedgerSettings()
         self.snapshot_interval_s = snapshot_interval_s
         self.reader: Consumer = make_reader(kafka, **READER_LIMITS)
-        self.aborted = AbortedIndex(kafka)  # read with the reader, on the ledger's one thread
+        self.aborted = quirks_for(kafka).aborted_records()  # read with the reader, on the ledger's one thread
         self.kafka = kafka
         self.group = f"{config.job}.ledger"
-        self.members: Consumer = make_consumer(kafka, self.group)
-        self.group_watch, self.group_sampler = watch_member(kafka, self.group, broker_down)  # stuck unassigned?
+        # the group only hands out shards: its consumer's partitions stay paused, the reader reads
+        self.member = GroupMember(kafka, self.group, broker_down=broker_down)
+        self.members: Consumer = self.member.consumer
+        self.group_watch = self.member.watch  # stuck unassigned?
         self.producer = make_producer(kafka)
         self.store: LedgerStore | None = None
         self.cluster = ""
@@ -135,7 +138,7 @@ class Ledger(ShardAssignment):
         gc.collect()
         gc.freeze()  # as the worker does (consumers/worker.py)
         gc.set_threshold(*GC_THRESHOLDS)
-        self.group_sampler.start()
+        self.member.start()
         self.members.subscribe(
             [self.topics.results], on_assign=self._on_assign, on_revoke=self._on_revoke, on_lost=self._on_revoke
         )
@@ -356,7 +359,6 @@ class Ledger(ShardAssignment):
             self.reading[shard].dirty.add(run)  # published again with the next round
 
     def close(self) -> None:
-        self.group_sampler.close()
         try:
             if any(p.caught_up for p in self.reading.values()):
                 self.publish()
@@ -365,9 +367,7 @@ class Ledger(ShardAssignment):
                 log.error("ledger: %d snapshots not delivered at shutdown", undelivered)
         finally:
             try:
-                # leaves the group once it is stable (the others take over at once): a leader leaving a re-forming
-                # group jams the embedded broker (batchline.kafka.embedded.ghost_leader)
-                close_member(self.members, self.kafka, self.group)
+                self.member.close()  # once the group is stable, in embedded mode: the others take over at once
             finally:
                 if self.store is not None:
                     self._checkpoint()

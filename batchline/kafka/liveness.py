@@ -98,8 +98,9 @@ def tcp_reason(bootstrap: str, timeout_s: float) -> str | None:
     return "; ".join(dict.fromkeys(reasons))
 
 
-def probe(kafka: KafkaSettings, timeout_s: float | None = None, admin: Any = None) -> set[str]:
-    """The names of the topics at ``kafka.bootstrap``, or :class:`BrokerUnreachable` within the timeout."""
+def metadata(kafka: KafkaSettings, timeout_s: float | None = None, admin: Any = None) -> Any:
+    """The cluster's metadata (topics, cluster id) at ``kafka.bootstrap``, or :class:`BrokerUnreachable` within the
+    timeout (``kafka.probe_timeout_s`` by default)."""
     from batchline.kafka.client import make_admin
 
     timeout = kafka.probe_timeout_s if timeout_s is None else timeout_s
@@ -109,13 +110,18 @@ def probe(kafka: KafkaSettings, timeout_s: float | None = None, admin: Any = Non
         raise BrokerUnreachable(kafka.bootstrap, reason)
     client = admin if admin is not None else make_admin(kafka)
     try:
-        meta = client.list_topics(timeout=max(0.2, deadline - time.monotonic()))
+        return client.list_topics(timeout=max(0.2, deadline - time.monotonic()))
     except KafkaException as exc:
         raise BrokerUnreachable(
             kafka.bootstrap,
             f"it accepts connections but answered no metadata request within {timeout:g}s: {exc.args[0].str()}; "
             "check BATCHLINE_SECURITY_PROTOCOL and the TLS/SASL settings",
         ) from None
+
+
+def probe(kafka: KafkaSettings, timeout_s: float | None = None, admin: Any = None) -> set[str]:
+    """The names of the topics at ``kafka.bootstrap``, or :class:`BrokerUnreachable` within the timeout."""
+    meta = metadata(kafka, timeout_s, admin)
     return {name for name, topic in meta.topics.items() if topic.error is None}
 
 

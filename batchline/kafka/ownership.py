@@ -40,14 +40,14 @@ from collections.abc import Iterable
 from dataclasses import dataclass
 from typing import Any, Protocol
 
-from batchline.kafka.embedded.rejoin import RejoinRule
+from batchline.kafka.broker_mode import Rejoin, RejoinFactory
 from batchline.kafka.liveness import BrokerDown, never_down
 
 TP = tuple[str, int]
 METADATA_MAGIC = b"CGMDv2:"  # librdkafka's serialized rd_kafka_consumer_group_metadata_t
 
 
-class GroupMember(Protocol):
+class HasGroupMetadata(Protocol):
     """What ownership needs of a consumer (confluent_kafka.Consumer has it)."""
 
     def consumer_group_metadata(self) -> Any: ...
@@ -91,14 +91,15 @@ class Ownership:
 
     def __init__(
         self,
-        consumer: GroupMember,
+        consumer: HasGroupMetadata,
         lease_s: float | None = None,
         broker_down: BrokerDown = never_down,
         *,
-        rejoin: bool = False,
+        rejoin: RejoinFactory | None = None,
     ) -> None:
         """``broker_down``: the process's liveness detector (a rejoin while the broker is out of reach is doubted);
-        ``rejoin``: apply the embedded broker's rejoin rule (:class:`RejoinRule`)."""
+        ``rejoin``: makes the broker's rejoin rule, if it has one (the embedded broker's
+        :class:`~batchline.kafka.embedded.rejoin.RejoinRule`, from its quirks object)."""
         self.consumer = consumer
         self.lease_s = lease_s
         self.broker_down = broker_down
@@ -114,7 +115,7 @@ class Ownership:
         self._observed = 0.0  # when (monotonic)
         self._previous = 0.0  # the look before it
         self.released = 0  # partitions released so far (a counter for logs and tests)
-        self.rejoin = RejoinRule(self.claim_ttl_s, lease_s, broker_down) if rejoin else None
+        self.rejoin: Rejoin | None = None if rejoin is None else rejoin(self.claim_ttl_s, lease_s, broker_down)
 
     def observe(self, max_age_s: float = 0.0) -> Any:
         """Read the consumer's group metadata (the consumer's own thread only) and keep it for the others; not

@@ -1,7 +1,7 @@
 """Read a topic (or per-partition offset ranges of it) from the beginning to its end, without a group.
 
 Only committed records: on a broker that does not hide aborted transactions from read_committed readers (the
-embedded one), each record is checked against :class:`batchline.kafka.embedded.aborted.AbortedIndex` and
+embedded one), each record is checked against the broker's :class:`~batchline.kafka.broker_mode.AbortedRecords` and
 aborted ones are left out (``committed_only=False`` reads what the broker gives).
 
 "The end" is each partition's last stable offset when the read starts - what a read_committed reader can read
@@ -22,8 +22,8 @@ from confluent_kafka import TopicPartition
 
 from batchline.config import KafkaSettings
 from batchline.exceptions import KafkaOperationError
+from batchline.kafka.broker_mode import quirks_for
 from batchline.kafka.client import make_reader, take
-from batchline.kafka.embedded.aborted import AbortedIndex
 
 READ_TIMEOUT_S = 30.0
 
@@ -37,11 +37,11 @@ def scan(
 ) -> Iterator[Any]:
     """Every committed message of ``topic``, or of the given per-partition ``[start, end)`` ranges, in partition
     order. ``overrides``: librdkafka settings of the reader (e.g. smaller prefetch queues for a long read)."""
-    index = AbortedIndex(kafka)  # reads nothing off embedded mode
+    index = quirks_for(kafka).aborted_records()  # asks nothing on Apache Kafka
     # In embedded mode the index decides every record up to the stable end, so the reader reads uncommitted: the
     # embedded broker's read_committed fetches hold back committed records of a transaction that also wrote to a
     # partition where an older transaction is open, on every partition it wrote to.
-    isolation = {"isolation.level": "read_uncommitted"} if index.enabled else {}
+    isolation = {"isolation.level": "read_uncommitted"} if index.decides_ends else {}
     group = {"group.id": f"batchline-scan-{time.monotonic_ns()}"}
     reader = make_reader(kafka, **(group | isolation | overrides))
     try:
@@ -55,14 +55,14 @@ def scan(
         highs: dict[int, int] = {}  # read_committed: the last stable offset on Apache Kafka
         for p in partitions:
             lows[p], highs[p] = reader.get_watermark_offsets(TopicPartition(topic, p), READ_TIMEOUT_S, cached=False)
-        if ranges is None and not index.enabled:
+        if ranges is None and not index.decides_ends:
             # read past where a broker reports a short watermark (the embedded broker behind TLS: no index there)
             highs = read_past(reader, topic, highs)
         for p in partitions:
             start = max(ranges[p][0], lows[p]) if ranges is not None else lows[p]
             if ranges is not None:
                 end = ranges[p][1]
-            elif index.enabled:
+            elif index.decides_ends:
                 end = index.stable_end_waiting(topic, p, start, READ_TIMEOUT_S)
             else:
                 end = highs[p]

@@ -118,10 +118,10 @@ class KafkaSettings(BaseSettings):
     broker: BrokerKind = Field(
         "auto",
         description="Which broker this is: `embedded` builds the embedded broker's workarounds (raw reads of aborted "
-        "records, a takeover that waits for open transactions), `apache` builds none of them. `auto` treats a "
-        "PLAINTEXT connection as embedded (a plaintext Apache Kafka then pays for workarounds it does not need: "
-        "set `apache`) and a TLS or SASL one as Apache Kafka. Setting `apache` on the embedded broker gives up "
-        "exactly-once there.",
+        "records, a takeover that waits for open transactions, the stable leave), `apache` builds none of them. "
+        "`auto` asks the cluster its id once at start: the broker `batchline broker` starts has an id of its own and "
+        "is the only one taken for embedded; every other cluster is Apache Kafka, whatever the protocol. Setting "
+        "`apache` on the embedded broker gives up exactly-once there.",
     )
     security_protocol: SecurityProtocol = Field(
         "PLAINTEXT",
@@ -254,11 +254,6 @@ class KafkaSettings(BaseSettings):
                 "BATCHLINE_SASL_OAUTHBEARER_CLIENT_SECRET"
             )
         return self
-
-    @property
-    def embedded(self) -> bool:
-        """Whether the embedded broker's workarounds are built (``broker``; ``auto``: a PLAINTEXT connection)."""
-        return self.broker == "embedded" or (self.broker == "auto" and self.security_protocol == "PLAINTEXT")
 
     def librdkafka(self) -> dict[str, Any]:
         """The librdkafka ``dotted.keys`` shared by every client: the passthrough, then the typed settings."""

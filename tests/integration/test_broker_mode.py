@@ -1,11 +1,11 @@
 """What each broker mode builds, seen from outside a whole process: a worker and a streams process (retry
-scheduler and ledger) run the same records once with ``BATCHLINE_BROKER=embedded`` and once with ``apache``, and
-the test counts their librdkafka clients (each runs one ``rdk:main`` thread, named by librdkafka), their threads
-and their TCP connections to the broker.
+scheduler and ledger) run the same records with ``BATCHLINE_BROKER=embedded``, ``apache`` and ``auto`` (which asks
+the broker its cluster id and finds the embedded broker's), and the test counts their librdkafka clients (each runs
+one ``rdk:main`` thread, named by librdkafka), their threads and their TCP connections to the broker.
 
 Off embedded mode none of :mod:`batchline.kafka.embedded` is built: no admin client for the group sampler or the
 takeover wait (worker: two clients fewer; scheduler and ledger: three), no sampler thread, no raw reads of the
-aborted-record index (connections of their own). Both processes run on the embedded broker in both modes: with
+aborted-record index (connections of their own). The processes run on the embedded broker in every mode: with
 ``apache`` they would pass aborted records through, so the records here come from a plain producer (none aborted)
 and each must still end with exactly one result.
 """
@@ -82,14 +82,21 @@ def _run_in_mode(mode: str, kafka: KafkaSettings, topics: JobTopics, cfg: Path, 
         return {"worker": footprint(worker.proc.pid, port), "streams": footprint(streams.proc.pid, port)}
 
 
-def test_off_embedded_mode_no_workaround_is_built_in_a_worker_or_streams_process(
+def test_each_mode_builds_what_it_says_and_auto_asks_the_broker(
     kafka: KafkaSettings, job_name: str, make_job: Callable[..., JobTopics], tmp_path: Path, logs_dir: Path
 ) -> None:
     seen: dict[str, dict[str, Footprint]] = {}
-    for mode in ("embedded", "apache"):
+    for mode in ("embedded", "apache", "auto"):
         topics = make_job(f"{job_name}-{mode}", partitions=2, tiers=("1s", "2s"))
         cfg = job_toml(tmp_path / f"{mode}.toml", max_records=10)
         seen[mode] = _run_in_mode(mode, kafka, topics, cfg, logs_dir)
+    # auto asked the broker its cluster id: the one batchline started is the embedded broker, and each process says
+    # which mode it chose
+    for process in ("worker", "streams"):
+        chosen = (logs_dir / f"{process}-auto.log").read_text()
+        assert "broker mode embedded (auto: cluster id 'batchline-embedded-" in chosen, process
+        assert "broker mode apache (BATCHLINE_BROKER)" in (logs_dir / f"{process}-apache.log").read_text(), process
+        assert seen["auto"][process].clients == seen["embedded"][process].clients, (process, seen)
     for process, extra in EXTRA_CLIENTS.items():
         embedded, apache = seen["embedded"][process], seen["apache"][process]
         assert embedded.clients - apache.clients == extra, (process, seen)

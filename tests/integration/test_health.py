@@ -8,10 +8,12 @@ worker does with it.
 
 from __future__ import annotations
 
+import subprocess
 import time
 from collections.abc import Callable
 from pathlib import Path
 
+import pytest
 from confluent_kafka import TopicPartition
 
 from batchline.config import KafkaSettings, load_job_config
@@ -184,3 +186,30 @@ def test_a_worker_whose_engine_hangs_turns_unhealthy_and_the_next_one_loses_noth
     with _worker(job_name, plain, kafka, free_port(), logs_dir / "next.log"):
         done = wait_for(lambda: (r := results(kafka, topics)) and set(r) == set(ids) and r, RUN_TIMEOUT_S, "all ids")
     assert {rid: len(copies) for rid, copies in done.items()} == dict.fromkeys(ids, 1)
+
+
+def test_idle_exit_counts_from_when_the_worker_can_first_take_records_not_from_its_load(
+    kafka: KafkaSettings, job_name: str, make_job: Callable[..., JobTopics], tmp_path: Path, logs_dir: Path
+) -> None:
+    """A worker whose model loads for longer than its idle exit joins its (empty) group while it loads and holds the
+    partitions paused: the records waiting are processed once the model is there, and only then does it exit idle."""
+    topics = make_job(job_name, partitions=2)
+    gate = tmp_path / "model-loaded"
+    cfg = job_toml(tmp_path / "job.toml", kwargs=f'load_gate = "{gate}"', max_records=10)
+    ids = [f"idle-{i}" for i in range(3)]
+    produce_raw(
+        kafka, topics.requests, [(rid.encode(), f'{{"id": "{rid}", "prompt": "p {rid}"}}'.encode()) for rid in ids]
+    )
+    port = free_port()
+    with _worker(job_name, cfg, kafka, port, logs_dir / "worker.log", "--idle-exit", "2") as worker:
+        wait_for(
+            lambda: get(port, "/readyz")[1].strip() == "waiting for: engine loaded",
+            READY_TIMEOUT_S,
+            "the loading worker to hold its partitions",
+        )
+        with pytest.raises(subprocess.TimeoutExpired):  # a load three idle exits long: still there after it
+            worker.wait(3 * 2)
+        gate.touch()
+        assert worker.wait(RUN_TIMEOUT_S) == 0, worker.log()
+    done = results(kafka, topics)
+    assert {rid: len(done.get(rid, [])) for rid in ids} == dict.fromkeys(ids, 1), worker.log()

@@ -14,6 +14,8 @@ from typing import Any
 from confluent_kafka import KafkaError, KafkaException, TopicPartition
 
 from batchline.config import KafkaSettings
+from batchline.kafka import membership
+from batchline.kafka.broker_mode import ReadCommitted
 from batchline.kafka.ownership import Claim, Ownership
 from batchline.kafka.transaction_errors import TransactionFailed
 from streams.holding import TP
@@ -96,7 +98,10 @@ class Watch:
 
 
 class Membership:
-    """The group's Kafka parts, as the member reads them; ``built_with`` is what it was asked for."""
+    """The group's Kafka parts, as the member reads them; ``built_with`` is what it was asked for. Its poll filter is
+    the real one (:meth:`batchline.kafka.membership.Membership.sift`), over ``aborted``."""
+
+    sift = membership.Membership.sift
 
     def __init__(self, events: list[str], group: str, instance_id: str | None, **kw: Any) -> None:
         self.events = events
@@ -106,7 +111,7 @@ class Membership:
         self.consumer = Consumer(events)
         self.ownership = Ownership(self.consumer, KAFKA.session_timeout_ms / 1000)  # as Membership builds it
         self.watch = Watch()
-        self.aborted: Any = None
+        self.aborted: Any = ReadCommitted()
         self.takeover: Any = None
 
     def start(self) -> None:

@@ -299,7 +299,10 @@ def test_records_of_aborted_transactions_are_counted_not_held_and_an_undecided_o
                 seek(topic, partition, offset)
             return answer
 
-    rig.member.aborted = Index()  # type: ignore[assignment]
+        def clear_to(self, topic: str, partition: int, offset: int) -> int:
+            return offset + 1
+
+    rig.member.membership.aborted = Index()
     rig.assign(P0)
     rig.deliver(*(rec(P0, o, due=NOT_DUE) for o in (20, 21, 22, 23)))
     rig.member.step()

@@ -13,6 +13,7 @@ from typing import Any
 
 import pytest
 
+from batchline.kafka.embedded.rejoin import RejoinRule
 from batchline.kafka.ownership import Ownership, member_of
 from tests.unit.stand_ins import Member, metadata
 
@@ -121,7 +122,7 @@ def test_a_rejoin_left_behind_holds_no_claim_and_asks_for_a_re_read_when_it_comp
     out of reach during it, no claim holds; when it completes, ``RejoinRule.joining`` says so once, so the worker
     re-reads what it holds from the committed offsets. A short rejoin, a long one with no disruption (a slow
     rebalance: the member commits through it) and a first join (nothing held) change nothing."""
-    own = Ownership(Member(), lease_s=6.0, rejoin=True)
+    own = Ownership(Member(), lease_s=6.0, rejoin=RejoinRule)
     rule = own.rejoin
     assert rule is not None
     assert own.claim_ttl_s == pytest.approx(4.0)
@@ -152,7 +153,7 @@ def test_rejoined_late_reads_librdkafkas_statistics_and_fences_what_is_held() ->
     """The statistics path the worker and the retry scheduler share: the join state from a statistics document,
     the broker's reachability from the liveness detector at each document, and a fence on the partitions held."""
     down = [False]
-    own = Ownership(Member(), lease_s=0.3, broker_down=lambda: down[0], rejoin=True)
+    own = Ownership(Member(), lease_s=0.3, broker_down=lambda: down[0], rejoin=RejoinRule)
     held = {(T, 0)}
 
     def stats(join_state: str) -> str:

@@ -146,7 +146,7 @@ def test_a_long_rejoin_is_left_behind_only_with_a_disruption_within_a_session_be
 
 def test_without_a_session_timeout_no_rejoin_is_ever_left_behind() -> None:
     """Ownership without a lease has no claim TTL: its rule never calls a rejoin late."""
-    rule = Ownership(Member(), lease_s=None, rejoin=True).rejoin
+    rule = Ownership(Member(), lease_s=None, rejoin=RejoinRule).rejoin
     assert rule is not None and rule.claim_ttl_s is None
     rule.disrupted(now=T0 + 1)
     assert not rule.joining("wait-join", holding=True, now=T0)
@@ -194,5 +194,5 @@ def test_at_the_default_session_timeout_statistics_come_more_often_than_a_claims
     """The rule sees a rejoin only through the statistics: every rejoin that outlasts a claim's life spans at least
     one report while librdkafka reports more often than that."""
     default_ms = KafkaSettings.model_fields["session_timeout_ms"].default
-    own = Ownership(Member(), lease_s=default_ms / 1000, rejoin=True)
+    own = Ownership(Member(), lease_s=default_ms / 1000, rejoin=RejoinRule)
     assert own.claim_ttl_s is not None and own.claim_ttl_s > STATS_EVERY_MS / 1000

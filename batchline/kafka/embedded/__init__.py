@@ -1,5 +1,5 @@
-"""What exists only because of the embedded broker (tansu 0.6, docs/brokers.md): built where
-:attr:`batchline.kafka.settings.KafkaSettings.embedded` says so (``BATCHLINE_BROKER``), and nowhere else.
+"""What exists only because of the embedded broker (tansu 0.6, docs/brokers.md): imported and built only when
+:func:`batchline.kafka.broker_mode.quirks_for` chooses embedded mode, through :mod:`.quirks`, and nowhere else.
 
 - :mod:`.aborted`: aborted records, and each partition's last stable offset, read from the log itself (its
   read_committed delivers aborted records and answers a wrong end while a transaction is open);
@@ -11,7 +11,7 @@
 - :mod:`.rejoin`: no claim holds while a rejoin left behind by its group lasts (the broker hands a late rejoiner its
   partitions back without a word), fed by librdkafka's statistics.
 
-A process's parts are built in one place, :class:`batchline.kafka.membership.Membership`, for the worker and the
-streams alike; the aborted-record index is also asked by the one-shot readers (:mod:`batchline.kafka.scan`) and the
-ledger.
+- :mod:`.quirks`: the embedded broker's quirks object, which builds the above for a group member
+  (:mod:`batchline.kafka.membership`: the worker, the streams' holding members, the ledger) and for the one-shot
+  readers (:mod:`batchline.kafka.scan`).
 """

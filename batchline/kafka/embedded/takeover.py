@@ -18,7 +18,7 @@ Transactions begun later start above those watermarks and do not hold it up.
 The wait is bounded (``wait_s``: it runs inside the consumer's assignment callback, and the member must poll again
 within ``max.poll.interval.ms``); past it the assignment goes on and the partitions still unstable are logged. A
 healthy group waits one ListOffsets round trip or the rest of a commit in progress.
-Built only for the embedded broker (:attr:`batchline.kafka.settings.KafkaSettings.embedded`).
+Built only for the embedded broker (:class:`batchline.kafka.embedded.quirks.EmbeddedBroker`).
 
 Threads: the thread serving the consumer's rebalance callbacks (the worker's loop, the retry scheduler's); its own
 admin client, never the consumer (a Kafka call on the consumer inside its callback breaks its call state).
