@@ -77,7 +77,6 @@ class WorkerParts:
         self.worker_id = self.membership.slot.slot
         self.consumer: Consumer = self.membership.consumer
         self.ownership = self.membership.ownership
-        self.takeover = self.membership.takeover
         self.health.watch_problem("group", self.membership.watch.stuck)
         self._incarnation = uuid.uuid4().hex[:6]  # batch ids stay unique across restarts of one slot
         # Intake counts tokens with the engine's tokenizer once the engine is loaded (Worker._engine_loaded); no

@@ -367,9 +367,7 @@ class Worker(WorkerParts):
 
     # -- rebalance -------------------------------------------------------------------------------
     def _on_assign(self, consumer: Consumer, partitions: list[TopicPartition]) -> None:
-        if self.takeover is not None:  # before the assignment reads the committed offsets
-            self.commits.fence_left_open()  # a transaction of ours retired open would hold the takeover up
-            self.takeover.wait(self._while_taking_over)
+        self.membership.take_over(self.commits.fence_left_open, self._while_taking_over)  # before offsets are read
         consumer.incremental_assign(partitions)
         self.pauses.assigned_now(partitions)
         self._last_record = time.monotonic()

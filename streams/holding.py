@@ -115,7 +115,6 @@ class HoldingMember:
         self.group_watch = self.membership.watch  # stuck unassigned? (the streams' /readyz)
         self.consumer: Consumer = self.membership.consumer
         self.ownership = self.membership.ownership
-        self.takeover = self.membership.takeover
         limits = effective_max_message_bytes(kafka, [self.topics.requests, self.topics.dlq])
         self.republisher = Republisher(
             kafka, self.topics, self.membership.transactional_id, limits, broker_down, stamp=self.STAMP
@@ -332,12 +331,7 @@ class HoldingMember:
 
     # -- rebalances --------------------------------------------------------------------------------
     def _on_assign(self, consumer: Consumer, partitions: list[TopicPartition]) -> None:
-        if self.takeover is not None:  # before the assignment reads the committed offsets
-            try:  # a transaction of ours retired open (a hung call) would hold the takeover up: fence it first
-                self.republisher.settle()
-            except TransactionFailed as exc:
-                log.warning("could not fence the transaction left open yet: %s", exc)
-            self.takeover.wait()
+        self.membership.take_over(self._fence_left_open)  # before the assignment reads the committed offsets
         consumer.incremental_assign(partitions)
         # librdkafka keeps an application pause across a revoke and a re-assign: a partition this member paused
         # before it lost it would come back paused with nothing to resume it. It holds nothing yet: fetch it.
@@ -348,6 +342,13 @@ class HoldingMember:
         self.group_watch.assigned(len(self.assigned))
         self.last_activity = time.monotonic()
         log.info("%s assigned %s", self.name, _names(partitions))
+
+    def _fence_left_open(self) -> None:
+        """A transaction of ours retired open (a hung call) would hold a takeover up: fence it first."""
+        try:
+            self.republisher.settle()
+        except TransactionFailed as exc:
+            log.warning("could not fence the transaction left open yet: %s", exc)
 
     def _on_revoke(self, consumer: Consumer, partitions: list[TopicPartition]) -> None:
         # Held records of a revoked partition were not committed: its next owner reads them again.

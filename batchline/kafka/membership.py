@@ -110,6 +110,16 @@ class Membership(GroupMember):
         self.sweeper.start()
         super().start()
 
+    def take_over(self, fence: Callable[[], None], between: Callable[[], None] | None = None) -> None:
+        """Before newly assigned partitions read their committed offsets (the assign callback): where the broker's
+        offset fetch does not wait for the transactions open on the group's outputs (embedded mode), ``fence`` what
+        this process may have left open (a transaction retired open would hold the wait up) and wait for the rest
+        to end, calling ``between`` between looks. Nothing on Apache Kafka (KIP-447: the fetch waits)."""
+        if self.takeover is None:
+            return
+        fence()
+        self.takeover.wait(between)
+
     def sift(
         self,
         msgs: Iterable[Message],
