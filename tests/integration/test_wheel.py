@@ -16,6 +16,7 @@ Most of its time is pip installing the base dependencies (pip's cache helps); th
 from __future__ import annotations
 
 import json
+import shutil
 import time
 import uuid
 import zipfile
@@ -88,12 +89,13 @@ def wheel(tmp_path_factory: pytest.TempPathFactory, timings: dict[str, float]) -
 
 
 @pytest.fixture(scope="module")
-def installed(wheel: Path, tmp_path_factory: pytest.TempPathFactory, timings: dict[str, float]) -> Installed:
+def installed(wheel: Path, tmp_path_factory: pytest.TempPathFactory, timings: dict[str, float]) -> Iterator[Installed]:
     started = time.monotonic()
     venv = install(wheel, tmp_path_factory.mktemp("installed"))
     timings["venv and pip install"] = time.monotonic() - started
     assert not venv.home.resolve().is_relative_to(ROOT) and not venv.venv.resolve().is_relative_to(ROOT)
-    return venv
+    yield venv
+    shutil.rmtree(venv.venv, ignore_errors=True)  # about 330 MB; the logs stay
 
 
 @pytest.fixture(scope="module")
