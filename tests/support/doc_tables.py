@@ -17,13 +17,12 @@ PACKAGES = ("batchline", "consumers", "streams", "schemas")
 
 
 def section(heading: str) -> str:
-    """The text of the section that starts with ``heading``, up to the next heading of the same level or higher."""
+    """The text under ``heading`` up to the next heading of any level (its subsections are sections of their own)."""
     text = DOC.read_text()
     start = text.index(heading)
-    level = len(heading) - len(heading.lstrip("#"))
     rest = text[start + len(heading) :]
-    ends = [m.start() for m in re.finditer(rf"^#{{1,{level}}} ", rest, re.M)]
-    return heading + (rest[: ends[0]] if ends else rest)
+    end = re.search(r"^#+ ", rest, re.M)
+    return heading + (rest[: end.start()] if end else rest)
 
 
 def table(heading: str) -> list[list[str]]:
