@@ -13,10 +13,14 @@ processed and committed. The doc is then checked against what the record passed:
   between steps in order) is found on the row's thread, row after row in the table's order: the rows can be laid
   on the trace in order (functions the loop calls every round, such as ``CommitLine.queue``, match in the round
   the rows around them pin);
-- every module called in that window is named: in the table (any column), in the doc's list of helpers the record
-  also passes, or in its list of the modules every loop round calls with or without a record - and that list may
-  name only modules the idle rounds were seen calling, so it cannot hide a module of the record's;
-- both lists hold only modules a record was seen passing, and the prose's counts are the traced ones.
+- every module called in that window is named in the table (any column) or in one of the prose's two lists, and
+  the two lists together hold every such module: the modules of the record's own, and those every loop round calls
+  with or without a record. The second list must be exactly what the idle worker thread was seen calling, so it
+  cannot hide a module of the record's; neither may name a module no traced record passed;
+- the prose's counts (hops, modules per mode) are the table's and the trace's.
+
+The worker's config and the record are plain: no options of its own, a streaming engine, no schedule. What other
+records or configs add is in the doc's prose, not traced here.
 """
 
 from __future__ import annotations
@@ -145,8 +149,16 @@ def doc_counts() -> dict[str, int]:
     text = " ".join(section(HEADING).split())
     m = re.search(r"(\d+) hops", text)
     modes = re.search(r"call (\d+) modules in embedded mode and (\d+) on Apache Kafka", text)
-    assert m and modes, "the record path's prose no longer gives its counts the way this test reads them"
-    return {"hops": int(m.group(1)), "embedded": int(modes.group(1)), "apache": int(modes.group(2))}
+    split = re.search(r"(\d+) for the record, and (\d+) \((\d+) on Apache Kafka\) that every loop round", text)
+    assert m and modes and split, "the record path's prose no longer gives its counts the way this test reads them"
+    return {
+        "hops": int(m.group(1)),
+        "embedded": int(modes.group(1)),
+        "apache": int(modes.group(2)),
+        "own": int(split.group(1)),
+        "round embedded": int(split.group(2)),
+        "round apache": int(split.group(3)),
+    }
 
 
 # -- the trace ----------------------------------------------------------------------------------------------------
@@ -281,5 +293,7 @@ def test_the_record_path_table_is_the_path_a_traced_record_takes(traced: dict[st
         assert (every_round & set(passed)) - idle == set(), f"{mode}: every-round modules no idle round called"
         assert idle - every_round == set(), f"{mode}: modules every idle round calls, missing from the doc's list"
         assert counts[mode] == len(passed), f"{mode}: the prose says {counts[mode]} modules, traced {sorted(passed)}"
+        in_round = every_round & set(passed)
+        assert (counts["own"], counts[f"round {mode}"]) == (len(passed) - len(in_round), len(in_round)), mode
     stale = (own | every_round) - passed_anywhere
     assert stale == set(), "modules the doc's lists name that no traced record passed"
