@@ -64,7 +64,7 @@ def logs_dir(tmp_path: Path) -> Path:
     return d
 
 
-# `pytest -n 2 --dist loadfile` runs the suite on two xdist workers (docs/testing.md; `make test` is serial):
+# `pytest -n 2 --dist loadfile` runs the suite on two xdist workers (docs/testing.md; `make test` runs it so):
 # most tests wait on the broker, the clock and their subprocesses (one process used about a fifth of two cores).
 # A test file runs on one worker, so its module fixtures run once, and two units span files: the vLLM tests (one
 # engine at a time) and the tests that make network namespaces on the host (tests/support/netns.py). Those two go

@@ -45,7 +45,7 @@ def worker(
 ) -> None:
     """Run a GPU consumer-group worker for JOB until SIGTERM/Ctrl-C (then drains and commits)."""
     from batchline.kafka.topics import JobTopics
-    from batchline.telemetry import Health, serve_probes, setup_telemetry
+    from batchline.telemetry import Health, serve_probes, setup_telemetry, watch_threads
     from consumers.worker import Worker
 
     cfg = opts.load(job)
@@ -55,6 +55,7 @@ def worker(
     # `batchline streams` refuses to start without them.
     kafka = connect(bootstrap, topics, [topics.requests, topics.results, topics.dlq, topics.runs])
     setup_telemetry(cfg.telemetry, f"batchline-worker-{job}", prometheus=metrics_port is not None)
+    watch_threads(job)
     health = Health.for_worker(cfg)
     serve_probes(metrics_port, health)  # before the engine loads: live, not ready
     w = Worker(cfg, kafka, worker_id=worker_id, idle_exit_s=idle_exit, health=health)
@@ -85,7 +86,7 @@ def streams_cmd(
 ) -> None:
     """Run JOB's retry scheduler and completion ledger until SIGTERM/Ctrl-C (retry tiers from the config)."""
     from batchline.kafka.topics import JobTopics
-    from batchline.telemetry import Health, serve_probes, setup_telemetry
+    from batchline.telemetry import Health, serve_probes, setup_telemetry, watch_threads
     from streams import StreamsApp
 
     cfg = opts.load(job)
@@ -93,6 +94,7 @@ def streams_cmd(
     kafka = connect(bootstrap, topics, topics.all())
     ledger = LedgerSettings(dir=ledger_dir) if ledger_dir else LedgerSettings()
     setup_telemetry(cfg.telemetry, f"batchline-streams-{job}", prometheus=metrics_port is not None)
+    watch_threads(job)
     health = Health.for_streams(cfg)
     serve_probes(metrics_port, health)
     streams_app = StreamsApp(

@@ -9,7 +9,9 @@ on the collecting thread (a Prometheus scrape, an OTLP push): they must only rea
 from __future__ import annotations
 
 import logging
+import re
 import threading
+from collections import Counter
 from collections.abc import Callable, Iterable
 from typing import Literal
 
@@ -21,6 +23,7 @@ SCOPE = "batchline"
 JOB = "batchline.job"
 COMPONENT = "batchline.component"  # worker | retry_scheduler
 TXN_OUTCOME = "batchline.transaction.outcome"  # committed | aborted
+THREAD = "batchline.thread"  # a Python thread's name (batchline.threads)
 TENANT = "batchline.tenant"  # fair admission: whose records (RunManifest.tenant; "" for none)
 FLUSH_TIMEOUT_MS = 5000  # the last push as a component closes; a collector that is down costs this much
 
@@ -94,3 +97,21 @@ class Watches:
 
 def transactions() -> Feed:
     return feed("batchline.transactions", "counter", "{transaction}", "Kafka transactions by outcome")
+
+
+def thread_names() -> Counter[str]:
+    """The process's live Python threads by name. Python's own numbering is dropped (``Thread-7 (target)`` is
+    ``Thread (target)``: one series, not one per thread ever started); the names batchline gives are kept whole."""
+    return Counter(_PYTHON_NUMBERING.sub("Thread", t.name) for t in threading.enumerate())
+
+
+_PYTHON_NUMBERING = re.compile(r"^Thread-\d+")
+
+
+def watch_threads(job: str) -> None:
+    """Observe the process's Python threads (``batchline.threads``, by ``batchline.thread``) for as long as it runs:
+    what docs/architecture.md#threads says a worker or streams process runs, readable from outside. librdkafka's and
+    vLLM's native threads are not Python threads and are not counted."""
+    feed("batchline.threads", "gauge", "{thread}", "Python threads of the process, by name").add(
+        lambda: [Observation(n, {JOB: job, THREAD: name}) for name, n in sorted(thread_names().items())]
+    )
