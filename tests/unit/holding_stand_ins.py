@@ -99,8 +99,8 @@ class Watch:
 
 class Membership:
     """The group's Kafka parts, as the member reads them; ``built_with`` is what it was asked for. Its poll filter is
-        the real one (:meth:`batchline.kafka.membership.Membership.sift`), over ``aborted``, and so is its assignment's wait
-    (:meth:`~batchline.kafka.membership.Membership.take_over`), over ``takeover``."""
+    the real one (:meth:`batchline.kafka.membership.Membership.sift`), over ``aborted``, and so is its assignment's
+    wait (:meth:`~batchline.kafka.membership.Membership.take_over`), over ``takeover``."""
 
     sift = membership.Membership.sift
     take_over = membership.Membership.take_over
