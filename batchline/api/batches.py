@@ -80,14 +80,6 @@ def _check_request(endpoint: Any, window: Any, metadata: Any) -> float:
     return seconds
 
 
-def _metadata_ok(metadata: Any) -> bool:
-    if not isinstance(metadata, dict) or len(metadata) > MAX_METADATA:
-        return False
-    return all(
-        isinstance(k, str) and len(k) <= 64 and isinstance(v, str) and len(v) <= 512 for k, v in metadata.items()
-    )
-
-
 def render(service: ApiService, record: BatchRecord, sync: bool = False) -> dict[str, Any]:
     """The batch object of ``record`` as the views see it now (``sync``: after catching up with ``J.runs``)."""
     if record.errors or record.job is None:
