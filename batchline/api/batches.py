@@ -149,6 +149,7 @@ def create(
         idempotency_key=_scoped(tenant, idempotency_key) if idempotency_key else None,
         view=job.runs,
         staging=Staging.of(route.config, tenant),
+        endpoint=str(endpoint),
     )
     started = record.model_copy(update={"in_progress_at": int(time.time())})
     service.writer.put(topics.batches, started.id, started)

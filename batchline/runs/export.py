@@ -9,10 +9,12 @@
 - ``openai``: the OpenAI Batch API's output and error lines (:mod:`batchline.runs.openai_lines`), ``{id,
   custom_id, response, error}`` plus batchline's extras (attempt, latency, label scores, lineage) as a top-level
   ``batchline`` object, with ``custom_id`` = the request id (``submit --format openai`` made the custom_id the
-  request id). The response body is a ``chat.completion`` with every choice, its logprobs and tool calls
-  (generate, classify: the label is the message) or an embedding ``list`` with one entry per input (embed); a run
-  records no endpoint, so a ``/v1/completions`` file's results come out as ``chat.completion`` too (``batchline
-  api`` knows each batch's endpoint and writes ``text_completion`` bodies). A failed request is a 400
+  request id). The response body is the one the run's endpoint answers (the manifest's ``endpoint``: the API's
+  batch, or the ``url`` of a ``submit --format openai`` file's first line), written by the same code as ``batchline
+  api``'s output files: a ``chat.completion`` (``/v1/chat/completions``, and runs that record no endpoint) or a
+  ``text_completion`` (``/v1/completions``) with every choice, its logprobs and tool calls (generate, classify: the
+  label is the message), a ``response`` (``/v1/responses``), or an embedding ``list`` with one entry per input
+  (embed). A failed request is a 400
   (``invalid_input``) or 500 response with OpenAI's error body; records of a cancelled or expired run carry
   OpenAI's ``error`` codes ``batch_cancelled`` / ``batch_expired``.
 - ``parquet``: one row per result (``scores`` a map, ``embedding`` a list, ``embeddings`` a list of lists,
@@ -40,6 +42,7 @@ from batchline.config import KafkaSettings
 from batchline.exceptions import NotFoundError, UsageError
 from batchline.kafka.topics import JobTopics
 from batchline.runs.manifests import RunsView
+from batchline.runs.openai_lines import CHAT_ENDPOINT
 from batchline.runs.openai_lines import openai_error as openai_error
 from batchline.runs.openai_lines import openai_output as openai_output
 from batchline.runs.openai_lines import openai_stopped as openai_stopped
@@ -195,10 +198,13 @@ def _choice_type(pa: Any) -> Any:
     )
 
 
-def _writer(fmt: Format, path: Path) -> _Writer:
+def _writer(fmt: Format, path: Path, endpoint: str | None = None) -> _Writer:
+    """``endpoint``: the run's (its manifest's), whose response bodies the ``openai`` format writes."""
     if fmt == "parquet":
         return _Parquet(path)
-    return _JsonLines(path, openai_output if fmt == "openai" else result_json)
+    if fmt == "openai":
+        return _JsonLines(path, lambda result, lineage: openai_output(result, lineage, endpoint or CHAT_ENDPOINT))
+    return _JsonLines(path, result_json)
 
 
 # -- the export ----------------------------------------------------------------------------------
@@ -235,7 +241,7 @@ def export_run(
     parts = [p.with_name(p.name + ".part") for p in (report.path, report.errors_path)]
     try:
         with RunOutcomes(kafka, topics, run_id) as outcomes:
-            _write_results(outcomes, _writer(fmt, parts[0]), progress)
+            _write_results(outcomes, _writer(fmt, parts[0], manifest.endpoint), progress)
             _write_errors(outcomes, openai_error if fmt == "openai" else letter_json, parts[1], progress)
             report.results, report.errors = outcomes.results_read, outcomes.letters_read
             report.duplicates, report.unreadable = outcomes.duplicates, outcomes.unreadable
