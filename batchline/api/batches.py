@@ -29,7 +29,7 @@ from batchline.api.settings import CHAT, COMPLETIONS, EMBEDDINGS, RESPONSES
 from batchline.api.validate import requests, validate
 from batchline.config import KafkaSettings
 from batchline.exceptions import NotFoundError
-from batchline.runs.control import cancel_run, parse_window, reserve_idempotency_key
+from batchline.runs.control import cancel_run, parse_window, reserve_idempotency_key, settle_s
 from batchline.runs.export import openai_error, openai_output, openai_stopped
 from batchline.runs.manifests import EXPIRED
 from batchline.runs.outcomes import RunOutcomes
@@ -83,10 +83,10 @@ def _check_request(endpoint: Any, window: Any, metadata: Any) -> float:
 def render(service: ApiService, record: BatchRecord, sync: bool = False) -> dict[str, Any]:
     """The batch object of ``record`` as the views see it now (``sync``: after catching up with ``J.runs``)."""
     if record.errors or record.job is None:
-        return batch_object(record, None, None)
+        return batch_object(record, None, None, 0.0)
     job = service.job_of(record)
     manifest = job.manifest(record.run_id, sync=sync)
-    return batch_object(record, manifest, job.stats(record.run_id, manifest))
+    return batch_object(record, manifest, job.stats(record.run_id, manifest), settle_s(service.kafka))
 
 
 def create(
