@@ -51,6 +51,7 @@ __all__ = [
     "STOP_CLASSES",
     "cancel_run",
     "expired_now",
+    "expiry_final",
     "parse_window",
     "reserve_idempotency_key",
     "settle_s",
@@ -93,16 +94,23 @@ def settle_s(kafka: KafkaSettings) -> float:
     return kafka.transaction_timeout_ms / 1000.0
 
 
+def expiry_final(manifest: RunManifest, now: float, settle: float) -> bool:
+    """Whether run ``manifest``'s completion window (the earlier of its stops) and the commit bound after it
+    (``settle``, :func:`settle_s`) have passed by ``now``: its records without an outcome can only end ``expired``."""
+    stop = stop_of(manifest)
+    return stop is not None and stop[1] == EXPIRED and now >= stop[0] + settle
+
+
 def expired_now(manifest: RunManifest, pending: int, expired: int, now: float, settle: float) -> bool:
     """Whether run ``manifest`` reads ``expired`` at ``now`` (epoch s), for good: its completion window (the earlier of
     its stops) has passed and either every record has an outcome and some ended ``expired``, or records without one
     remain and ``settle`` seconds (:func:`settle_s`) have passed since: no result of the run can commit any more, so
     those records end ``expired`` and every count shown stays. A run whose records all ended before the window, or
     whose last results commit within ``settle``, is not expired."""
+    if pending > 0:
+        return expiry_final(manifest, now, settle)
     stop = stop_of(manifest)
-    if stop is None or stop[1] != EXPIRED or now < stop[0]:
-        return False
-    return expired > 0 if pending == 0 else now >= stop[0] + settle
+    return stop is not None and stop[1] == EXPIRED and now >= stop[0] and expired > 0
 
 
 def stop_message(why: str, run_id: str | None) -> str:

@@ -368,6 +368,11 @@ def test_runs_cancelled_or_expired_before_any_worker_reached_them_end_without_en
         )
         assert (before[run_a]["state"], before[run_a]["pending"], before[run_a]["cancelled"]) == ("cancelling", 30, 0)
         assert (before[run_b]["pending"], before[run_b]["expired"], before[run_b]["total"]) == (0, 30, 30)
+        out = tmp_path / "b-out.jsonl"  # export agrees with status: every record of B in the error file, expired
+        run_cli(kafka.bootstrap, "export", job_name, "--run", run_b, "--format", "openai", "--out", str(out))
+        unmet = [json.loads(line) for line in (tmp_path / "b-out.jsonl.errors.jsonl").read_text().splitlines()]
+        assert out.read_text() == "" and sorted(e["custom_id"] for e in unmet) == sorted(ids_b)
+        assert {(e["error"]["code"], e["response"]) for e in unmet} == {("batch_expired", None)}
         engine = CountingEngine(config)
         with worker_thread(config, kafka, engine):
             st_a = _settled(kafka, job_name, run_a, [], "cancelled")

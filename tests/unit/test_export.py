@@ -8,6 +8,7 @@ import base64
 import json
 import tempfile
 from collections.abc import Iterator
+from datetime import UTC, datetime, timedelta
 from pathlib import Path
 from typing import Any
 
@@ -22,9 +23,9 @@ from batchline.config import KafkaSettings
 from batchline.exceptions import ExitCode, UsageError
 from batchline.kafka.topics import JobTopics
 from batchline.runs import export, outcomes
-from batchline.runs.control import OPENAI_MESSAGES
+from batchline.runs.control import OPENAI_MESSAGES, settle_s
 from batchline.runs.export import ExportReport, Format, export_run
-from schemas import DeadLetter, Lineage, Result, RunManifest, codec_for
+from schemas import DeadLetter, Lineage, PartitionBoundary, Result, RunManifest, codec_for
 from tests.support.records import CHOICES_RESULT, EMBEDDINGS_RESULT, FULL_REQUEST, NOW, SAMPLES, TOOL_RESULT, lineage
 from tests.support.sdk import no_unknown_fields
 from tests.unit.outcome_topics import GARBAGE, Topics, run_headers
@@ -243,6 +244,36 @@ def test_a_completions_runs_openai_export_writes_text_completion_bodies_as_the_s
     no_unknown_fields(CreateEmbeddingResponse.model_validate(embed["response"]["body"]))
     run_export("openai", out / "chat.jsonl", records=3)  # a run that records no endpoint: chat.completion
     assert {line["response"]["body"]["object"] for line in lines(out / "chat.jsonl")[:2]} == {"chat.completion"}
+
+
+@pytest.mark.parametrize("fmt", ["openai", "jsonl"])
+def test_an_expired_runs_records_no_worker_met_are_in_the_error_file_once_the_commit_bound_has_passed(
+    topics: Topics, out: Path, fmt: Format
+) -> None:
+    """Past its window and the commit bound after it, a run's records without an outcome can only end expired:
+    export lists them (as the API's error file does), so every id is in one file. Before the bound they are still
+    running: ``missing``."""
+    for rid in "abcd":
+        topics.append(TOPICS.requests, rid.encode(), b"{}", run_headers(RUN))
+    add_result(topics, generated("a"))
+    add_letter(topics, letter("b", "expired"))
+    bounds = [PartitionBoundary(partition=0, start_offset=0, end_offset=4)]
+    settle = settle_s(KAFKA)
+    for past, unmet in ((settle + 1, ["c", "d"]), (1.0, [])):
+        window_end = datetime.now(UTC) - timedelta(seconds=past)
+        m = manifest(4).model_copy(update={"boundaries": bounds, "expires_at": window_end})
+        path = out / f"{past}.jsonl"
+        report = export_run(KAFKA, TOPICS, RUN, fmt, path, manifest=m)
+        errors = lines(report.errors_path)
+        key = "custom_id" if fmt == "openai" else "request_id"
+        assert ids_in(fmt, path) == ["a"] and [e[key] for e in errors] == ["b", *unmet]
+        assert (report.errors, report.missing) == (1 + len(unmet), 2 - len(unmet))
+        if fmt == "openai":
+            assert {(e["error"]["code"], e["response"]) for e in errors} == {("batch_expired", None)}
+            for e in errors:
+                no_unknown_fields(BatchError.model_validate(e["error"]))
+        else:
+            assert {e["failure_class"] for e in errors} == {"expired"} and all(e["run_id"] == RUN for e in errors)
 
 
 def test_openai_error_lines_are_400_for_invalid_input_500_otherwise_and_batch_codes_for_a_stopped_run(
