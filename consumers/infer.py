@@ -17,8 +17,13 @@ and is woken (``wake``) when one is done.
 
 Run control: right before a record joins the engine (the last moment it has not started), a record of a run that
 was cancelled, or is past its completion window, ends as a ``cancelled`` / ``expired`` failure instead
-(``stops``: the worker's :attr:`RunsView.stops <batchline.runs.manifests.RunsView.stops>`, read-only here). With no
-such run the check is one falsy test per record.
+(``stops``: the worker's :attr:`RunsView.stops <batchline.runs.manifests.RunsView.stops>`, read-only here). A record
+the engine finishes after its run's window passed ends ``expired`` too, whatever the engine made of it (as OpenAI's
+Batch API: a request in flight at the deadline is expired; it is not re-sampled either), and so does every record
+of that run in a micro-batch done after the window (it commits then): no run has a result committed later than a
+transaction after its window, so an expired run's counts and files never change once shown
+(:mod:`batchline.runs.control`). A record of a cancelled run that already started finishes. With no such run the
+checks are one falsy test per record and one per micro-batch.
 """
 
 from __future__ import annotations
@@ -33,7 +38,7 @@ from dataclasses import dataclass, field, replace
 from typing import NamedTuple
 
 from batchline.config import JobConfig
-from batchline.runs.control import CANCELLED, stop_message
+from batchline.runs.control import CANCELLED, EXPIRED, STOP_CLASSES, stop_message
 from consumers.engine_input import engine_input, record_seed
 from consumers.engines.base import (
     Engine,
@@ -281,6 +286,32 @@ class Feeder:
     def _stopped(self, seat: _Seat, now: float) -> Failure | None:
         return stopped_failure(self._stops, seat.flight.items[seat.at].run_id, now)
 
+    def _expired(self, run_id: str | None, now: float) -> Failure | None:
+        """The ``expired`` failure of a record of run ``run_id`` if the run's completion window has passed by ``now``
+        (a cancel does not count: a cancelled run's started records finish), else None."""
+        stop = self._stops.get(run_id or "")
+        if stop is None or stop[1] != EXPIRED or now < stop[0]:
+            return None
+        message = f"the completion window of run {run_id} passed before this record finished"
+        return Failure("expired", "RunExpired", message)
+
+    def _expire_late(self, flight: Flight) -> None:
+        """The records of ``flight`` whose run's window has passed by the time the flight is done end ``expired``,
+        whatever they ended as: a flight commits once its last record ends, so a record that ended before the
+        deadline beside one that ended after it would otherwise commit its result later than readers wait for one
+        (:func:`batchline.runs.control.settle_s` bounds the commit alone)."""
+        now = time.time()
+        for at, outcome in flight.outcomes.items():
+            if isinstance(outcome, Failure) and outcome.failure_class in STOP_CLASSES:
+                continue
+            late = self._expired(flight.items[at].run_id, now)
+            if late is None:
+                continue
+            if not isinstance(outcome, Failure):
+                flight.prompt_tokens -= outcome.prompt_tokens
+                flight.completion_tokens -= outcome.completion_tokens
+            flight.outcomes[at] = late
+
     def _step(self) -> None:
         engine = self.stream
         assert engine is not None
@@ -334,7 +365,9 @@ class Feeder:
         if seat is None or seat.flight.cancelled:
             return
         final: Outcome
-        if isinstance(outcome, Failure):
+        if self._stops and (late := self._expired(seat.flight.items[seat.at].run_id, time.time())) is not None:
+            final = late  # finished after the window: expired, not resampled either
+        elif isinstance(outcome, Failure):
             final = outcome
         else:
             problem = self.validator.problem(outcome, seat.inp.options)
@@ -371,6 +404,8 @@ class Feeder:
         self.stats.resampled += 1
 
     def _finish(self, flight: Flight) -> None:
+        if self._stops:
+            self._expire_late(flight)
         flight.ended_ns = time.time_ns()
         flight.done = True
         self._wake()

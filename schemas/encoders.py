@@ -100,10 +100,6 @@ def avro_optional_string(text: str | None) -> bytes:
     return b"\x00" if text is None else b"\x02" + avro_string(text)
 
 
-def avro_double(x: float) -> bytes:
-    return _DOUBLE.pack(x)
-
-
 def avro_optional_double_map(values: Mapping[str, float] | None) -> bytes:
     if values is None:
         return b"\x00"

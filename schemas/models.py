@@ -344,6 +344,7 @@ class RunManifest(_Record):
     staged: bool = False  # published to J.staged (fair admission): the boundaries are J.staged's offsets
     tenant: str | None = None  # who submitted it: fair admission shares by tenant
     priority: int = 0  # fair admission: weighs 2**priority against its tenant's other runs
+    endpoint: str | None = None  # an OpenAI-format submission's endpoint: the bodies export --format openai writes
 
 
 class QuarantinedRecord(_Record):

@@ -296,8 +296,3 @@ class LedgerStore:
 def _chunks(items: list[str], size: int) -> Iterator[list[str]]:
     for start in range(0, len(items), size):
         yield items[start : start + size]
-
-
-def disk_bytes(folder: Path) -> int:
-    """Bytes the store takes on disk (database and write-ahead log)."""
-    return sum(f.stat().st_size for f in folder.glob("ledger.sqlite*") if f.is_file()) if folder.is_dir() else 0

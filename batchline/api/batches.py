@@ -29,7 +29,7 @@ from batchline.api.settings import CHAT, COMPLETIONS, EMBEDDINGS, RESPONSES
 from batchline.api.validate import requests, validate
 from batchline.config import KafkaSettings
 from batchline.exceptions import NotFoundError
-from batchline.runs.control import cancel_run, parse_window, reserve_idempotency_key
+from batchline.runs.control import cancel_run, parse_window, reserve_idempotency_key, settle_s
 from batchline.runs.export import openai_error, openai_output, openai_stopped
 from batchline.runs.manifests import EXPIRED
 from batchline.runs.outcomes import RunOutcomes
@@ -80,21 +80,13 @@ def _check_request(endpoint: Any, window: Any, metadata: Any) -> float:
     return seconds
 
 
-def _metadata_ok(metadata: Any) -> bool:
-    if not isinstance(metadata, dict) or len(metadata) > MAX_METADATA:
-        return False
-    return all(
-        isinstance(k, str) and len(k) <= 64 and isinstance(v, str) and len(v) <= 512 for k, v in metadata.items()
-    )
-
-
 def render(service: ApiService, record: BatchRecord, sync: bool = False) -> dict[str, Any]:
     """The batch object of ``record`` as the views see it now (``sync``: after catching up with ``J.runs``)."""
     if record.errors or record.job is None:
-        return batch_object(record, None, None)
+        return batch_object(record, None, None, 0.0)
     job = service.job_of(record)
     manifest = job.manifest(record.run_id, sync=sync)
-    return batch_object(record, manifest, job.stats(record.run_id, manifest))
+    return batch_object(record, manifest, job.stats(record.run_id, manifest), settle_s(service.kafka))
 
 
 def create(
@@ -157,6 +149,7 @@ def create(
         idempotency_key=_scoped(tenant, idempotency_key) if idempotency_key else None,
         view=job.runs,
         staging=Staging.of(route.config, tenant),
+        endpoint=str(endpoint),
     )
     started = record.model_copy(update={"in_progress_at": int(time.time())})
     service.writer.put(topics.batches, started.id, started)

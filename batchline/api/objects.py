@@ -9,11 +9,17 @@ manifest (incomplete: ``validating``; ``cancelled_at``) and the ledger's counts 
 ``in_progress``       records without an outcome remain
 ``cancelling``        cancelled, records without an outcome remain (in-flight ones finish)
 ``cancelled``         cancelled, every record has an outcome
-``expired``           every record has an outcome and some ended ``expired`` (the window passed)
+``expired``           the window passed and every record has an outcome, some ``expired``; or records without
+                      one remain and the commit bound after the window passed too (terminal: nothing changes)
 ``completed``         every record has an outcome (results, or dead letters in the error file)
 ====================  =================================================================================
 
 ``finalizing`` is never shown: output files are read from the topics on demand, there is nothing to finalize.
+Expired is terminal once shown, as OpenAI's: a record in flight at the deadline ends ``expired`` (the worker
+produces no result after a run's window), and until the commit bound after the window
+(:func:`~batchline.runs.control.settle_s`) a batch with records still without an outcome stays ``in_progress``, so
+a result produced before the deadline and committed after it is counted before the batch ever reads ``expired``
+(:func:`~batchline.runs.control.expired_now`, the rule ``batchline status`` follows too).
 ``request_counts``: ``completed`` = results, ``failed`` = dead letters of every class (cancelled and expired
 included: they are in the error file), ``total`` = the file's requests. The terminal timestamps are the ledger's
 time of the last count; the output file exists once the batch is terminal and has results, the error file once it
@@ -28,7 +34,8 @@ from collections.abc import Callable, Sequence
 from typing import Any, TypeVar
 
 from batchline.api.records import BatchRecord, FileRecord
-from batchline.runs.manifests import CANCELLED, EXPIRED, stop_of
+from batchline.runs.control import expired_now
+from batchline.runs.manifests import CANCELLED, stop_of
 from schemas import RunManifest, RunStats
 
 R = TypeVar("R", BatchRecord, FileRecord)
@@ -51,8 +58,11 @@ def _ts(value: Any) -> int | None:
     return int(value.timestamp()) if value is not None else None
 
 
-def status_of(record: BatchRecord, manifest: RunManifest | None, stats: RunStats | None, now: float) -> str:
-    """The batch's status, by the same rules as ``batchline status`` (:mod:`batchline.runs.status`)."""
+def status_of(
+    record: BatchRecord, manifest: RunManifest | None, stats: RunStats | None, now: float, settle: float
+) -> str:
+    """The batch's status, by the same rules as ``batchline status`` (:mod:`batchline.runs.status`); ``settle``:
+    :func:`~batchline.runs.control.settle_s`."""
     if record.errors:
         return "failed"
     if manifest is None or not manifest.complete:
@@ -61,8 +71,7 @@ def status_of(record: BatchRecord, manifest: RunManifest | None, stats: RunStats
     stop = stop_of(manifest)
     if stop is not None and stop[1] == CANCELLED:
         return "cancelling" if pending > 0 else "cancelled"
-    expired = stats.expired if stats is not None else 0
-    if stop is not None and stop[1] == EXPIRED and now >= stop[0] and (pending > 0 or expired):
+    if expired_now(manifest, pending, stats.expired if stats is not None else 0, now, settle):
         return "expired"
     return "in_progress" if pending > 0 else "completed"
 
@@ -80,10 +89,12 @@ def _counts(status: str, record: BatchRecord, stats: RunStats | None) -> dict[st
     return {"total": record.record_count, "completed": stats.succeeded, "failed": failed}
 
 
-def batch_object(record: BatchRecord, manifest: RunManifest | None, stats: RunStats | None) -> dict[str, Any]:
-    """The OpenAI ``batch`` object of ``record``."""
+def batch_object(
+    record: BatchRecord, manifest: RunManifest | None, stats: RunStats | None, settle: float
+) -> dict[str, Any]:
+    """The OpenAI ``batch`` object of ``record`` (``settle``: :func:`~batchline.runs.control.settle_s`)."""
     now = time.time()
-    status = status_of(record, manifest, stats, now)
+    status = status_of(record, manifest, stats, now, settle)
     counts = _counts(status, record, stats)
     done = _ts(stats.updated_at) if stats is not None and status in TERMINAL else None
     if status == "expired" and manifest is not None and manifest.expires_at is not None:

@@ -9,7 +9,11 @@ All three live in the run's manifest on the compacted ``J.runs``
   time); records already in the engine finish. The retry scheduler dead-letters the run's retries instead of
   re-publishing them.
 - **expiry**: ``expires_at`` is set at submission (``created_at`` + the window, :func:`parse_window`). From then
-  on, records not yet started end as ``expired`` dead letters, the same way.
+  on, records not yet started end as ``expired`` dead letters, the same way, and so do records the engine finishes
+  after it (in flight at the deadline, as OpenAI's Batch API): no result of a run is produced after its window.
+  Expired is terminal once shown (:func:`expired_now`): a run reads ``expired`` when every record has an outcome
+  and some ended ``expired``, or, while records are still without one, once the commit bound after the window has
+  passed too (:func:`settle_s`: a result produced before the deadline may commit after it, until then).
 - **idempotency** (:func:`reserve_idempotency_key`): a submission with a key first writes a *reservation* of the key
   for its new run id, keyed ``_idempotency.<key>#<run id>`` so that compaction never drops one; ``J.runs`` has one
   partition, so the reservations are totally ordered and the earliest one wins (like the open stream's adoptions,
@@ -46,8 +50,11 @@ __all__ = [
     "EXPIRED",
     "STOP_CLASSES",
     "cancel_run",
+    "expired_now",
+    "expiry_final",
     "parse_window",
     "reserve_idempotency_key",
+    "settle_s",
     "stop_message",
     "stop_of",
 ]
@@ -75,6 +82,35 @@ def parse_window(text: str) -> float:
 
 class WindowError(ConfigError, ValueError):
     """A completion window that is not ``Nh``, ``Nm`` or ``Ns``."""
+
+
+def settle_s(kafka: KafkaSettings) -> float:
+    """How long after a run's window its last results may still commit: the transaction timeout. A worker ends every
+    record of the run in a micro-batch done after the window ``expired`` (``consumers/infer.py``), so a result is in a
+    micro-batch done before it, and the transaction carrying that commits within the timeout or is aborted by the
+    broker (Apache Kafka; on the embedded broker, which ignores the timeout, when the worker's slot is fenced); its
+    records, read again after the window, end ``expired``. (A transaction queued behind others on a slow broker could
+    in principle commit later: the bound holds as long as a worker's commits keep within the timeout.)"""
+    return kafka.transaction_timeout_ms / 1000.0
+
+
+def expiry_final(manifest: RunManifest, now: float, settle: float) -> bool:
+    """Whether run ``manifest``'s completion window (the earlier of its stops) and the commit bound after it
+    (``settle``, :func:`settle_s`) have passed by ``now``: its records without an outcome can only end ``expired``."""
+    stop = stop_of(manifest)
+    return stop is not None and stop[1] == EXPIRED and now >= stop[0] + settle
+
+
+def expired_now(manifest: RunManifest, pending: int, expired: int, now: float, settle: float) -> bool:
+    """Whether run ``manifest`` reads ``expired`` at ``now`` (epoch s), for good: its completion window (the earlier of
+    its stops) has passed and either every record has an outcome and some ended ``expired``, or records without one
+    remain and ``settle`` seconds (:func:`settle_s`) have passed since: no result of the run can commit any more, so
+    those records end ``expired`` and every count shown stays. A run whose records all ended before the window, or
+    whose last results commit within ``settle``, is not expired."""
+    if pending > 0:
+        return expiry_final(manifest, now, settle)
+    stop = stop_of(manifest)
+    return stop is not None and stop[1] == EXPIRED and now >= stop[0] and expired > 0
 
 
 def stop_message(why: str, run_id: str | None) -> str:

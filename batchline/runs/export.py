@@ -1,18 +1,24 @@
 """Export: a run's outcomes out of Kafka as files, the way hosted batch APIs hand them back.
 
 ``PATH`` holds one line (or Parquet row) per request id of the run that has a result, with its lineage;
-``PATH.errors.jsonl`` holds one line per request id whose outcome is a dead letter (and no result). Formats:
+``PATH.errors.jsonl`` holds one line per request id whose outcome is a dead letter (and no result), and, for a run
+that is expired for good (its window and the commit bound after it passed: :mod:`batchline.runs.control`), one
+per record no worker has met yet, which can only end ``expired``: every id of an expired run is in one file, as in
+the API's files. Formats:
 
 - ``jsonl``: the Result's fields (``choices`` and ``embeddings`` included) plus ``lineage`` (the Lineage header's
   fields); error lines are the DeadLetter's fields, with the original request (``request``) when it decodes, else
-  its bytes (``payload`` or ``payload_base64``).
+  its bytes (``payload`` or ``payload_base64``); an expired record no worker has met has no letter yet: its line
+  is ``request_id``, ``run_id``, ``failure_class`` ``expired``, ``error_type`` and ``error_message``.
 - ``openai``: the OpenAI Batch API's output and error lines (:mod:`batchline.runs.openai_lines`), ``{id,
   custom_id, response, error}`` plus batchline's extras (attempt, latency, label scores, lineage) as a top-level
   ``batchline`` object, with ``custom_id`` = the request id (``submit --format openai`` made the custom_id the
-  request id). The response body is a ``chat.completion`` with every choice, its logprobs and tool calls
-  (generate, classify: the label is the message) or an embedding ``list`` with one entry per input (embed); a run
-  records no endpoint, so a ``/v1/completions`` file's results come out as ``chat.completion`` too (``batchline
-  api`` knows each batch's endpoint and writes ``text_completion`` bodies). A failed request is a 400
+  request id). The response body is the one the run's endpoint answers (the manifest's ``endpoint``: the API's
+  batch, or the ``url`` of a ``submit --format openai`` file's first line), written by the same code as ``batchline
+  api``'s output files: a ``chat.completion`` (``/v1/chat/completions``, and runs that record no endpoint) or a
+  ``text_completion`` (``/v1/completions``) with every choice, its logprobs and tool calls (generate, classify: the
+  label is the message), a ``response`` (``/v1/responses``), or an embedding ``list`` with one entry per input
+  (embed). A failed request is a 400
   (``invalid_input``) or 500 response with OpenAI's error body; records of a cancelled or expired run carry
   OpenAI's ``error`` codes ``batch_cancelled`` / ``batch_expired``.
 - ``parquet``: one row per result (``scores`` a map, ``embedding`` a list, ``embeddings`` a list of lists,
@@ -31,7 +37,8 @@ from __future__ import annotations
 import base64
 import json
 import logging
-from collections.abc import Callable
+import time
+from collections.abc import Callable, Iterator
 from dataclasses import dataclass
 from pathlib import Path
 from typing import IO, Any, Literal, Protocol
@@ -39,7 +46,9 @@ from typing import IO, Any, Literal, Protocol
 from batchline.config import KafkaSettings
 from batchline.exceptions import NotFoundError, UsageError
 from batchline.kafka.topics import JobTopics
+from batchline.runs.control import EXPIRED, expiry_final, settle_s, stop_message
 from batchline.runs.manifests import RunsView
+from batchline.runs.openai_lines import CHAT_ENDPOINT
 from batchline.runs.openai_lines import openai_error as openai_error
 from batchline.runs.openai_lines import openai_output as openai_output
 from batchline.runs.openai_lines import openai_stopped as openai_stopped
@@ -63,6 +72,7 @@ class ExportReport:
     errors: int = 0
     duplicates: int = 0  # further copies of an id already written
     unreadable: int = 0  # results that do not decode (skipped, logged)
+    unmet: int = 0  # of ``errors``: an expired run's records no worker has met (no dead letter yet)
 
     @property
     def missing(self) -> int:
@@ -195,10 +205,13 @@ def _choice_type(pa: Any) -> Any:
     )
 
 
-def _writer(fmt: Format, path: Path) -> _Writer:
+def _writer(fmt: Format, path: Path, endpoint: str | None = None) -> _Writer:
+    """``endpoint``: the run's (its manifest's), whose response bodies the ``openai`` format writes."""
     if fmt == "parquet":
         return _Parquet(path)
-    return _JsonLines(path, openai_output if fmt == "openai" else result_json)
+    if fmt == "openai":
+        return _JsonLines(path, lambda result, lineage: openai_output(result, lineage, endpoint or CHAT_ENDPOINT))
+    return _JsonLines(path, result_json)
 
 
 # -- the export ----------------------------------------------------------------------------------
@@ -235,9 +248,12 @@ def export_run(
     parts = [p.with_name(p.name + ".part") for p in (report.path, report.errors_path)]
     try:
         with RunOutcomes(kafka, topics, run_id) as outcomes:
-            _write_results(outcomes, _writer(fmt, parts[0]), progress)
-            _write_errors(outcomes, openai_error if fmt == "openai" else letter_json, parts[1], progress)
-            report.results, report.errors = outcomes.results_read, outcomes.letters_read
+            _write_results(outcomes, _writer(fmt, parts[0], manifest.endpoint), progress)
+            unmet = _unmet_expired(outcomes, manifest, settle_s(kafka))
+            shape = openai_error if fmt == "openai" else letter_json
+            stopped = _openai_unmet if fmt == "openai" else _jsonl_unmet
+            report.unmet = _write_errors(outcomes, shape, parts[1], progress, unmet, stopped)
+            report.results, report.errors = outcomes.results_read, outcomes.letters_read + report.unmet
             report.duplicates, report.unreadable = outcomes.duplicates, outcomes.unreadable
     except BaseException:
         for part in parts:
@@ -263,9 +279,44 @@ def _write_errors(
     shape: Callable[[DeadLetter], dict[str, Any]],
     part: Path,
     progress: Callable[[int], None] | None,
-) -> None:
+    unmet: Callable[[], Iterator[str]],
+    stopped: Callable[[str, str], dict[str, Any]],
+) -> int:
+    """The dead letters, then the request ids ``unmet`` yields (an expired run's records no worker has met yet), each
+    as ``stopped`` writes it; returns how many of those."""
+    count = 0
     with part.open("w", encoding="utf-8") as fh:
         for letter in outcomes.letters():
             fh.write(json.dumps(shape(letter), ensure_ascii=False) + "\n")
             if progress:
                 progress(1)
+        for rid in unmet():
+            fh.write(json.dumps(stopped(outcomes.run_id, rid), ensure_ascii=False) + "\n")
+            count += 1
+            if progress:
+                progress(1)
+    return count
+
+
+def _unmet_expired(outcomes: RunOutcomes, manifest: RunManifest, settle: float) -> Callable[[], Iterator[str]]:
+    """The ids of an expired run's records without an outcome, once its window and the commit bound after it have
+    passed (:func:`~batchline.runs.control.expiry_final`): they can only end ``expired``, so the error file lists
+    them as the API's does; none for any other run (they are still running: ``missing``)."""
+    if not expiry_final(manifest, time.time(), settle):
+        return lambda: iter(())
+    return lambda: outcomes.without_outcome(manifest)
+
+
+def _openai_unmet(run_id: str, rid: str) -> dict[str, Any]:
+    return openai_stopped(run_id, rid, EXPIRED)
+
+
+def _jsonl_unmet(run_id: str, rid: str) -> dict[str, Any]:
+    """An expired record no worker has met yet (no dead letter): the fields a letter of it will carry."""
+    return {
+        "request_id": rid,
+        "run_id": run_id,
+        "failure_class": EXPIRED,
+        "error_type": "RunExpired",
+        "error_message": stop_message(EXPIRED, run_id),
+    }

@@ -90,11 +90,6 @@ class RunsView:
             found = self._idempotency.get(key)
             return found[1] if found else None
 
-    def stream_adoptions(self) -> list[tuple[int, str, str]]:
-        """The stream's adoptions read so far, in order: (offset, adoption key, fingerprint)."""
-        with self._lock:
-            return [(offset, key, m.fingerprint) for offset, key, m in self._adoptions]
-
     @property
     def position(self) -> int:
         """The offset of J.runs the view will read next: everything before it has been read."""

@@ -11,11 +11,13 @@ succeeded for all of them; ``waiting`` when no worker of its fingerprint has eve
 
 Run control (:mod:`batchline.runs.control`): a cancelled run is ``cancelling`` while records are pending and
 ``cancelled`` once every record has an outcome (``cancelled`` dead letters for those that never started). A run
-past the end of its completion window that was not complete by then is ``expired`` at once: its records without
-an outcome count as ``expired`` (no worker starts them any more; they reach ``J.dlq`` as ``expired`` dead letters
-when a worker or the retry scheduler meets them, which changes no count). Only a record already inside an engine
-at the deadline may still finish: it then moves from ``expired`` to ``succeeded``. So succeeded + failed (the
-``quarantined``) + cancelled + expired + pending = total, always.
+past the end of its completion window that was not complete by then is ``expired``, for good
+(:func:`~batchline.runs.control.expired_now`): once every record has an outcome, or, with records still without
+one, once the commit bound after the window (the transaction timeout) has passed too; until then it is
+``running``. Its records without an outcome count as ``expired``: no worker starts them any more, and a record in
+an engine at the deadline ends ``expired`` too, so they reach ``J.dlq`` as ``expired`` dead letters when a worker
+or the retry scheduler meets them, which changes no count. So succeeded + failed (the ``quarantined``) +
+cancelled + expired + pending = total, always, and an expired run's counts never change.
 The ``--json`` shape is :meth:`RunStatus.as_json` and is stable (documented in docs/cli.md).
 """
 
@@ -35,7 +37,8 @@ from batchline.config import KafkaSettings
 from batchline.kafka.client import make_reader
 from batchline.kafka.scan import scan
 from batchline.kafka.topics import JobTopics
-from batchline.runs.manifests import CANCELLED, EXPIRED, STREAM_RUN, RunsView, stop_of
+from batchline.runs.control import expired_now, settle_s
+from batchline.runs.manifests import CANCELLED, STREAM_RUN, RunsView, stop_of
 from schemas import RunManifest, RunStats, codec_for
 from schemas.codec import DecodeError
 
@@ -233,7 +236,8 @@ def group_has_reached(kafka: KafkaSettings, topics: JobTopics, manifest: RunMani
         reader.close()
 
 
-def _state(st: RunStatus, by_id: dict[str, RunStatus], now: float) -> str:
+def _state(st: RunStatus, by_id: dict[str, RunStatus], now: float, settle: float) -> str:
+    """``settle``: :func:`~batchline.runs.control.settle_s`, how long after its window a run's results may commit."""
     s, m = st.stats, st.manifest
     stop = stop_of(m) if m is not None else None
     pending = s.pending if s else st.total
@@ -241,7 +245,7 @@ def _state(st: RunStatus, by_id: dict[str, RunStatus], now: float) -> str:
         return "cancelled" if pending == 0 and m is not None and m.complete else "cancelling"
     if m is not None and not m.complete:
         return "submitting"
-    if stop is not None and stop[1] == EXPIRED and now >= stop[0] and (pending > 0 or (s and s.expired)):
+    if m is not None and expired_now(m, pending, s.expired if s else 0, now, settle):
         return "expired"
     if s is None:
         return "no-ledger"
@@ -270,7 +274,7 @@ def collect(kafka: KafkaSettings, topics: JobTopics, run_id: str | None = None) 
             by_id[parent].children.append(st.run_id)
     now = time.time()
     for st in by_id.values():
-        st.state = _state(st, by_id, now)
+        st.state = _state(st, by_id, now, settle_s(kafka))
         pending = st.stats.pending if st.stats else st.total
         idle = st.state in ("running", "no-ledger") and pending > 0
         if st.manifest and idle and not group_has_reached(kafka, topics, st.manifest):

@@ -188,9 +188,26 @@ def submit_file(
         completion_window_s=completion_window_s,
         idempotency_key=idempotency_key,
         staging=staging,
+        endpoint=openai_endpoint(path) if fmt == "openai" else None,
     )
     report.refusals = refusals
     return report
+
+
+def openai_endpoint(path: Path) -> str | None:
+    """The endpoint of an OpenAI batch file: its first line's ``url`` (OpenAI's Batch API takes one endpoint per
+    file), None when that line names none batchline knows."""
+    with path.open("rb") as fh:
+        for raw in fh:
+            if not raw.strip():
+                continue
+            try:
+                obj = json.loads(raw)
+            except (json.JSONDecodeError, UnicodeDecodeError):
+                return None
+            url = obj.get("url") if isinstance(obj, dict) else None
+            return url if isinstance(url, str) and url in FIELDS else None
+    return None
 
 
 def existing_run(kafka: KafkaSettings, topics: JobTopics, run_id: str, view: RunsView | None = None) -> SubmitReport:
@@ -228,9 +245,12 @@ def publish_run(
     idempotency_key: str | None = None,
     view: RunsView | None = None,
     staging: Staging = Staging(),
+    endpoint: str | None = None,
 ) -> SubmitReport:
     """Publish ``(fallback id, record)`` pairs as one run pinned to ``fp`` and write its manifest.
 
+    ``endpoint``: the OpenAI endpoint of an OpenAI-format submission (the API's batch, ``submit --format openai``),
+    recorded in the manifest so that ``export --format openai`` writes that endpoint's response bodies.
     ``completion_window_s``: the run's records not finished that long after now end ``expired``.
     ``idempotency_key``: reserved for this run first (:func:`batchline.runs.control.reserve_idempotency_key`); a key
     another run owns returns that run's report (``existing``) and publishes nothing (``records`` is not read).
@@ -258,6 +278,7 @@ def publish_run(
         staged=staging.fair_share,
         tenant=staging.tenant,
         priority=staging.priority or 0,
+        endpoint=endpoint,
     )
     # A staged run goes to one partition of J.staged, chosen before the manifest pins it (a broker that cannot
     # be read fails the submit before anything is written).

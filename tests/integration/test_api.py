@@ -13,15 +13,18 @@ from pathlib import Path
 
 import openai
 import pytest
+from openai.types import Completion
 
 from batchline.config import KafkaSettings, load_job_config
 from batchline.kafka.topics import JobTopics
 from tests.support.api import KEYS, ApiServer, batch_lines, jsonl, wait_batch, write_lines
+from tests.support.cli import run_cli
 from tests.support.counting import CountingEngine, worker_thread
 from tests.support.jobs import job_toml
 from tests.support.kafka import read_topic, wait_for
 from tests.support.probes import get, scrape, total
 from tests.support.procs import CliProcess
+from tests.support.sdk import no_unknown_fields
 
 BATCH_TIMEOUT_S = 120.0
 MODEL = "tiny-chat"
@@ -119,6 +122,17 @@ def test_completions_endpoint_writes_text_completions(stack: Stack) -> None:
     assert {line["response"]["body"]["object"] for line in output} == {"text_completion"}
     assert all(line["response"]["body"]["choices"][0]["text"] for line in output)
     assert done.error_file_id is None
+    # the batch's run records its endpoint: export writes the same bodies, as the SDK's Completion reads them
+    out = stack.tmp / "export.jsonl"
+    run_cli(stack.bootstrap, "export", stack.topics.job, "--run", batch.id, "--format", "openai", "--out", str(out))
+    exported = jsonl(out.read_text())
+    by_id = {line["custom_id"]: line["response"]["body"] for line in output}
+    assert sorted(line["custom_id"] for line in exported) == sorted(by_id)
+    for line in exported:
+        body = Completion.model_validate(line["response"]["body"])
+        no_unknown_fields(body)
+        assert body.object == "text_completion"
+        assert [c.text for c in body.choices] == [c["text"] for c in by_id[line["custom_id"]]["choices"]]
 
 
 def test_malformed_file_fails_validation_naming_lines(stack: Stack, kafka: KafkaSettings) -> None:

@@ -1,14 +1,16 @@
 """Run control on the real broker: cancel, completion windows (expiry) and idempotent submission.
 
 The worker runs in this process with the deterministic engine behind a counting seam (:class:`CountingEngine`), so
-each test knows exactly which records ran on the engine and asserts that none of a cancelled or expired run did
-after it stopped: the ids the engine ran are exactly the ids with a result.
+each test knows exactly which records ran on the engine and asserts that none of a cancelled or expired run started
+after it stopped: the ids the engine ran are the ids with a result, plus, for an expired run, the records that
+were in the engine at the deadline (they end ``expired``, as OpenAI's Batch API does).
 """
 
 from __future__ import annotations
 
 import json
 import threading
+import time
 from collections.abc import Callable, Iterator
 from pathlib import Path
 from typing import Any
@@ -23,6 +25,8 @@ from batchline.runs.control import cancel_run
 from batchline.runs.identity import fingerprint_of
 from batchline.runs.manifests import RunsView
 from batchline.runs.submit import SubmitReport, publish_run, submit_file
+from consumers.engines.base import EngineInput, Outcome
+from consumers.work import Failure
 from schemas import codec_for
 from tests.support.cli import run_cli, status_json
 from tests.support.counting import CountingEngine, worker_thread
@@ -176,9 +180,11 @@ def test_records_not_finished_within_the_completion_window_expire_and_partial_re
 
     done, letters = set(results(kafka, topics)), _letters(kafka, topics)
     expired = {rid for rid, cls in letters.items() if cls == "expired"}
-    assert set(engine.ran) == done and len(engine.ran) == len(done), "no expired record ran on the engine"
+    in_flight = set(engine.ran) - done  # in an engine at the deadline: expired too, whatever the engine made of them
+    assert done <= set(engine.ran) and len(engine.ran) == len(set(engine.ran)), "a record ran twice"
+    assert in_flight <= expired and len(in_flight) <= 4, "only records in flight at the deadline (max_running 4)"
     assert done | expired == ids and not done & expired and set(letters) == expired
-    print(f"\nexpired after 3 s: {len(done)} records ran, {len(expired)} expired")
+    print(f"\nexpired after 3 s: {len(done)} records ran, {len(expired)} expired ({len(in_flight)} in flight)")
     assert done and expired, f"{len(done)} done, {len(expired)} expired: the window should cut the run"
     assert (st["succeeded"], st["expired"], st["failed"], st["cancelled"]) == (len(done), len(expired), 0, 0)
     assert st["expires_at"] is not None and "expired" in states
@@ -189,6 +195,75 @@ def test_records_not_finished_within_the_completion_window_expire_and_partial_re
     errors = [json.loads(line) for line in (tmp_path / "out.jsonl.errors.jsonl").read_text().splitlines()]
     assert {o["custom_id"] for o in lines} == done and all(o["response"]["status_code"] == 200 for o in lines)
     assert {e["custom_id"] for e in errors} == expired
+    assert {(e["error"]["code"], e["response"]) for e in errors} == {("batch_expired", None)}
+
+
+class GatedEngine(CountingEngine):
+    """The counting engine whose steps wait for ``gate``: the records it took stay in flight until then."""
+
+    def __init__(self, config: JobConfig) -> None:
+        super().__init__(config)
+        self.gate = threading.Event()
+        self.added: list[str] = []
+
+    def add(self, key: int, inp: EngineInput) -> Failure | None:
+        self.added.append(inp.request_id)
+        return super().add(key, inp)
+
+    def step(self) -> list[tuple[int, Outcome]]:
+        assert self.gate.wait(RUN_TIMEOUT_S)
+        return super().step()
+
+
+def test_records_in_flight_when_the_window_passes_end_expired_and_the_run_stays_expired(
+    kafka: KafkaSettings,
+    job_name: str,
+    make_job: Callable[..., JobTopics],
+    tmp_path: Path,
+    monkeypatch: pytest.MonkeyPatch,
+) -> None:
+    """Four records are in the engine when the window passes; the engine then finishes them. As OpenAI's Batch API,
+    they end ``expired`` (no result), the rest never start, and status, once ``expired``, stays so with the same
+    counts; the export lists every record once, in the error file, as ``batch_expired``."""
+    topics = make_job(job_name, partitions=1, tiers=("1s", "2s"))
+    cfg_path, config = _config(job_name, tmp_path / "job.toml", "max_running = 4", in_flight=4)
+    ids, _ = requests_file(tmp_path / "in.jsonl", 20)
+    engine = GatedEngine(config)
+    streams = _streams(job_name, cfg_path, kafka, tmp_path)
+    monkeypatch.setenv("BATCHLINE_TRANSACTION_TIMEOUT_MS", "2000")  # status's commit bound after a window: 2 s
+    try:
+        with worker_thread(config, kafka, engine):
+            run = submit_file(kafka, topics, tmp_path / "in.jsonl", fingerprint_of(config), completion_window_s=4.0)
+            wait_for(lambda: len(engine.added) >= 4, RUN_TIMEOUT_S, "four records in the engine")
+            view = RunsView(kafka, topics)
+            view.sync()
+            manifest = view.get(run.run_id)
+            view.stop()
+            assert manifest is not None and manifest.expires_at is not None
+            in_flight = set(engine.added)
+            deadline = manifest.expires_at.timestamp()
+            wait_for(lambda: time.time() > deadline + 0.2, RUN_TIMEOUT_S, "the window passed")
+            engine.gate.set()
+            states: list[str] = []
+            st = _settled(kafka, job_name, run.run_id, states, "expired")
+            later = status_json(kafka.bootstrap, job_name)[run.run_id]
+    finally:
+        streams.stop()
+
+    letters = dead_letters(kafka, topics)
+    assert results(kafka, topics) == {}, "no result produced after the window"
+    assert set(engine.ran) == in_flight and len(in_flight) == 4, "the engine finished the four, started none more"
+    assert set(letters) == ids and {copies[-1].failure_class for copies in letters.values()} == {"expired"}
+    assert {letters[rid][-1].error_message.split(" passed before this record ")[1] for rid in in_flight} == {"finished"}
+    assert states[states.index("expired") :] == ["expired"] * (len(states) - states.index("expired")), states
+    for shown in (st, later):
+        assert (shown["state"], shown["succeeded"], shown["expired"], shown["pending"]) == ("expired", 0, 20, 0)
+
+    out = tmp_path / "out.jsonl"
+    run_cli(kafka.bootstrap, "export", job_name, "--run", run.run_id, "--format", "openai", "--out", str(out))
+    errors = [json.loads(line) for line in (tmp_path / "out.jsonl.errors.jsonl").read_text().splitlines()]
+    assert out.read_text() == ""
+    assert sorted(e["custom_id"] for e in errors) == sorted(ids)
     assert {(e["error"]["code"], e["response"]) for e in errors} == {("batch_expired", None)}
 
 
@@ -267,7 +342,11 @@ def test_a_cancel_written_while_the_run_is_submitted_survives_the_final_manifest
 
 
 def test_runs_cancelled_or_expired_before_any_worker_reached_them_end_without_engine_time(
-    kafka: KafkaSettings, job_name: str, make_job: Callable[..., JobTopics], tmp_path: Path
+    kafka: KafkaSettings,
+    job_name: str,
+    make_job: Callable[..., JobTopics],
+    tmp_path: Path,
+    monkeypatch: pytest.MonkeyPatch,
 ) -> None:
     """No worker of the runs' fingerprint runs at first: the cancelled run reads ``cancelling`` and the one past its
     window ``expired`` with every record counted expired; a worker then dead-letters all of both, running none."""
@@ -279,6 +358,7 @@ def test_runs_cancelled_or_expired_before_any_worker_reached_them_end_without_en
     run_a = submit_file(kafka, topics, tmp_path / "a.jsonl", fp).run_id
     run_b = submit_file(kafka, topics, tmp_path / "b.jsonl", fp, completion_window_s=1.0).run_id
     streams = _streams(job_name, cfg_path, kafka, tmp_path)
+    monkeypatch.setenv("BATCHLINE_TRANSACTION_TIMEOUT_MS", "2000")  # status's commit bound after a window: 2 s
     try:
         cancel_run(kafka, topics, run_a)
         before = wait_for(
@@ -288,6 +368,11 @@ def test_runs_cancelled_or_expired_before_any_worker_reached_them_end_without_en
         )
         assert (before[run_a]["state"], before[run_a]["pending"], before[run_a]["cancelled"]) == ("cancelling", 30, 0)
         assert (before[run_b]["pending"], before[run_b]["expired"], before[run_b]["total"]) == (0, 30, 30)
+        out = tmp_path / "b-out.jsonl"  # export agrees with status: every record of B in the error file, expired
+        run_cli(kafka.bootstrap, "export", job_name, "--run", run_b, "--format", "openai", "--out", str(out))
+        unmet = [json.loads(line) for line in (tmp_path / "b-out.jsonl.errors.jsonl").read_text().splitlines()]
+        assert out.read_text() == "" and sorted(e["custom_id"] for e in unmet) == sorted(ids_b)
+        assert {(e["error"]["code"], e["response"]) for e in unmet} == {("batch_expired", None)}
         engine = CountingEngine(config)
         with worker_thread(config, kafka, engine):
             st_a = _settled(kafka, job_name, run_a, [], "cancelled")

@@ -72,6 +72,9 @@ def _stats(total: int, succeeded: int, quarantined: int = 0, cancelled: int = 0,
                     cancelled=cancelled, expired=expired)  # fmt: skip
 
 
+SETTLE_S = 60.0  # the commit bound after a window (batchline.runs.control.settle_s of the default settings)
+
+
 def test_status_and_counts_follow_the_run() -> None:
     record = BatchRecord(id="batch_1", tenant="t", endpoint=CHAT, input_file_id="f", completion_window="1h",
                          created_at=0, job="j", record_count=10)  # fmt: skip
@@ -80,22 +83,27 @@ def test_status_and_counts_follow_the_run() -> None:
     opening = manifest_for("j", "batch_1", fp, complete=False, record_count=10)
     done = opening.model_copy(update={"complete": True, "expires_at": now + timedelta(hours=1)})
     cancelled = done.model_copy(update={"cancelled_at": now})
-    expired = done.model_copy(update={"expires_at": now - timedelta(seconds=1)})
+    expired = done.model_copy(update={"expires_at": now - timedelta(seconds=SETTLE_S + 1)})
+    expiring = done.model_copy(update={"expires_at": now - timedelta(seconds=1)})
     t = now.timestamp()
-    assert status_of(record, None, None, t) == "validating" and status_of(record, opening, None, t) == "validating"
-    assert status_of(record, done, _stats(10, 4), t) == "in_progress"
-    assert status_of(record, done, _stats(10, 8, quarantined=2), t) == "completed"
-    assert status_of(record, cancelled, _stats(10, 4), t) == "cancelling"
-    assert status_of(record, cancelled, _stats(10, 4, cancelled=6), t) == "cancelled"
-    assert status_of(record, expired, _stats(10, 4), t) == "expired"
-    assert status_of(record.model_copy(update={"errors": [{"code": "x", "message": "y"}]}), None, None, t) == "failed"
-    obj = batch_object(record, expired, _stats(10, 4, expired=2))
+    assert status_of(record, None, None, t, SETTLE_S) == "validating"
+    assert status_of(record, opening, None, t, SETTLE_S) == "validating"
+    assert status_of(record, done, _stats(10, 4), t, SETTLE_S) == "in_progress"
+    assert status_of(record, done, _stats(10, 8, quarantined=2), t, SETTLE_S) == "completed"
+    assert status_of(record, cancelled, _stats(10, 4), t, SETTLE_S) == "cancelling"
+    assert status_of(record, cancelled, _stats(10, 4, cancelled=6), t, SETTLE_S) == "cancelled"
+    assert status_of(record, expired, _stats(10, 4), t, SETTLE_S) == "expired"
+    assert status_of(record, expiring, _stats(10, 4), t, SETTLE_S) == "in_progress", "results may still commit"
+    assert status_of(record, expiring, _stats(10, 4, expired=6), t, SETTLE_S) == "expired"
+    failed = record.model_copy(update={"errors": [{"code": "x", "message": "y"}]})
+    assert status_of(failed, None, None, t, SETTLE_S) == "failed"
+    obj = batch_object(record, expired, _stats(10, 4, expired=2), SETTLE_S)
     assert obj["status"] == "expired" and obj["request_counts"] == {"total": 10, "completed": 4, "failed": 6}
     assert obj["output_file_id"] == "file-batch_1-output" and parse_output_file_id(obj["error_file_id"]) == (
         "batch_1",
         "errors",
     )
-    running = batch_object(record, done, _stats(10, 4))
+    running = batch_object(record, done, _stats(10, 4), SETTLE_S)
     assert running["output_file_id"] is None and running["usage"]["total_tokens"] == 15
 
 

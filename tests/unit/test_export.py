@@ -8,12 +8,13 @@ import base64
 import json
 import tempfile
 from collections.abc import Iterator
+from datetime import UTC, datetime, timedelta
 from pathlib import Path
 from typing import Any
 
 import pyarrow.parquet as pq
 import pytest
-from openai.types import BatchError, CreateEmbeddingResponse
+from openai.types import BatchError, Completion, CreateEmbeddingResponse
 from openai.types.chat import ChatCompletion
 from openai.types.completion_usage import CompletionUsage
 from openai.types.shared import ErrorObject
@@ -22,9 +23,9 @@ from batchline.config import KafkaSettings
 from batchline.exceptions import ExitCode, UsageError
 from batchline.kafka.topics import JobTopics
 from batchline.runs import export, outcomes
-from batchline.runs.control import OPENAI_MESSAGES
+from batchline.runs.control import OPENAI_MESSAGES, settle_s
 from batchline.runs.export import ExportReport, Format, export_run
-from schemas import DeadLetter, Lineage, Result, RunManifest, codec_for
+from schemas import DeadLetter, Lineage, PartitionBoundary, Result, RunManifest, codec_for
 from tests.support.records import CHOICES_RESULT, EMBEDDINGS_RESULT, FULL_REQUEST, NOW, SAMPLES, TOOL_RESULT, lineage
 from tests.support.sdk import no_unknown_fields
 from tests.unit.outcome_topics import GARBAGE, Topics, run_headers
@@ -77,17 +78,19 @@ def generated(rid: str, output: str = "ok") -> Result:
     return Result(request_id=rid, run_id=RUN, task="generate", output=output, produced_at=NOW)
 
 
-def manifest(records: int) -> RunManifest:
+def manifest(records: int, endpoint: str | None = None) -> RunManifest:
     return RunManifest(
         run_id=RUN, job="unit", created_at=NOW, fingerprint="fp-1", model_id="tiny-model", model_digest="d",
         engine="e", engine_version="1", config_digest="c", prompt_template_digest="p", record_count=records,
-        value_total=float(records),
+        value_total=float(records), endpoint=endpoint,
     )  # fmt: skip
 
 
-def run_export(fmt: Format, path: Path, records: int, progress: list[int] | None = None) -> ExportReport:
+def run_export(
+    fmt: Format, path: Path, records: int, progress: list[int] | None = None, endpoint: str | None = None
+) -> ExportReport:
     return export_run(
-        KAFKA, TOPICS, RUN, fmt, path, progress.append if progress is not None else None, manifest(records)
+        KAFKA, TOPICS, RUN, fmt, path, progress.append if progress is not None else None, manifest(records, endpoint)
     )
 
 
@@ -215,6 +218,62 @@ def test_openai_output_lines_have_openais_shape_and_their_bodies_parse_as_the_sd
         "latency_ms": 12.5,
         "lineage": LINEAGE.model_dump(mode="json"),
     }
+
+
+def test_a_completions_runs_openai_export_writes_text_completion_bodies_as_the_sdks_completion_reads_them(
+    topics: Topics, out: Path
+) -> None:
+    """The run's manifest records ``/v1/completions``: each body is the endpoint's ``text_completion`` (every choice
+    as text, its finish reason, the usage), and an embed result of the run is still an embedding list."""
+    for result in (CHOICES_RESULT, generated("plain", "just text"), EMBEDDINGS_RESULT):
+        add_result(topics, result, LINEAGE)
+    report = run_export("openai", out / "out.jsonl", records=3, endpoint="/v1/completions")
+    multi, plain, embed = got = lines(out / "out.jsonl")
+    assert report.results == 3 and [line["custom_id"] for line in got] == ["gen-ü-3", "plain", "emb-2"]
+    parsed = [Completion.model_validate(line["response"]["body"]) for line in (multi, plain)]
+    for body in parsed:
+        no_unknown_fields(body)
+        assert (body.object, body.model, body.system_fingerprint) == ("text_completion", "tiny-model", "fp-1")
+    assert [(c.index, c.text, c.finish_reason) for c in parsed[0].choices] == [
+        (0, "Paris", "stop"),
+        (1, "Lyon é", "length"),
+        (2, "Nice", "stop"),
+    ]
+    assert parsed[0].usage == CompletionUsage(prompt_tokens=9, completion_tokens=6, total_tokens=15)
+    assert [(c.text, c.finish_reason) for c in parsed[1].choices] == [("just text", "stop")]
+    no_unknown_fields(CreateEmbeddingResponse.model_validate(embed["response"]["body"]))
+    run_export("openai", out / "chat.jsonl", records=3)  # a run that records no endpoint: chat.completion
+    assert {line["response"]["body"]["object"] for line in lines(out / "chat.jsonl")[:2]} == {"chat.completion"}
+
+
+@pytest.mark.parametrize("fmt", ["openai", "jsonl"])
+def test_an_expired_runs_records_no_worker_met_are_in_the_error_file_once_the_commit_bound_has_passed(
+    topics: Topics, out: Path, fmt: Format
+) -> None:
+    """Past its window and the commit bound after it, a run's records without an outcome can only end expired:
+    export lists them (as the API's error file does), so every id is in one file. Before the bound they are still
+    running: ``missing``."""
+    for rid in "abcd":
+        topics.append(TOPICS.requests, rid.encode(), b"{}", run_headers(RUN))
+    add_result(topics, generated("a"))
+    add_letter(topics, letter("b", "expired"))
+    bounds = [PartitionBoundary(partition=0, start_offset=0, end_offset=4)]
+    settle = settle_s(KAFKA)
+    for past, unmet in ((settle + 1, ["c", "d"]), (1.0, [])):
+        window_end = datetime.now(UTC) - timedelta(seconds=past)
+        m = manifest(4).model_copy(update={"boundaries": bounds, "expires_at": window_end})
+        path = out / f"{past}.jsonl"
+        report = export_run(KAFKA, TOPICS, RUN, fmt, path, manifest=m)
+        errors = lines(report.errors_path)
+        key = "custom_id" if fmt == "openai" else "request_id"
+        assert ids_in(fmt, path) == ["a"] and [e[key] for e in errors] == ["b", *unmet]
+        assert (report.errors, report.missing) == (1 + len(unmet), 2 - len(unmet))
+        if fmt == "openai":
+            assert {(e["error"]["code"], e["response"]) for e in errors} == {("batch_expired", None)}
+            for e in errors:
+                no_unknown_fields(BatchError.model_validate(e["error"]))
+        else:
+            assert {e["failure_class"] for e in errors} == {"expired"} and all(e["run_id"] == RUN for e in errors)
 
 
 def test_openai_error_lines_are_400_for_invalid_input_500_otherwise_and_batch_codes_for_a_stopped_run(

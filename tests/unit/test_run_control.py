@@ -51,9 +51,12 @@ def _letter(rid: str, cls: str) -> DeadLetter:
     )  # fmt: skip
 
 
+SETTLE_S = 60.0
+
+
 def _status(manifest: RunManifest, stats: RunStats | None, now: datetime) -> RunStatus:
     st = RunStatus("r", manifest, stats)
-    st.state = _state(st, {"r": st}, now.timestamp())
+    st.state = _state(st, {"r": st}, now.timestamp(), SETTLE_S)
     return st
 
 
@@ -81,7 +84,8 @@ def test_a_run_past_its_window_is_expired_and_its_pending_records_count_as_expir
     m = _manifest(expires_at=NOW + timedelta(seconds=60))
     s = _stats(m, _result("a"), _letter("b", "expired"))
     assert _status(m, s, NOW).state == "running"
-    late = _status(m, s, NOW + timedelta(seconds=61)).as_json()
+    assert _status(m, s, NOW + timedelta(seconds=61)).state == "running", "a result may commit until the bound"
+    late = _status(m, s, NOW + timedelta(seconds=60 + SETTLE_S)).as_json()
     assert late["state"] == "expired"
     assert (late["succeeded"], late["expired"], late["pending"], late["total"]) == (1, 3, 0, 4)
     finished = _stats(m, *(_result(r) for r in "abcd"))

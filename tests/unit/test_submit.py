@@ -195,6 +195,28 @@ def test_a_report_names_at_most_the_first_refused_openai_lines_and_counts_them_a
     assert [r.split(":")[0] for r in report.refusals] == [f"line {i}" for i in range(1, MAX_REFUSALS + 1)]
 
 
+@pytest.mark.parametrize("url", ["/v1/completions", "/v1/chat/completions", "/v1/responses", "/v1/embeddings"])
+def test_an_openai_files_endpoint_is_its_first_lines_url_recorded_in_both_manifests(
+    tmp_path: Path, published: Published, url: str
+) -> None:
+    first = json.dumps({"custom_id": "c-1", "method": "POST", "url": url, "body": {"model": "m"}})
+    path = write(tmp_path, "\n" + first + "\n" + openai_line("c-2") + "\n")
+    report = submit_file(KAFKA, TOPICS, path, FP, "openai")
+    assert [m.endpoint for m in published.manifests] == [url, url] and report.manifest is not None
+    assert report.manifest.endpoint == url
+
+
+@pytest.mark.parametrize(
+    ("fmt", "text"),
+    [("jsonl", '{"id": "a", "prompt": "x", "url": "/v1/completions"}\n'), ("openai", "not json\n" + "{}\n")],
+)
+def test_a_run_records_no_endpoint_unless_an_openai_files_first_line_names_one(
+    tmp_path: Path, published: Published, fmt: str, text: str
+) -> None:
+    submit_file(KAFKA, TOPICS, write(tmp_path, text), FP, fmt)  # type: ignore[arg-type]
+    assert [m.endpoint for m in published.manifests] == [None, None]
+
+
 def test_openai_lines_without_a_custom_id_are_keyed_by_the_file_digest_and_their_line_numbers(
     tmp_path: Path, published: Published
 ) -> None:
