@@ -9,7 +9,7 @@ entry when its state changed, and the key is the run id (the binding's partition
 Written by the event emitter of ``batchline streams`` (``streams/events.py``); read by ``batchline events``, the
 API's webhook deliveries (``batchline/api/deliveries.py``), and anyone with a CloudEvents SDK. This module is the
 format alone, shared by all of them; only committed events are read (:func:`read_events`,
-:func:`follow_events`).
+:class:`EventReader`).
 """
 
 from __future__ import annotations
@@ -135,35 +135,50 @@ def read_events(kafka: KafkaSettings, topics: JobTopics, run_id: str | None = No
 
 
 FOLLOW_POLL_S = 0.5
-DECIDE_WAIT_S = 30.0
+DECIDE_WAIT_S = 5.0
+
+
+class EventReader:
+    """Reads ``J.events`` from the beginning on, committed events only, one poll at a time (owned by one thread).
+
+    On the embedded broker (whose read_committed shows aborted records) each record is decided by the log's
+    transaction markers; a record whose transaction is still open is read again on a later poll."""
+
+    def __init__(self, kafka: KafkaSettings, topics: JobTopics) -> None:
+        self.topic = topics.events
+        self.index = AbortedIndex(kafka)
+        self.reader = make_reader(kafka, **({"isolation.level": "read_uncommitted"} if self.index.enabled else {}))
+        self.reader.assign([TopicPartition(self.topic, 0, OFFSET_BEGINNING)])
+
+    def poll(self, timeout: float) -> list[RunEvent]:
+        out: list[RunEvent] = []
+        for msg in take(self.reader, 500, timeout):
+            if msg.error():
+                continue
+            try:
+                aborted = self.index.aborted_waiting(msg.topic(), msg.partition(), msg.offset(), DECIDE_WAIT_S)
+            except Undecided:
+                self.reader.seek(TopicPartition(self.topic, msg.partition(), msg.offset()))
+                break  # read again from here next time
+            if not aborted and (event := decode(msg.headers(), msg.key(), msg.value())) is not None:
+                out.append(event)
+        return out
+
+    def close(self) -> None:
+        self.reader.close()
+        self.index.close()
 
 
 def follow_events(
     kafka: KafkaSettings, topics: JobTopics, stopped: Callable[[], bool], run_id: str | None = None
 ) -> Iterator[RunEvent]:
     """Every committed event on ``J.events`` from the beginning, then each new one as it is committed, until
-    ``stopped()``. On the embedded broker (whose read_committed shows aborted records) each record is decided by the
-    log's transaction markers, waiting while its transaction is open."""
-    index = AbortedIndex(kafka)
-    reader = make_reader(kafka, **({"isolation.level": "read_uncommitted"} if index.enabled else {}))
-    reader.assign([TopicPartition(topics.events, 0, OFFSET_BEGINNING)])
+    ``stopped()``."""
+    reader = EventReader(kafka, topics)
     try:
         while not stopped():
-            for msg in take(reader, 500, FOLLOW_POLL_S):
-                if msg.error():
-                    continue
-                while True:
-                    try:
-                        aborted = index.aborted_waiting(msg.topic(), msg.partition(), msg.offset(), DECIDE_WAIT_S)
-                        break
-                    except Undecided:
-                        if stopped():
-                            return
-                if aborted:
-                    continue
-                event = decode(msg.headers(), msg.key(), msg.value())
-                if event is not None and (run_id is None or event.run_id == run_id):
+            for event in reader.poll(FOLLOW_POLL_S):
+                if run_id is None or event.run_id == run_id:
                     yield event
     finally:
         reader.close()
-        index.close()
