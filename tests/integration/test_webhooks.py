@@ -24,6 +24,7 @@ from batchline.kafka.topics import JobTopics
 from tests.support.api import ApiServer, batch_lines, wait_batch, write_lines
 from tests.support.jobs import job_toml
 from tests.support.kafka import read_topic, wait_for
+from tests.support.probes import scrape, total
 from tests.support.procs import CliProcess
 from tests.support.receiver import Delivery, Receiver
 
@@ -171,6 +172,18 @@ def test_retries_keep_one_webhook_id_and_a_slow_endpoint_delays_no_other(
         attempts = wait_for(lambda: (a := receiver.at("/flaky")) and a[-1].answered == 200 and a, TIMEOUT_S, "a 200")
         wait_for(lambda: receiver.at("/slow"), TIMEOUT_S, "the slow endpoint's delivery")
         deliveries = read_topic(kafka, f"{job[0].job}-api.webhook-deliveries")
+        samples = wait_for(
+            lambda: (
+                (m := scrape(api.port))
+                and total(m, "batchline_webhook_deliveries_total", outcome="delivered") == 3
+                and m
+            ),
+            TIMEOUT_S,
+            "three deliveries counted",
+        )
+    assert total(samples, "batchline_webhook_attempts_total", result="5xx") == 3
+    assert total(samples, "batchline_webhook_attempts_total", result="2xx") == 3
+    assert total(samples, "batchline_webhook_oldest_undelivered_seconds") == 0
     assert [a.answered for a in attempts] == [500, 500, 500, 200]
     assert len({a.headers["webhook-id"] for a in attempts}) == 1, "a retry with another webhook-id"
     assert len({a.headers["webhook-timestamp"] for a in attempts}) >= 2, "retries re-signed at their own time"
