@@ -15,7 +15,7 @@ format alone, shared by all of them; only committed events are read (:func:`read
 from __future__ import annotations
 
 import json
-from collections.abc import Callable, Iterator
+from collections.abc import Callable, Iterator, Sequence
 from dataclasses import dataclass
 from datetime import UTC, datetime
 from typing import Any
@@ -108,7 +108,9 @@ def encode(
     return run_id.encode(), body, [(k, v.encode()) for k, v in headers]
 
 
-def decode(headers: list[tuple[str, bytes | None]] | None, key: bytes | None, value: bytes | None) -> RunEvent | None:
+def decode(
+    headers: Sequence[tuple[str, bytes | None]] | None, key: bytes | None, value: bytes | None
+) -> RunEvent | None:
     """The event of one record of ``J.events``; None for a record that is not one (no ``ce_id`` or ``ce_type`` of
     ours, or data that is not a JSON object)."""
     attrs = {k: (v or b"").decode("utf-8", "replace") for k, v in headers or []}
