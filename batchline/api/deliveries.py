@@ -58,6 +58,7 @@ BATCH_TYPES = {
     "expired": "batch.expired",
 }
 ROUND_S = 0.1
+PAUSE_S = 5.0  # after a failed round
 ERROR_TEXT = 200  # characters of an attempt's error kept on its record
 
 
@@ -167,12 +168,15 @@ class Deliverer:
         assert self._consumer is not None
         try:
             while not self._stop.is_set():
-                self._consumer.poll(0)  # group callbacks; its partition stays paused
-                if self.active:
-                    self.step()
+                try:
+                    self._consumer.poll(0)  # group callbacks; its partition stays paused
+                    if self.active:
+                        self.step()
+                except Exception:  # e.g. the broker out of reach (a record not delivered): resume from the topic
+                    log.exception("webhook deliverer round failed; reading its deliveries again in %.0fs", PAUSE_S)
+                    self._loaded = False
+                    self._stop.wait(PAUSE_S)
                 self._stop.wait(ROUND_S)
-        except Exception:
-            log.exception("webhook deliverer failed")
         finally:
             self._consumer.close()
             for reader in self._readers:
