@@ -8,9 +8,10 @@ round, and writes the events of the runs whose state changed in one Kafka transa
 :mod:`batchline.runs.events`). An event is thus never ahead of the ledger snapshot that shows its state.
 
 Exactly once, judged from the log: what was emitted is never kept in memory alone. The producer's transactional id
-is the job's (``J.events``); :meth:`RunEvents.start` calls ``init_transactions`` first - which ends (commits or
-aborts) whatever an earlier emitter of the job left open, and fences it - and only then reads the committed events
-back from ``J.events`` into :attr:`RunEvents.emitted`. A transaction commits only if no emitter has started since,
+is the job's (``J.events``); before its first transaction, and after any that failed, the emitter calls
+``init_transactions`` (:meth:`RunEvents._take_over`) - which ends (commits or aborts) whatever an earlier emitter of
+the job left open, and fences it - and only then reads the committed events back from ``J.events`` into
+:attr:`RunEvents.emitted`. A transaction commits only if no emitter has started since,
 and one that starts later reads it back: after a restart, a SIGKILL, or a second ``batchline streams`` process,
 no (run, state) is committed twice and none is lost. A fenced emitter (another process took over) stands by for
 :data:`STANDBY_S` and then takes over again in the same way; any other failure starts it afresh (init, read back).
