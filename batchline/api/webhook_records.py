@@ -1,5 +1,5 @@
-"""The webhook records on the API's topics: endpoints (``P.webhook-endpoints``) and deliveries
-(``P.webhook-deliveries``), as versioned JSON like :mod:`batchline.api.records`, and the event bodies sent.
+"""The webhook endpoints on the API's topic ``P.webhook-endpoints``, as versioned JSON like
+:mod:`batchline.api.records`, and the batch event bodies sent (deliveries: :mod:`batchline.runs.webhooks`).
 
 A secret is a plain field of :class:`EndpointRecord` on the topic (the deliverer signs with it; protect the topic
 with ACLs as you would the API keys) and never shows in a repr.
@@ -8,11 +8,11 @@ with ACLs as you would the API keys) and never shows in a repr.
 from __future__ import annotations
 
 import json
-from typing import Any, Literal
+from typing import Any
 
 from pydantic import BaseModel, ConfigDict, Field
 
-from batchline.api.signing import SigningSecret, hint
+from batchline.runs.signing import SigningSecret, hint
 
 EVENT_TYPES = ("batch.completed", "batch.failed", "batch.expired", "batch.cancelled")
 
@@ -55,24 +55,3 @@ def event_body(event_id: str, event_type: str, batch_id: str, created_at: int) -
     """OpenAI's event body for a batch event (what ``client.webhooks.unwrap`` parses)."""
     body = {"id": event_id, "object": "event", "type": event_type, "created_at": created_at, "data": {"id": batch_id}}
     return json.dumps(body, separators=(",", ":")).encode()
-
-
-class DeliveryRecord(BaseModel):
-    """One event for one endpoint, keyed by its ``webhook-id`` (the same on every attempt): ``pending`` until a 2xx
-    (``delivered``), the retry window passed (``failed``) or its endpoint was deleted (``dropped``)."""
-
-    model_config = ConfigDict(frozen=True, extra="ignore")
-    v: int = 1
-    id: str
-    endpoint_id: str
-    tenant: str
-    event_id: str
-    event_type: str
-    body: str
-    created_at: float
-    state: Literal["pending", "delivered", "failed", "dropped"] = "pending"
-    attempts: int = 0
-    next_at: float = 0.0
-    last_status: int | None = None
-    last_error: str | None = None
-    ended_at: float | None = None

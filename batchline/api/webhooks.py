@@ -22,8 +22,8 @@ from fastapi import FastAPI, Header, Query
 
 from batchline.api.errors import ApiError, bad_request, not_found
 from batchline.api.service import ApiService
-from batchline.api.signing import new_secret, signed_headers
 from batchline.api.webhook_records import EVENT_TYPES, EndpointRecord, event_body
+from batchline.runs.signing import new_secret, signed_headers
 
 log = logging.getLogger(__name__)
 Auth = Annotated[str | None, Header(alias="Authorization")]

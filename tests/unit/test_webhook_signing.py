@@ -1,4 +1,4 @@
-"""Webhook signatures (batchline/api/signing.py) checked by code we did not write: the openai SDK's
+"""Webhook signatures (batchline/runs/signing.py) checked by code we did not write: the openai SDK's
 ``webhooks.verify_signature`` and the Standard Webhooks reference library; secrets never in a repr; retry delays."""
 
 from __future__ import annotations
@@ -11,9 +11,10 @@ from openai import InvalidWebhookSignatureError, OpenAI
 from openai.types.webhooks import BatchCompletedWebhookEvent
 from standardwebhooks.webhooks import Webhook, WebhookVerificationError
 
-from batchline.api.deliveries import WebhookSettings, backoff, event_id, webhook_id
-from batchline.api.signing import SigningSecret, hint, new_secret, signed_headers
+from batchline.api.deliveries import event_id
 from batchline.api.webhook_records import EndpointRecord, event_body
+from batchline.runs.signing import SigningSecret, hint, new_secret, signed_headers
+from batchline.runs.webhooks import WebhookSettings, backoff, webhook_id
 
 BODY = event_body("evt_1", "batch.completed", "batch_abc", 1_700_000_000)
 
