@@ -205,8 +205,12 @@ class RunEvents:
             self._standby_until = time.monotonic() + STANDBY_S
 
     def _has_reached(self, manifest: RunManifest) -> bool:
-        """Whether the run's worker group has consumed its records, asked at most every few seconds per run (a
+        """Whether the run's worker group has consumed its records: yes once the ledger has counted any of them (a
+        cached "no" would hide ``running`` for a whole recheck), else asked at most every few seconds per run (a
         group that has reached a run stays there)."""
+        stats = self._merged.get(manifest.run_id)
+        if stats is not None and stats.total - stats.pending > 0:
+            return True
         known = self._reached.get(manifest.run_id)
         now = time.monotonic()
         if known is not None and (known[0] or now - known[1] < REACHED_RECHECK_S):

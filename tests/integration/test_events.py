@@ -12,11 +12,16 @@ from collections.abc import Callable
 from pathlib import Path
 from typing import Any
 
+from cloudevents.core.formats.json import JSONFormat
+from openai import OpenAI
+from standardwebhooks.webhooks import Webhook
+
 from batchline.config import JobConfig, KafkaSettings, load_job_config
 from batchline.kafka.topics import JobTopics
 from batchline.runs.control import cancel_run
 from batchline.runs.events import RANK
 from batchline.runs.identity import fingerprint_of
+from batchline.runs.signing import new_secret
 from batchline.runs.submit import submit_file
 from tests.support.cli import run_cli
 from tests.support.counting import CountingEngine, worker_thread
@@ -25,19 +30,20 @@ from tests.support.jobs import job_toml, requests_file
 from tests.support.kafka import wait_for
 from tests.support.oracle import committed, open_transactions
 from tests.support.procs import CliProcess
+from tests.support.receiver import Receiver
 
 RUN_TIMEOUT_S = 120.0
 
 
-def _config(job: str, path: Path, kwargs: str) -> tuple[Path, JobConfig]:
-    cfg = job_toml(path, kwargs=kwargs, max_records=4)
+def _config(job: str, path: Path, kwargs: str, extra: str = "") -> tuple[Path, JobConfig]:
+    cfg = job_toml(path, kwargs=kwargs, max_records=4, extra=extra)
     cfg.write_text(cfg.read_text().replace("linger_ms = 50", "linger_ms = 20\nmax_in_flight_records = 8"))
     return cfg, load_job_config(job, cfg)
 
 
-def _streams(job: str, cfg: Path, kafka: KafkaSettings, tmp: Path) -> CliProcess:
+def _streams(job: str, cfg: Path, kafka: KafkaSettings, tmp: Path, env: dict[str, str] | None = None) -> CliProcess:
     args = ["streams", job, "--config", str(cfg), "--ledger-dir", str(tmp / "ledger"), "--snapshot-interval", "0.3"]
-    return CliProcess(args, kafka.bootstrap, tmp / "streams.log").start()
+    return CliProcess(args, kafka.bootstrap, tmp / "streams.log", env=env).start()
 
 
 def _events(kafka: KafkaSettings, topics: JobTopics) -> list[Any]:
@@ -151,3 +157,85 @@ def test_streams_killed_mid_run_commits_each_event_exactly_once(
     for run, final in finals.items():
         _check_run(events, job_name, run, final)
     assert not open_transactions(kafka.bootstrap, [topics.events]), "a transaction left open on J.events"
+
+
+def test_the_job_configs_webhooks_get_the_run_events_signed_and_retried(
+    kafka: KafkaSettings, job_name: str, make_job: Callable[..., JobTopics], tmp_path: Path
+) -> None:
+    """Without the API: ``[[events.webhooks]]`` in the job config. The ended run's event arrives as a CloudEvent (JSON),
+    verified by the Standard Webhooks library and the openai SDK; answered 500 first, retried with its webhook-id;
+    a webhook asking for ``running`` gets that event only."""
+    topics = make_job(job_name, partitions=2, tiers=("1s", "2s"))
+    secret = new_secret().value
+    extra = """
+[[events.webhooks]]
+url = "{ended}"
+secret_env = "RUN_HOOK_SECRET"
+
+[[events.webhooks]]
+url = "{running}"
+secret_env = "RUN_HOOK_SECRET"
+states = ["running"]
+"""
+    with Receiver() as receiver:
+        receiver.script["/ended"] = [500]
+        extra = extra.format(ended=receiver.url("/ended"), running=receiver.url("/running"))
+        cfg_path, config = _config(job_name, tmp_path / "job.toml", "batch_latency_ms = 100, max_running = 2", extra)
+        requests_file(tmp_path / "in.jsonl", 80)
+        env = {"RUN_HOOK_SECRET": secret, "BATCHLINE_WEBHOOK_RETRY_INITIAL_S": "0.2"}
+        streams = _streams(job_name, cfg_path, kafka, tmp_path, env)
+        try:
+            with worker_thread(config, kafka, CountingEngine(config)):
+                run = submit_file(kafka, topics, tmp_path / "in.jsonl", fingerprint_of(config)).run_id
+                ended = wait_for(lambda: (d := receiver.at("/ended")) and d[-1].answered == 200 and d, RUN_TIMEOUT_S,
+                                 "the ended run's event delivered")  # fmt: skip
+                running = wait_for(lambda: receiver.at("/running"), RUN_TIMEOUT_S, "the running event")
+            assert streams.alive(), streams.log()[-3000:]
+        finally:
+            streams.stop()
+    assert [d.answered for d in ended] == [500, 200] and len({d.headers["webhook-id"] for d in ended}) == 1
+    client = OpenAI(api_key="unused", base_url="http://127.0.0.1:9/v1")
+    for d in [*ended, *running]:
+        Webhook(secret).verify(d.body, d.headers)
+        client.webhooks.verify_signature(d.body, d.headers, secret=secret)
+    event = JSONFormat().read(None, ended[-1].body)
+    data = event.get_data()
+    assert event.get_attributes()["id"] == f"{run}/complete" and isinstance(data, dict) and data["succeeded"] == 80
+    assert [JSONFormat().read(None, d.body).get_attributes()["id"] for d in running] == [f"{run}/running"]
+    client.close()
+
+
+def test_run_webhooks_pending_when_streams_is_killed_are_delivered_after_its_restart(
+    kafka: KafkaSettings, job_name: str, make_job: Callable[..., JobTopics], tmp_path: Path
+) -> None:
+    """The ended endpoint is down (503) when streams is SIGKILLed; after the restart it gets the event with the same
+    webhook-id, and the running endpoint, answered at once before the kill, does not get its event again."""
+    topics = make_job(job_name, partitions=2, tiers=("1s", "2s"))
+    secret = new_secret().value
+    with Receiver() as receiver:
+        receiver.script["/ended"] = [503] * 1000
+        extra = (
+            f'[[events.webhooks]]\nurl = "{receiver.url("/ended")}"\nsecret_env = "RUN_HOOK_SECRET"\n'
+            f'[[events.webhooks]]\nurl = "{receiver.url("/running")}"\nsecret_env = "RUN_HOOK_SECRET"\n'
+            'states = ["running"]\n'
+        )
+        cfg_path, config = _config(job_name, tmp_path / "job.toml", "batch_latency_ms = 100, max_running = 2", extra)
+        requests_file(tmp_path / "in.jsonl", 80)
+        env = {"RUN_HOOK_SECRET": secret, "BATCHLINE_WEBHOOK_RETRY_INITIAL_S": "0.2"}
+        streams = _streams(job_name, cfg_path, kafka, tmp_path, env)
+        try:
+            with worker_thread(config, kafka, CountingEngine(config)):
+                submit_file(kafka, topics, tmp_path / "in.jsonl", fingerprint_of(config))
+                wait_for(lambda: len(receiver.at("/ended")) >= 3, RUN_TIMEOUT_S, "failed attempts of the ended event")
+                assert [d.answered for d in receiver.at("/running")] == [200]
+                streams.kill()
+                with receiver.lock:
+                    receiver.script["/ended"].clear()
+                streams = _streams(job_name, cfg_path, kafka, tmp_path, env)
+                ended = wait_for(lambda: (d := receiver.at("/ended")) and d[-1].answered == 200 and d, RUN_TIMEOUT_S,
+                                 "the ended event after the restart")  # fmt: skip
+        finally:
+            streams.stop()
+    assert len({d.headers["webhook-id"] for d in ended}) == 1, "the delivery changed its webhook-id"
+    assert len(receiver.at("/running")) == 1, "a delivered event sent again after the restart"
+    Webhook(secret).verify(ended[-1].body, ended[-1].headers)
