@@ -369,6 +369,42 @@ class TelemetryConfig(_Frozen):
     )
 
 
+RUN_STATES = ("submitting", "waiting", "running", "cancelling", "complete", "incomplete-with-quarantine",
+              "complete-via-replay", "cancelled", "expired")  # fmt: skip  # batchline.runs.events.RANK's
+ENDED_STATES = ["complete", "incomplete-with-quarantine", "complete-via-replay", "cancelled", "expired"]
+
+
+class RunWebhook(_Frozen):
+    """An HTTP endpoint that gets the job's run events (``J.events``) without the API: each event whose state it
+    asks for is POSTed as a CloudEvent (JSON), signed per Standard Webhooks, at least once (``streams/webhooks.py``)."""
+
+    url: str = Field(pattern=r"^https?://[^/\s]+", description="Where the events are POSTed (http or https).")
+    secret_env: str = Field(
+        pattern=r"^[A-Za-z_][A-Za-z0-9_]*$",
+        description="Name of the environment variable of `batchline streams` holding the signing secret "
+        "(`whsec_<base64>`, as `batchline api` makes them); the secret never sits in the job file.",
+    )
+    states: list[str] = Field(
+        default_factory=lambda: list(ENDED_STATES), description="Run states whose events are sent (default: ended)."
+    )
+
+    @field_validator("states")
+    @classmethod
+    def _known_states(cls, states: list[str]) -> list[str]:
+        unknown = [s for s in states if s not in RUN_STATES]
+        if unknown or not states:
+            raise ValueError(f"states must be run states ({', '.join(RUN_STATES)}), not {unknown or states}")
+        return states
+
+
+class EventsConfig(_Frozen):
+    webhooks: list[RunWebhook] = Field(
+        default_factory=list,
+        description="Endpoints that get the job's run events over HTTP (`[[events.webhooks]]` with `url`, "
+        "`secret_env`, `states`); sent by `batchline streams`.",
+    )
+
+
 class JobConfig(_Frozen):
     """One job: what to run, how to batch it, and what to do when it fails."""
 
@@ -381,6 +417,7 @@ class JobConfig(_Frozen):
     schedule: ScheduleConfig = Field(default_factory=ScheduleConfig)
     telemetry: TelemetryConfig = Field(default_factory=TelemetryConfig)
     limits: LimitsConfig = Field(default_factory=LimitsConfig)
+    events: EventsConfig = Field(default_factory=EventsConfig)
     max_request_bytes: int = Field(1 << 20, ge=64, description="Larger payloads are invalid_input.")
 
 

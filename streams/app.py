@@ -1,5 +1,5 @@
-"""The streams of one job in one process: the retry scheduler, the ledger and (``schedule.fair_share``) the
-admitter, each on its own thread.
+"""The streams of one job in one process: the retry scheduler, the ledger, the event emitter,
+(``schedule.fair_share``) the admitter and (``events.webhooks``) the run webhooks' sender, each on its own thread.
 
 ``batchline streams JOB`` runs this until SIGTERM/Ctrl-C (or ``idle_exit_s`` with nothing to do). Each component
 owns its Kafka clients; the threads share nothing but the stop event. A component that fails stops the other,
@@ -21,9 +21,11 @@ from batchline.kafka.liveness import BrokerLiveness
 from batchline.kafka.topics import JobTopics
 from batchline.telemetry import Health, watch_streams
 from streams.admitter import Admitter
+from streams.events import RunEvents
 from streams.exceptions import MissingTopicsError, StreamsError
 from streams.ledger import Ledger
 from streams.retry_scheduler import RetryScheduler
+from streams.webhooks import RunWebhooks
 
 log = logging.getLogger(__name__)
 METADATA_TIMEOUT_S = 15.0
@@ -40,6 +42,7 @@ class StreamsReport:
     snapshots: int
     runs: int
     admitted: int = 0  # records the admitter moved to J.requests (schedule.fair_share)
+    events: int = 0  # run events committed to J.events
 
 
 def check_topics(kafka: KafkaSettings, topics: JobTopics) -> None:
@@ -84,18 +87,23 @@ class StreamsApp:
         scheduler = RetryScheduler(self.config, self.kafka, broker_down=liveness.is_down)
         ledger = Ledger(self.config, self.kafka, self.snapshot_interval_s, self.ledger_settings, liveness.is_down)
         admitter = Admitter(self.config, self.kafka, broker_down=liveness.is_down) if self.fair_share else None
+        events = RunEvents(self.config, self.kafka, broker_down=liveness.is_down)  # J.events from the ledger's state
+        hooks = RunWebhooks(self.config, self.kafka) if self.config.events.webhooks else None
         watch = watch_streams(self.config.job, self.health, scheduler, ledger, admitter)  # metrics and readiness
         threads = [
             self._thread("retry-scheduler", scheduler.start, scheduler.step, scheduler.close),
             self._thread("ledger", ledger.start, ledger.step, ledger.close),
+            self._thread("events", events.start, events.step, events.close),
         ]
         if admitter is not None:  # fair admission: staged runs to J.requests in turns (streams/admitter.py)
             threads.append(self._thread("admitter", admitter.start, admitter.step, admitter.close))
+        if hooks is not None:  # the job config's run webhooks (streams/webhooks.py)
+            threads.append(self._thread("webhooks", hooks.start, hooks.step, hooks.close))
         for t in threads:
             t.start()
         try:
             while not self.stop_event.is_set():
-                if self._idle_done(scheduler, ledger, admitter):
+                if self._idle_done(scheduler, ledger, admitter, events, hooks):
                     log.info("streams of %s idle for %.0fs: stopping", self.config.job, self.idle_exit_s)
                     break
                 watch.sample()  # ops: the ledger's snapshot age
@@ -116,12 +124,22 @@ class StreamsApp:
             ledger.snapshots,
             ledger.runs,
             admitter.admitted if admitter is not None else 0,
+            events.sent,
         )
 
-    def _idle_done(self, scheduler: RetryScheduler, ledger: Ledger, admitter: Admitter | None) -> bool:
+    def _idle_done(
+        self,
+        scheduler: RetryScheduler,
+        ledger: Ledger,
+        admitter: Admitter | None,
+        events: RunEvents,
+        hooks: RunWebhooks | None,
+    ) -> bool:
         if self.idle_exit_s is None:
             return False
-        idle = [scheduler.idle_for(), ledger.idle_for(), *([admitter.idle_for()] if admitter is not None else [])]
+        idle = [scheduler.idle_for(), ledger.idle_for(), events.idle_for()]
+        idle += [admitter.idle_for()] if admitter is not None else []
+        idle += [hooks.idle_for()] if hooks is not None else []
         return min(idle) >= self.idle_exit_s
 
     def _thread(

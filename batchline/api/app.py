@@ -1,4 +1,4 @@
-"""The HTTP surface: OpenAI's Files and Batches endpoints under ``/v1``, and ``/metrics``, ``/healthz``,
+"""The HTTP surface: OpenAI's Files, Batches and webhook endpoints under ``/v1``, and ``/metrics``, ``/healthz``,
 ``/readyz`` (unauthenticated, for Prometheus and the kubelet).
 
 Handlers are plain functions, so the server runs them on its worker threads; each authenticates the caller
@@ -19,7 +19,7 @@ from opentelemetry import metrics
 from prometheus_client import CONTENT_TYPE_LATEST, generate_latest
 from starlette.exceptions import HTTPException as StarletteHTTPException
 
-from batchline.api import batches, files
+from batchline.api import batches, files, webhooks
 from batchline.api.errors import ApiError, bad_request
 from batchline.api.objects import output_file_object, page, parse_output_file_id
 from batchline.api.service import ApiService
@@ -152,6 +152,7 @@ def create_app(service: ApiService) -> FastAPI:
         tenant = service.tenant_of(authorization)
         return batches.cancel(service, service.batch(tenant, batch_id))
 
+    webhooks.register(app, service)  # /v1/webhook_endpoints
     _probes(app, service)
     return app
 

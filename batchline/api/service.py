@@ -13,6 +13,7 @@ import hmac
 import logging
 import threading
 from collections.abc import Mapping
+from typing import TYPE_CHECKING
 
 from confluent_kafka import KafkaError, KafkaException
 from confluent_kafka.admin import NewTopic
@@ -23,10 +24,14 @@ from batchline.api.quota import TenantLimits
 from batchline.api.records import BatchRecord, FileRecord
 from batchline.api.settings import ApiTopics, ModelRoute
 from batchline.api.store import CompactedView, Writer
+from batchline.api.webhook_records import EndpointRecord
 from batchline.config import KafkaSettings
 from batchline.exceptions import TopicError
 from batchline.kafka.client import make_admin
 from batchline.telemetry import Health
+
+if TYPE_CHECKING:
+    from batchline.api.deliveries import Deliverer
 
 log = logging.getLogger(__name__)
 CHUNK_PARTITIONS = 4
@@ -43,6 +48,8 @@ def api_topic_specs(topics: ApiTopics, chunk_partitions: int = CHUNK_PARTITIONS)
         NewTopic(topics.files, 1, 1, config=compact),
         NewTopic(topics.chunks, chunk_partitions, 1, config=compact),
         NewTopic(topics.batches, 1, 1, config=compact),
+        NewTopic(topics.webhook_endpoints, 1, 1, config=compact),
+        NewTopic(topics.webhook_deliveries, 1, 1, config=compact),
     ]
 
 
@@ -77,13 +84,24 @@ class ApiService:
         self.batches: CompactedView[BatchRecord] = CompactedView(
             kafka, self.topics.batches, BatchRecord.model_validate_json
         )
+        self.endpoints: CompactedView[EndpointRecord] = CompactedView(
+            kafka, self.topics.webhook_endpoints, EndpointRecord.model_validate_json
+        )
         self.jobs: dict[str, JobView] = {}
         for route in self.routes.values():
             if route.job not in self.jobs:
                 self.jobs[route.job] = JobView(kafka, route)
         self.chunk_partitions = CHUNK_PARTITIONS
         self.health = Health(conditions=(VIEWS_SYNCED,))
+        self.deliverer: Deliverer | None = None
         self._stop = threading.Event()
+
+    def _deliverer(self) -> Deliverer:
+        """Webhook deliveries of the batches of the jobs served (batchline.api.deliveries)."""
+        from batchline.api.deliveries import Deliverer  # it imports this module's neighbours only
+
+        jobs = list({r.job: r.topics for r in self.routes.values()}.values())
+        return Deliverer(self.kafka, self.topics, jobs, self.endpoints, self.batches, self.writer)
 
     def start(self) -> ApiService:
         create_api_topics(self.kafka, self.topics)
@@ -91,16 +109,20 @@ class ApiService:
         self.chunk_partitions = len(meta.topics[self.topics.chunks].partitions) or CHUNK_PARTITIONS
         self.files.start()
         self.batches.start()
+        self.endpoints.start()
         for job in self.jobs.values():
             job.start()
         synced = self.files.sync() and self.batches.sync() and all(j.sync() for j in self.jobs.values())
+        self.deliverer = self._deliverer().start()
         self.health.set(VIEWS_SYNCED, synced)
         threading.Thread(target=self._heartbeat, name="api-heartbeat", daemon=True).start()
         return self
 
     def stop(self) -> None:
         self._stop.set()
-        for view in (self.files, self.batches):
+        if self.deliverer is not None:
+            self.deliverer.stop()
+        for view in (self.files, self.batches, self.endpoints):
             view.stop()
         for job in self.jobs.values():
             job.stop()

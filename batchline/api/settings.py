@@ -61,8 +61,9 @@ class ModelRoute:
 
 @dataclass(frozen=True)
 class ApiTopics:
-    """``P.files`` (compacted: file objects by id), ``P.file-chunks`` (compacted: content, keyed ``id/seq``) and
-    ``P.batches`` (compacted: batch records by id). A deletion is a tombstone under each key."""
+    """``P.files`` (compacted: file objects by id), ``P.file-chunks`` (compacted: content, keyed ``id/seq``),
+    ``P.batches`` (compacted: batch records by id), ``P.webhook-endpoints`` and ``P.webhook-deliveries``
+    (compacted: by endpoint id, by webhook id). A deletion is a tombstone under each key."""
 
     prefix: str = DEFAULT_TOPIC_PREFIX
 
@@ -78,8 +79,21 @@ class ApiTopics:
     def batches(self) -> str:
         return f"{self.prefix}.batches"
 
+    @property
+    def webhook_endpoints(self) -> str:
+        return f"{self.prefix}.webhook-endpoints"
+
+    @property
+    def webhook_deliveries(self) -> str:
+        return f"{self.prefix}.webhook-deliveries"
+
+    @property
+    def deliverer_group(self) -> str:
+        """The group whose one member delivers webhooks (the owner of ``webhook_deliveries``' partition)."""
+        return f"{self.prefix}.webhook-deliverer"
+
     def all(self) -> list[str]:
-        return [self.files, self.chunks, self.batches]
+        return [self.files, self.chunks, self.batches, self.webhook_endpoints, self.webhook_deliveries]
 
 
 def parse_keys(text: str, separator: str, where: str) -> dict[str, str]:

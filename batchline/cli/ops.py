@@ -1,5 +1,5 @@
-"""Operations commands: ``status``, ``cancel``, ``dlq list|replay JOB``, ``replay`` and ``export`` (registered by
-``batchline.cli.app``)."""
+"""Operations commands: ``status``, ``events``, ``cancel``, ``dlq list|replay JOB``, ``replay`` and ``export``
+(registered by ``batchline.cli.app``)."""
 
 from __future__ import annotations
 
@@ -292,8 +292,37 @@ def cancel(
     out.print(f"run {run} cancelled at {manifest.cancelled_at.isoformat(timespec='seconds')}", highlight=False)
 
 
+@uses
+def events(
+    job: str,
+    run: Annotated[str | None, typer.Option("--run", help="Only this run's events.")] = None,
+    follow: Annotated[bool, typer.Option("--follow", help="Keep printing new events until Ctrl-C.")] = False,
+    *,
+    bootstrap: str,
+) -> None:
+    """The committed run events of J.events (one per change of a run's state), one CloudEvent JSON a line."""
+    import json
+    import sys
+    import threading
+
+    from batchline.kafka.topics import JobTopics
+    from batchline.runs.events import follow_events, read_events
+
+    topics = JobTopics(job)
+    kafka = connect(bootstrap, topics, [topics.events])
+    stop = threading.Event()
+    found = follow_events(kafka, topics, stop.is_set, run) if follow else read_events(kafka, topics, run)
+    try:
+        for event in found:
+            sys.stdout.write(json.dumps(event.as_json(), separators=(",", ":")) + "\n")
+            sys.stdout.flush()
+    except KeyboardInterrupt:
+        stop.set()
+
+
 def register(app: typer.Typer) -> None:
     app.command()(status)
+    app.command()(events)
     app.command()(cancel)
     app.add_typer(dlq_app, name="dlq")
     app.command()(replay)

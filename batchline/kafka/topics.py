@@ -63,6 +63,16 @@ class JobTopics:
     def ledger(self) -> str:
         return f"{self.job}.ledger"
 
+    @property
+    def webhooks(self) -> str:
+        """The pending and ended deliveries of the job config's run webhooks (``streams/webhooks.py``)."""
+        return f"{self.job}.webhooks"
+
+    @property
+    def events(self) -> str:
+        """One CloudEvent per change of a run's state (``streams/events.py``): an event log, never compacted."""
+        return f"{self.job}.events"
+
     def retry(self, tier: str) -> str:
         return f"{self.job}.retry.{tier}"
 
@@ -87,7 +97,17 @@ class JobTopics:
         return f"{self.job}.admitter"
 
     def all(self) -> list[str]:
-        return [self.requests, self.staged, self.results, *self.retries, self.dlq, self.runs, self.ledger]
+        return [
+            self.requests,
+            self.staged,
+            self.results,
+            *self.retries,
+            self.dlq,
+            self.runs,
+            self.ledger,
+            self.events,
+            self.webhooks,
+        ]
 
 
 def topic_message_bytes(max_request_bytes: int = DEFAULT_MAX_REQUEST_BYTES) -> int:
@@ -112,6 +132,8 @@ def _specs(topics: JobTopics, partitions: int, max_request_bytes: int = DEFAULT_
         NewTopic(topics.dlq, partitions, 1, config=sized),
         NewTopic(topics.runs, 1, 1, config=compact),
         NewTopic(topics.ledger, 1, 1, config=compact),
+        NewTopic(topics.events, 1, 1),  # one partition: a run's events in order, one transactional writer
+        NewTopic(topics.webhooks, 1, 1, config=compact),
     ]
 
 

@@ -26,7 +26,7 @@ from __future__ import annotations
 import math
 import time
 from collections import Counter
-from collections.abc import Iterable
+from collections.abc import Callable, Iterable
 from dataclasses import dataclass, field
 from datetime import datetime
 from typing import Any
@@ -144,7 +144,7 @@ def tenant_shares(runs: list[dict[str, Any]]) -> dict[str, dict[str, Any]]:
     return dict(sorted(out.items()))
 
 
-def _furthest(a: RunStats, b: RunStats) -> RunStats:
+def furthest(a: RunStats, b: RunStats) -> RunStats:
     """Of two snapshots of one part, the one that has consumed more (then the newer): state only grows with it."""
     return b if (b.position, b.updated_at) >= (a.position, a.updated_at) else a
 
@@ -167,7 +167,7 @@ def merge_run_stats(run_id: str, snapshots: Iterable[RunStats], manifest: RunMan
     for s in snaps:
         if s.shards > 0:
             shards = layouts.setdefault(s.shards, {})
-            shards[s.shard] = _furthest(shards[s.shard], s) if s.shard in shards else s
+            shards[s.shard] = furthest(shards[s.shard], s) if s.shard in shards else s
     if not layouts:
         return max(snaps, key=lambda s: s.updated_at)  # written by a ledger from before partial snapshots
     parts = list(max(layouts.values(), key=_consumed).values())
@@ -266,24 +266,36 @@ def collect(kafka: KafkaSettings, topics: JobTopics, run_id: str | None = None) 
     manifests = view.all()
     view.stop()
     stats = latest_stats(kafka, topics, manifests)
+    by_id = judge(manifests, stats, time.time(), lambda m: group_has_reached(kafka, topics, m))
+    wanted = list(by_id.values())
+    if run_id is not None:
+        family = {run_id, *by_id[run_id].children} if run_id in by_id else set()
+        wanted = [st for st in wanted if st.run_id in family]
+    return wanted
+
+
+def judge(
+    manifests: dict[str, RunManifest],
+    stats: dict[str, RunStats],
+    now: float,
+    reached: Callable[[RunManifest], bool],
+) -> dict[str, RunStatus]:
+    """Every run's status from its manifest and merged stats at ``now``, in display order (the open stream first,
+    then by creation). ``reached``: whether a run's fingerprint group has consumed its records (asked only of runs
+    with records pending and nothing counted yet); a run not reached is ``waiting``."""
     ids = sorted(set(manifests) | set(stats), key=lambda r: (r != STREAM_RUN, _created(manifests.get(r)), r))
     by_id = {r: RunStatus(r, manifests.get(r), stats.get(r)) for r in ids}
     for st in by_id.values():
         parent = st.manifest.parent_run_id if st.manifest else None
         if parent in by_id:
             by_id[parent].children.append(st.run_id)
-    now = time.time()
     for st in by_id.values():
         st.state = _state(st, by_id, now, settle_s(kafka))
         pending = st.stats.pending if st.stats else st.total
         idle = st.state in ("running", "no-ledger") and pending > 0
-        if st.manifest and idle and not group_has_reached(kafka, topics, st.manifest):
+        if st.manifest and idle and not reached(st.manifest):
             st.state, st.waiting_for = "waiting", st.manifest.fingerprint
-    wanted = [by_id[r] for r in ids]
-    if run_id is not None:
-        family = {run_id, *by_id[run_id].children} if run_id in by_id else set()
-        wanted = [st for st in wanted if st.run_id in family]
-    return wanted
+    return by_id
 
 
 def _iso(at: datetime | None) -> str | None:

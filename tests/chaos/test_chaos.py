@@ -18,10 +18,12 @@ import pytest
 
 from batchline.config import KafkaSettings, load_job_config
 from batchline.kafka.topics import JobTopics
+from batchline.runs.events import TERMINAL
 from batchline.runs.identity import fingerprint_of
 from batchline.runs.staging import Staging
 from batchline.runs.submit import submit_file
 from consumers.engines.deterministic import DeterministicEngine
+from tests.support.events import committed_events, states_of
 from tests.support.jobs import job_toml
 from tests.support.kafka import wait_for
 from tests.support.oracle import assert_exactly_once, committed, outcome_ids, report_stall
@@ -82,7 +84,7 @@ def test_chaos_no_id_lost_and_every_id_has_one_terminal_outcome(
     texts = _archive(tmp_path / "in.jsonl", rng)
     engine = DeterministicEngine("generate", knobs=config.engine.deterministic, streaming=config.engine.streaming)
     expected = {rid: expected_outcome(engine, rid, text) for rid, text in texts.items()}
-    submit_file(kafka, topics, tmp_path / "in.jsonl", fingerprint_of(config), staging=Staging.of(config))
+    run = submit_file(kafka, topics, tmp_path / "in.jsonl", fingerprint_of(config), staging=Staging.of(config)).run_id
 
     def worker(name: str) -> CliProcess:
         return CliProcess(
@@ -112,6 +114,12 @@ def test_chaos_no_id_lost_and_every_id_has_one_terminal_outcome(
                 scheduler = streams(n)
             workers[victim] = worker(f"{'ab'[victim]}{n}")
         wait_for(lambda: terminal() >= RECORDS, RUN_TIMEOUT_S, "every id's terminal outcome", interval=2)
+        wait_for(
+            lambda: set(states_of(committed_events(kafka.bootstrap, topics.events), run)) & TERMINAL,
+            RUN_TIMEOUT_S,
+            "the run's terminal event",
+            interval=2,
+        )
     except AssertionError:
         report_stall(kafka, topics, logs_dir / "stall")
         raise
@@ -128,6 +136,9 @@ def test_chaos_no_id_lost_and_every_id_has_one_terminal_outcome(
             if not any(name == "batchline-retried-at" for name, _ in r.headers)
         )
         assert set(admitted) == set(texts) and set(admitted.values()) == {1}
+    # the run's events, judged from the log: each state once (the streams process was killed in the fair-share case)
+    announced = states_of(committed_events(kafka.bootstrap, topics.events), run)
+    assert len(announced) == len(set(announced)) and len(set(announced) & TERMINAL) == 1, announced
     got = outcomes.placed()
     wrong = {rid: (got[rid], want) for rid, want in expected.items() if got[rid] != want}
     assert not wrong, f"{len(wrong)} ids ended in the wrong place, e.g. {list(wrong.items())[:5]}"

@@ -77,6 +77,7 @@ def _commands(tmp_path: Path, job: str) -> dict[str, list[str]]:
     cfg = str(job_toml(tmp_path / "job.toml"))
     return {
         "status": ["status", job],
+        "events": ["events", job],
         "dlq list": ["dlq", "list", job],
         "dlq replay": ["dlq", "replay", job, "--config", cfg],
         "replay": ["replay", job, "--run", "r-1", "--config", cfg],
@@ -91,6 +92,7 @@ def _commands(tmp_path: Path, job: str) -> dict[str, list[str]]:
 
 COMMANDS = [
     "status",
+    "events",
     "dlq list",
     "dlq replay",
     "replay",
