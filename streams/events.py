@@ -38,6 +38,7 @@ from batchline.kafka.scan import scan
 from batchline.kafka.topics import JobTopics
 from batchline.kafka.transaction_errors import FENCED_CODES
 from batchline.runs import events as ev
+from batchline.runs.control import settle_s
 from batchline.runs.manifests import STREAM_RUN, RunsView
 from batchline.runs.status import RunStatus, furthest, group_has_reached, judge, merge_run_stats
 from schemas import RunManifest, RunStats, codec_for
@@ -63,6 +64,7 @@ class RunEvents:
         self.topics = JobTopics(config.job, config.retry.tiers)
         self.transactional_id = self.topics.events
         self.broker_down = broker_down
+        self._settle_s = settle_s(kafka)  # after a window, how long results may still commit (runs/control.py)
         self.view = RunsView(kafka, self.topics)
         self.reader = make_reader(kafka)
         self.producer: Producer | None = None
@@ -139,7 +141,7 @@ class RunEvents:
         for run in self._stale & self.snapshots.keys():
             self._merged[run] = merge_run_stats(run, self.snapshots[run].values(), manifests.get(run))
         self._stale.clear()
-        return judge(manifests, self._merged, time.time(), self._has_reached)
+        return judge(manifests, self._merged, time.time(), self._has_reached, self._settle_s)
 
     def changes(self, runs: dict[str, RunStatus]) -> list[RunStatus]:
         """The runs whose state is one they have not announced and not behind one they have."""

@@ -266,7 +266,7 @@ def collect(kafka: KafkaSettings, topics: JobTopics, run_id: str | None = None) 
     manifests = view.all()
     view.stop()
     stats = latest_stats(kafka, topics, manifests)
-    by_id = judge(manifests, stats, time.time(), lambda m: group_has_reached(kafka, topics, m))
+    by_id = judge(manifests, stats, time.time(), lambda m: group_has_reached(kafka, topics, m), settle_s(kafka))
     wanted = list(by_id.values())
     if run_id is not None:
         family = {run_id, *by_id[run_id].children} if run_id in by_id else set()
@@ -279,10 +279,12 @@ def judge(
     stats: dict[str, RunStats],
     now: float,
     reached: Callable[[RunManifest], bool],
+    settle: float,
 ) -> dict[str, RunStatus]:
     """Every run's status from its manifest and merged stats at ``now``, in display order (the open stream first,
     then by creation). ``reached``: whether a run's fingerprint group has consumed its records (asked only of runs
-    with records pending and nothing counted yet); a run not reached is ``waiting``."""
+    with records pending and nothing counted yet); a run not reached is ``waiting``. ``settle``:
+    :func:`~batchline.runs.control.settle_s`, how long after its window a run's results may still commit."""
     ids = sorted(set(manifests) | set(stats), key=lambda r: (r != STREAM_RUN, _created(manifests.get(r)), r))
     by_id = {r: RunStatus(r, manifests.get(r), stats.get(r)) for r in ids}
     for st in by_id.values():
@@ -290,7 +292,7 @@ def judge(
         if parent in by_id:
             by_id[parent].children.append(st.run_id)
     for st in by_id.values():
-        st.state = _state(st, by_id, now, settle_s(kafka))
+        st.state = _state(st, by_id, now, settle)
         pending = st.stats.pending if st.stats else st.total
         idle = st.state in ("running", "no-ledger") and pending > 0
         if st.manifest and idle and not reached(st.manifest):
