@@ -26,8 +26,9 @@ from confluent_kafka import Consumer, KafkaError, Message, TopicPartition
 
 from batchline.config import JobConfig, KafkaSettings, RunWebhook
 from batchline.exceptions import BrokerUnreachable, ConfigError
-from batchline.kafka.client import make_consumer, make_producer
-from batchline.kafka.embedded.ghost_leader import close_member
+from batchline.kafka.client import make_producer
+from batchline.kafka.liveness import never_down
+from batchline.kafka.membership import GroupMember
 from batchline.kafka.scan import scan
 from batchline.kafka.topics import JobTopics
 from batchline.runs.events import EventReader, RunEvent
@@ -58,6 +59,7 @@ class RunWebhooks:
         self.sender = Sender(self._write)
         self.producer = make_producer(kafka)
         self.reader: EventReader | None = None
+        self.member: GroupMember | None = None  # the group that elects one sender
         self.consumer: Consumer | None = None
         self.since: dict[str, float] = {}  # endpoint -> events from this time on are its
         self._loaded = False
@@ -65,7 +67,9 @@ class RunWebhooks:
 
     def start(self) -> None:
         self.reader = EventReader(self.kafka, self.topics)
-        self.consumer = make_consumer(self.kafka, self.topics.webhooks)
+        self.member = GroupMember(self.kafka, self.topics.webhooks, broker_down=never_down)  # one sender at a time
+        self.consumer = self.member.consumer
+        self.member.start()
         self.consumer.subscribe([self.topics.webhooks], on_assign=self._assigned, on_revoke=self._revoked,
                                 on_lost=self._revoked)  # fmt: skip
 
@@ -136,8 +140,8 @@ class RunWebhooks:
 
     def close(self) -> None:
         self.sender.close()
-        if self.consumer is not None:
-            close_member(self.consumer, self.kafka, self.topics.webhooks)  # as the ledger leaves its group
+        if self.member is not None:
+            self.member.close()  # as the ledger leaves its group
         if self.reader is not None:
             self.reader.close()
         self.producer.flush(FLUSH_TIMEOUT_S)

@@ -22,6 +22,7 @@ from typing import Any, Literal, Protocol
 
 from confluent_kafka import Consumer
 
+from batchline.exceptions import BatchlineError
 from batchline.kafka.groups import AssignmentWatch
 from batchline.kafka.liveness import BrokerDown, metadata
 from batchline.kafka.settings import KafkaSettings
@@ -32,6 +33,11 @@ Mode = Literal["apache", "embedded"]
 EMBEDDED_CLUSTER_PREFIX = "batchline-embedded-"
 NEVER_ABORTED = 1 << 63  # clear_to where the broker's read_committed is trusted: no record is ever asked about
 TP = tuple[str, int]
+
+
+class Undecided(BatchlineError):
+    """Whether a record belongs to an aborted transaction cannot be told now (raw reads of its partition fail): the
+    record must not be used yet."""
 
 
 class AbortedRecords(Protocol):

@@ -23,8 +23,8 @@ from typing import Any
 from confluent_kafka import OFFSET_BEGINNING, TopicPartition
 
 from batchline.config import KafkaSettings
+from batchline.kafka.broker_mode import Undecided, quirks_for
 from batchline.kafka.client import make_reader, take
-from batchline.kafka.embedded.aborted import AbortedIndex, Undecided
 from batchline.kafka.scan import scan
 from batchline.kafka.topics import JobTopics
 
@@ -148,8 +148,9 @@ class EventReader:
 
     def __init__(self, kafka: KafkaSettings, topics: JobTopics) -> None:
         self.topic = topics.events
-        self.index = AbortedIndex(kafka)
-        self.reader = make_reader(kafka, **({"isolation.level": "read_uncommitted"} if self.index.enabled else {}))
+        self.index = quirks_for(kafka).aborted_records()
+        # where the index decides every record (embedded mode), read uncommitted as the scans do (kafka/scan.py)
+        self.reader = make_reader(kafka, **({"isolation.level": "read_uncommitted"} if self.index.decides_ends else {}))
         self.reader.assign([TopicPartition(self.topic, 0, OFFSET_BEGINNING)])
 
     def poll(self, timeout: float) -> list[RunEvent]:

@@ -45,6 +45,7 @@ class Setup:
     fair_share: bool = False
     vllm: bool = False
     yield_to: bool = False
+    webhooks: bool = False
 
 
 CONDITIONS: dict[str, Callable[[Setup], bool]] = {
@@ -54,6 +55,7 @@ CONDITIONS: dict[str, Callable[[Setup], bool]] = {
     "schedule.fair_share": lambda s: s.fair_share,
     "vLLM engine": lambda s: s.vllm,
     "schedule.yield_to set": lambda s: s.yield_to,
+    "events.webhooks": lambda s: s.webhooks,
 }
 
 

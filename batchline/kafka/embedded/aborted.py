@@ -44,6 +44,7 @@ from kafka.record.default_records import DefaultRecordBatch
 from kafka.record.memory_records import MemoryRecords
 
 from batchline.exceptions import BatchlineError
+from batchline.kafka.broker_mode import Undecided
 from batchline.kafka.settings import KafkaSettings
 
 log = logging.getLogger(__name__)
@@ -130,11 +131,6 @@ class _Conn:
 
     def close(self) -> None:
         self.sock.close()
-
-
-class Undecided(BatchlineError):
-    """Whether a record belongs to an aborted transaction cannot be told now (raw reads of its partition fail): the
-    record must not be used yet."""
 
 
 T = TypeVar("T")
