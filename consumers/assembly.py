@@ -26,6 +26,7 @@ from consumers.admission import Admission
 from consumers.batcher import Batcher
 from consumers.commit import CommitLine, transactional_producer
 from consumers.engines import Engine, create_engine
+from consumers.engines.adapters import AdapterBook
 from consumers.infer import Feeder
 from consumers.intake import Intake
 from consumers.lanes import Lanes
@@ -84,7 +85,9 @@ class WorkerParts:
         self._incarnation = uuid.uuid4().hex[:6]  # batch ids stay unique across restarts of one slot
         # Intake counts tokens with the engine's tokenizer once the engine is loaded (Worker._engine_loaded); no
         # record arrives before: the partitions stay paused for the reason "engine" until then.
-        self.intake = Intake(config, engine.count_tokens if engine is not None else not_loaded)
+        # The job's LoRA adapters (engine.lora), resolved per record by intake; None when it names none.
+        self.adapters = AdapterBook.for_job(config)
+        self.intake = Intake(config, engine.count_tokens if engine is not None else not_loaded, self.adapters)
         self.batcher = Batcher(config.batching)
         self.wake = threading.Event()
         self.pinning = Pinning(kafka, self.topics, self.fingerprint)

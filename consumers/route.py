@@ -111,6 +111,8 @@ class Router:
             source_offset=offset,
             worker_id=ctx.worker_id,
             batch_id=ctx.batch_id,
+            adapter=item.adapter.name if item.adapter else None,
+            adapter_digest=item.adapter.digest if item.adapter else None,
         )
 
     @staticmethod
@@ -151,11 +153,12 @@ class Router:
             None if out.choices is None else [c.model_dump() for c in out.choices],
             out.embeddings,
         )
+        adapter = item.adapter.lineage if item.adapter is not None else None
         if item.headers and h.ORIGINAL_TOPIC in item.headers:  # a re-published retry
-            lineage = self._lineage.encode(run_id, *self._source(item), ctx.batch_id)
+            lineage = self._lineage.encode(run_id, *self._source(item), ctx.batch_id, adapter)
         else:
             source = item.source
-            lineage = self._lineage.encode(run_id, source.topic, source.partition, source.offset, ctx.batch_id)
+            lineage = self._lineage.encode(run_id, source.topic, source.partition, source.offset, ctx.batch_id, adapter)
         run = self._run_headers.get(run_id)
         if run is None:
             if len(self._run_headers) > 1024:  # many runs over a worker's life: keep the cache small
@@ -165,9 +168,14 @@ class Router:
         headers: h.Headers = [(h.LINEAGE, lineage), *run[0]]
         if trace is not None:
             headers.append(trace)
+        extra = trace_bytes
+        if adapter is not None:  # plain-text copies, for kcat users
+            named = [(h.ADAPTER, adapter[0].encode()), (h.ADAPTER_DIGEST, adapter[1].encode())]
+            headers += named
+            extra += headers_size(named)
         # wire_size(), from the parts: the commit line's size check need not walk the headers again
         n = len(lineage)
-        size = sized(key, encoded, self._lineage_name_bytes + n + length_size(n) + run[1] + trace_bytes)
+        size = sized(key, encoded, self._lineage_name_bytes + n + length_size(n) + run[1] + extra)
         return _new_tuple(Produced, (self._results_topic, encoded, key, headers, "result", item, None, size))
 
     # -- failures --------------------------------------------------------------------------------

@@ -177,6 +177,8 @@ class Worker(WorkerParts):
             self.membership.close(0.0 if self._abandoned else LEAVE_S)
         finally:
             self.feeder.close_engine()
+            if self.adapters is not None:
+                self.adapters.close()
 
     def _idle_done(self) -> bool:
         if self.idle_exit_s is None or self.commits or len(self.batcher) or not self.pauses.assigned:
