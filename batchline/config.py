@@ -148,6 +148,14 @@ class LoraConfig(_Frozen):
     def enabled(self) -> bool:
         return bool(self.adapters) or self.directory is not None
 
+    def names(self) -> list[str]:
+        """The adapters' names: those of ``adapters`` and the subdirectories of ``directory`` now (read each call)."""
+        found = set(self.adapters)
+        root = Path(self.directory) if self.directory else None
+        if root is not None and root.is_dir():
+            found |= {d.name for d in root.iterdir() if d.is_dir() and not d.name.startswith(".")}
+        return sorted(found)
+
 
 class EngineConfig(_Frozen):
     name: Literal["deterministic", "vllm"] = Field(

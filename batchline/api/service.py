@@ -21,7 +21,7 @@ from batchline.api.errors import ApiError, not_found, unauthorized
 from batchline.api.jobs import JobView
 from batchline.api.quota import TenantLimits
 from batchline.api.records import BatchRecord, FileRecord
-from batchline.api.settings import ApiTopics, ModelRoute
+from batchline.api.settings import ApiTopics, ModelRoute, with_adapters
 from batchline.api.store import CompactedView, Writer
 from batchline.config import KafkaSettings
 from batchline.exceptions import TopicError
@@ -84,6 +84,11 @@ class ApiService:
         self.chunk_partitions = CHUNK_PARTITIONS
         self.health = Health(conditions=(VIEWS_SYNCED,))
         self._stop = threading.Event()
+
+    def models(self) -> dict[str, ModelRoute]:
+        """Every model this server routes: the base models and their jobs' LoRA adapters (``<model>:<adapter>``),
+        an adapters directory read at each call, so adapters added there are served without a restart."""
+        return with_adapters(self.routes)
 
     def start(self) -> ApiService:
         create_api_topics(self.kafka, self.topics)
