@@ -22,6 +22,7 @@ from batchline.kafka.membership import Membership
 from batchline.kafka.topics import JobTopics, message_limits
 from batchline.runs.identity import Fingerprint, fingerprint_of
 from batchline.telemetry import Health, WorkerMetrics
+from consumers.adapter_pins import AdapterPins
 from consumers.admission import Admission
 from consumers.batcher import Batcher
 from consumers.commit import CommitLine, transactional_producer
@@ -91,6 +92,9 @@ class WorkerParts:
         self.batcher = Batcher(config.batching)
         self.wake = threading.Event()
         self.pinning = Pinning(kafka, self.topics, self.fingerprint)
+        # which version of its adapter each run's records use (fixed at the run's first use of it)
+        book = self.adapters
+        self.adapter_pins = AdapterPins(kafka, self.topics, self.fingerprint, self.pinning, book) if book else None
         # The engine thread loads the engine (unless given one), so the worker can join its group meanwhile.
         # Cancels and completion windows reach the engine thread through the runs view's stops (read-only there).
         load: Engine | Callable[[], Engine] = engine if engine is not None else lambda: create_engine(config)

@@ -180,6 +180,8 @@ class Router:
 
     # -- failures --------------------------------------------------------------------------------
     def _failure(self, item: WorkItem, failure: Failure, ctx: BatchContext) -> Produced:
+        if failure.failure_class == "adapter_pinned":  # waits for a worker with its run's version: no attempt spent
+            return self._retry(item, failure, counted=False)
         route = "dlq" if failure.failure_class in STOP_CLASSES else self.routes.get(failure.failure_class, "dlq")
         if route == "retry":
             if item.attempt >= self.config.retry.max_attempts:
@@ -192,13 +194,16 @@ class Router:
             return self._retry(item, failure)
         return self._dead_letter(item, failure)
 
-    def _retry(self, item: WorkItem, failure: Failure) -> Produced:
+    def _retry(self, item: WorkItem, failure: Failure, counted: bool = True) -> Produced:
+        """A retry through the tier of its attempt; ``counted`` false: not an attempt (the record did not run), it
+        goes through the first tier and comes back with the attempt count it had."""
         now_ms = int(time.time() * 1000)
-        tier, delay_s = self.config.retry.delay_of(item.attempt)
+        attempt = item.attempt if counted else item.attempt - 1
+        tier, delay_s = self.config.retry.delay_of(max(attempt, 1))
         first = _ms(item.first_failure_at) if item.first_failure_at else now_ms
         topic, partition, offset = self._source(item)
         headers: h.Headers = [
-            (h.ATTEMPT, str(item.attempt).encode()),
+            (h.ATTEMPT, str(attempt).encode()),
             (h.DUE_AT, str(now_ms + int(delay_s * 1000)).encode()),
             (h.FIRST_FAILURE_AT, str(first).encode()),
             (h.LAST_ERROR_TYPE, failure.error_type.encode()),

@@ -262,6 +262,8 @@ class Worker(WorkerParts):
             elif aborted:
                 item.passed_over = "aborted"  # its offset commits with its batch's; nothing is produced for it
                 self.stats.aborted += 1
+            elif item.adapter is not None and self.adapter_pins is not None:
+                self.adapter_pins.settle(item)  # the adapter version the record's run is pinned to
             admitted.append(item)
         self.batcher.extend(admitted)
         if msgs:

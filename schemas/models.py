@@ -350,6 +350,8 @@ class RunManifest(_Record):
     staged: bool = False  # published to J.staged (fair admission): the boundaries are J.staged's offsets
     tenant: str | None = None  # who submitted it: fair admission shares by tenant
     priority: int = 0  # fair admission: weighs 2**priority against its tenant's other runs
+    adapter: str | None = None  # an adapter pin (batchline.runs.manifests.pin_adapter): the adapter and the version
+    adapter_digest: str | None = None  # of it that the run parent_run_id uses
 
 
 class QuarantinedRecord(_Record):

@@ -6,21 +6,26 @@ adapter ends only its own record as an ``invalid_input`` dead letter naming ``ad
 from __future__ import annotations
 
 import json
+import shutil
+import threading
 from collections.abc import Callable
 from pathlib import Path
+from typing import Any
 
 import pytest
 
 from batchline.config import KafkaSettings, load_job_config
 from batchline.kafka import headers as h
 from batchline.kafka.topics import JobTopics
+from batchline.runs.identity import fingerprint_of
+from batchline.runs.submit import submit_file
 from consumers.engines.adapters import AdapterBook
 from consumers.worker import Worker
 from schemas import codec_for
 from schemas.models import Request
 from tests.support.adapters import build_adapter, corrupt_adapter, with_rank
 from tests.support.jobs import job_toml
-from tests.support.kafka import dead_letters, produce_raw, results
+from tests.support.kafka import dead_letters, produce_raw, read_topic, results, wait_for
 from tests.support.models import build_tiny_llama
 from tests.support.oracle import assert_exactly_once
 
@@ -120,3 +125,96 @@ def test_a_job_without_adapters_refuses_a_record_naming_one(
     assert set(results(kafka, topics)) == {"b"}
     (letter,) = dead_letters(kafka, topics)["a"]
     assert letter.error_message == "adapter: 'sql': this job has no adapters (engine.lora)"
+
+
+def _submit(kafka: KafkaSettings, topics: JobTopics, cfg: Any, path: Path, rows: list[dict[str, Any]]) -> str:
+    path.write_text("".join(json.dumps(r) + "\n" for r in rows))
+    return submit_file(kafka, topics, path, fingerprint_of(cfg)).run_id
+
+
+def test_a_retrained_adapter_never_mixes_versions_in_a_run(
+    kafka: KafkaSettings,
+    job_name: str,
+    make_job: Callable[..., JobTopics],
+    tmp_path: Path,
+    adapter_dirs: dict[str, Path],
+) -> None:
+    """Adapter ``sql`` is retrained (new weights, same name) while run R1 uses it: R1 keeps its version (the
+    worker's store copy), a run started after the change gets the new one, runs of another adapter and of the base
+    model are not re-pinned. A fresh worker that holds only the new version leaves R1's records waiting in a retry
+    tier (no attempt spent), never running them with the new version."""
+    topics = make_job(job_name, partitions=2, tiers=("1s",))
+    source = tmp_path / "adapters"
+    shutil.copytree(adapter_dirs["sql"], source / "sql")
+    shutil.copytree(adapter_dirs["chat"], source / "chat")
+    lora = f'[engine.lora]\ndirectory = "{source}"\nrescan_s = 0\nstore = "{tmp_path / "store-1"}"\n'
+    toml = job_toml(tmp_path / "job.toml", "latency_ms = 50, max_running = 2", max_records=4, tiers='"1s"', extra=lora)
+    few = {"batching.max_in_flight_records": 8}  # R1's later records are read after the change, not before
+    cfg = load_job_config(job_name, toml, few)
+    r1 = _submit(
+        kafka,
+        topics,
+        cfg,
+        tmp_path / "r1.jsonl",
+        [{"id": f"r1-{i}", "prompt": f"p {i}", "adapter": "sql"} for i in range(60)],
+    )
+    r2 = _submit(
+        kafka,
+        topics,
+        cfg,
+        tmp_path / "r2.jsonl",
+        [{"id": f"r2-{i}", "prompt": f"p {i}", "adapter": "chat"} for i in range(8)],
+    )
+    base = _submit(
+        kafka, topics, cfg, tmp_path / "base.jsonl", [{"id": f"b-{i}", "prompt": f"p {i}"} for i in range(8)]
+    )
+    worker = Worker(cfg, kafka, idle_exit_s=5)
+    thread = threading.Thread(target=worker.run)
+    thread.start()
+    try:
+        wait_for(lambda: sum(rid.startswith("r1-") for rid in results(kafka, topics)) >= 4, 120, "R1 under way")
+        shutil.copy(adapter_dirs["legal"] / "adapter_model.safetensors", source / "sql" / "adapter_model.safetensors")
+        done_before = sum(rid.startswith("r1-") for rid in results(kafka, topics))
+        r3 = _submit(
+            kafka,
+            topics,
+            cfg,
+            tmp_path / "r3.jsonl",
+            [{"id": f"r3-{i}", "prompt": f"p {i}", "adapter": "sql"} for i in range(8)],
+        )
+    finally:
+        thread.join(300)
+    assert not thread.is_alive()
+    assert done_before < 60, "R1 finished before its adapter changed: the test proves nothing"
+
+    every = {f"r1-{i}" for i in range(60)} | {f"r2-{i}" for i in range(8)} | {f"b-{i}" for i in range(8)}
+    every |= {f"r3-{i}" for i in range(8)}
+    assert_exactly_once(kafka.bootstrap, topics, every)
+    view = results(kafka, topics)
+    versions: dict[str, set[tuple[str | None, str | None]]] = {}
+    for copies in view.values():
+        for _, lineage, _ in copies:
+            versions.setdefault(lineage.run_id or "", set()).add((lineage.adapter, lineage.adapter_digest))
+    assert all(len(v) == 1 for v in versions.values()), versions  # no run holds results of two versions
+    ((_, v1),) = versions[r1]
+    ((_, v3),) = versions[r3]
+    assert v1 != v3  # the run started after the change has the new version
+    assert versions[base] == {(None, None)} and len(versions[r2]) == 1
+
+    # A fresh worker with only the new version meets more records of R1: they wait, they do not run.
+    late = [
+        (
+            f"r1-late-{i}".encode(),
+            json.dumps({"id": f"r1-late-{i}", "run_id": r1, "prompt": "x", "adapter": "sql"}).encode(),
+        )
+        for i in range(3)
+    ]
+    produce_raw(kafka, topics.requests, late)
+    fresh = load_job_config(job_name, toml, few | {"engine.lora.store": str(tmp_path / "store-2")})
+    Worker(fresh, kafka, idle_exit_s=4).run()
+    assert not {rid for rid in results(kafka, topics) if rid.startswith("r1-late")}
+    waiting = [r for r in read_topic(kafka, topics.retry("1s")) if (r.key or b"").startswith(b"r1-late")]
+    assert {r.key for r in waiting} == {key for key, _ in late}
+    for r in waiting:
+        assert h.integer(r.headers, h.ATTEMPT, -1) == 0  # no attempt spent
+        assert f"pinned to version {v1}" in (h.text(r.headers, h.LAST_ERROR) or "")

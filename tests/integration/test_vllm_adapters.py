@@ -40,7 +40,7 @@ PROMPTS = [
     "user: where is my parcel? assistant:",
     "reply in json: {",
 ]
-LORA_KWARGS = "max_loras = 2, max_cpu_loras = 3, max_lora_rank = 16, gpu_memory_utilization = 0.5, "
+LORA_KWARGS = "max_loras = 2, max_cpu_loras = 3, max_lora_rank = 16, gpu_memory_utilization = 0.5"
 JOB = """
 task = "generate"
 [engine]
