@@ -62,6 +62,7 @@ class RunStatus:
     state: str = "no-ledger"
     waiting_for: str | None = None
     children: list[str] = field(default_factory=list)
+    adapters: dict[str, str] = field(default_factory=dict)  # LoRA adapter -> the version (digest) the run is pinned to
 
     @property
     def total(self) -> int:
@@ -97,6 +98,7 @@ class RunStatus:
             "model_id": m.model_id if m else None,
             "parent_run_id": m.parent_run_id if m else None,
             "children": self.children,
+            "adapters": dict(self.adapters),
             "source": m.source if m else None,
             "boundaries": [b.model_dump() for b in m.boundaries] if m else [],
             "total": self.total,
@@ -260,10 +262,11 @@ def collect(kafka: KafkaSettings, topics: JobTopics, run_id: str | None = None) 
     view = RunsView(kafka, topics)
     view.sync()
     manifests = view.all()
+    pins = {run: view.adapter_pins(run) for run in manifests}
     view.stop()
     stats = latest_stats(kafka, topics, manifests)
     ids = sorted(set(manifests) | set(stats), key=lambda r: (r != STREAM_RUN, _created(manifests.get(r)), r))
-    by_id = {r: RunStatus(r, manifests.get(r), stats.get(r)) for r in ids}
+    by_id = {r: RunStatus(r, manifests.get(r), stats.get(r), adapters=pins.get(r, {})) for r in ids}
     for st in by_id.values():
         parent = st.manifest.parent_run_id if st.manifest else None
         if parent in by_id:
