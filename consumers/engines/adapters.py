@@ -256,6 +256,11 @@ def _digest(root: Path) -> str:
 
 def _safetensors_shapes(path: Path) -> dict[str, list[int]]:
     """Tensor name -> shape from a safetensors file's header alone (no tensor is read)."""
+    return {k: list(v["shape"]) for k, v in safetensors_header(path).items()}
+
+
+def safetensors_header(path: Path) -> dict[str, dict[str, Any]]:
+    """Tensor name -> its header entry (``dtype``, ``shape``, ``data_offsets``), read without loading a tensor."""
     with path.open("rb") as fh:
         raw = fh.read(8)
         if len(raw) != 8:
@@ -266,7 +271,10 @@ def _safetensors_shapes(path: Path) -> dict[str, list[int]]:
         header = json.loads(fh.read(size))
     if not isinstance(header, dict):
         raise ValueError("header is not a JSON object")
-    return {k: list(v["shape"]) for k, v in header.items() if k != "__metadata__"}
+    tensors = {k: v for k, v in header.items() if k != "__metadata__"}
+    if not all(isinstance(v, dict) and isinstance(v.get("shape"), list) for v in tensors.values()):
+        raise ValueError("header entries are not tensors")
+    return tensors
 
 
 def _model_shapes(model: Path) -> dict[str, list[int]] | None:

@@ -77,7 +77,7 @@ class VLLMEngine:
         self._tool_parser: Any = tool_parser(eng.tool_parser) if eng.tool_parser else None
         self._llm: Any = None
         self._watchdog: Watchdog | None = None
-        self._loras = VLLMLoras()  # the LoRA adapter versions loaded into vLLM
+        self._loras = VLLMLoras(_on_cpu())  # the LoRA adapter versions loaded into vLLM
         self._label_vectors: Any = None  # numpy (labels x dim) unit vectors, set at start for classify by embedding
         self.restarts = 0  # read by the batchline.engine.restarts metric
         self._start()
@@ -461,3 +461,9 @@ class VLLMEngine:
         if "EngineGenerateError" in names:
             raise EngineError(f"{type(exc).__name__}: {exc}") from exc
         return None
+
+
+def _on_cpu() -> bool:
+    from vllm.platforms import current_platform
+
+    return bool(current_platform.is_cpu())

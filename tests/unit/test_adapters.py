@@ -113,3 +113,19 @@ def test_a_retrained_adapter_is_a_new_version_and_the_old_one_is_kept(made: dict
         old.digest,
         new.digest,
     }
+
+
+def test_the_zero_adapter_has_the_adapters_tensors_all_zero(made: dict[str, Path], tmp_path: Path) -> None:
+    """What base-model records run with on vLLM's CPU build once adapters are loaded (consumers/engines/vllm_lora.py):
+    the same config and tensor names, shapes and dtypes, every value zero, readable by safetensors."""
+    from safetensors.torch import load_file
+
+    from consumers.engines.vllm_lora import make_zero_adapter
+
+    zero = make_zero_adapter(made["a"], tmp_path / "zero")
+    ours, theirs = load_file(zero / "adapter_model.safetensors"), load_file(made["a"] / "adapter_model.safetensors")
+    assert ours.keys() == theirs.keys() and ours
+    for name, tensor in ours.items():
+        assert tensor.shape == theirs[name].shape and tensor.dtype == theirs[name].dtype
+        assert not tensor.any() and theirs[name].any()
+    assert (zero / "adapter_config.json").read_text() == (made["a"] / "adapter_config.json").read_text()
