@@ -111,7 +111,7 @@ def alone(models: dict[str, Path]) -> dict[tuple[str | None, str], tuple[str, li
     strict=True,
     reason="vLLM 0.32's CPU LoRA kernels (torch ops) index slots with -1 for 'no adapter', i.e. the last slot: "
     "with every max_loras slot in use, a base-model record gets the last slot's adapter. batchline runs base records "
-    "with a zero adapter on CPU (consumers/engines/vllm_lora.py); when this passes, vLLM is fixed: drop the zero adapter",
+    "with a zero adapter on CPU (consumers/engines/vllm_lora.py); when this passes, vLLM is fixed: drop that",
 )
 def test_vllm_cpu_alone_runs_a_base_record_mixed_with_adapters_as_the_base_model(
     alone: dict[tuple[str | None, str], tuple[str, list[int]]],
