@@ -59,16 +59,16 @@ def test_records_of_several_adapters_share_a_worker_and_name_their_adapter(
     topics = make_job(job_name, partitions=2)
     cfg = load_job_config(job_name, _job(tmp_path, job_name, adapter_dirs))
     wanted: dict[str, str | None] = {}
-    rows: list[tuple[bytes, bytes]] = []
+    rows: list[tuple[bytes | None, bytes]] = []
     for i, prompt in enumerate(PROMPTS):
         for adapter in (None, *ADAPTERS):
             rid = f"p{i}-{adapter or 'base'}"
             wanted[rid] = adapter
-            record = {"id": rid, "prompt": prompt} | ({"adapter": adapter} if adapter else {})
+            fields = {"id": rid, "prompt": prompt} | ({"adapter": adapter} if adapter else {})
             if i == 0 and adapter == "chat":  # Avro too, as a Java or Rust upstream writes it
-                rows.append((rid.encode(), codec_for("request").encode(Request.model_validate(record))))
+                rows.append((rid.encode(), codec_for("request").encode(Request.model_validate(fields))))
             else:
-                rows.append((rid.encode(), json.dumps(record).encode()))
+                rows.append((rid.encode(), json.dumps(fields).encode()))
     refused = {"unknown": "nope", "corrupt": "broken", "too-wide": "wide"}
     rows += [
         (rid.encode(), json.dumps({"id": rid, "prompt": "x", "adapter": a}).encode()) for rid, a in refused.items()
@@ -113,7 +113,7 @@ def test_a_job_without_adapters_refuses_a_record_naming_one(
 ) -> None:
     topics = make_job(job_name, partitions=1)
     cfg = load_job_config(job_name, job_toml(tmp_path / "job.toml"))
-    rows = [
+    rows: list[tuple[bytes | None, bytes]] = [
         (b"a", json.dumps({"id": "a", "prompt": "x", "adapter": "sql"}).encode()),
         (b"b", b'{"id":"b","prompt":"y"}'),
     ]
@@ -202,7 +202,7 @@ def test_a_retrained_adapter_never_mixes_versions_in_a_run(
     assert versions[base] == {(None, None)} and len(versions[r2]) == 1
 
     # A fresh worker with only the new version meets more records of R1: they wait, they do not run.
-    late = [
+    late: list[tuple[bytes | None, bytes]] = [
         (
             f"r1-late-{i}".encode(),
             json.dumps({"id": f"r1-late-{i}", "run_id": r1, "prompt": "x", "adapter": "sql"}).encode(),
