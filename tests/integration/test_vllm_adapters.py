@@ -11,6 +11,7 @@ naming ``adapter``; its neighbours succeed. Every result's lineage names the ada
 from __future__ import annotations
 
 import gc
+import json
 from collections.abc import Callable
 from pathlib import Path
 from typing import Any
@@ -149,7 +150,7 @@ def test_each_adapters_output_is_vllm_alones_token_for_token(
     for j, (rid, adapter) in enumerate(refused.items()):
         rows.insert(3 + 4 * j, {"id": rid, "prompt": PROMPTS[0], "adapter": adapter})
     source = tmp_path / "in.jsonl"
-    source.write_text("".join(__import__("json").dumps(r) + "\n" for r in rows))
+    source.write_text("".join(json.dumps(r) + "\n" for r in rows))
     submit_file(kafka, topics, source, fingerprint_of(cfg))
 
     run_worker(cfg, kafka)
@@ -166,7 +167,9 @@ def test_each_adapters_output_is_vllm_alones_token_for_token(
     book.close()
     view = results(kafka, topics)
     assert set(view) == set(wanted)
-    tokenizer = __import__("transformers").AutoTokenizer.from_pretrained(models["base"])
+    from transformers import AutoTokenizer
+
+    tokenizer = AutoTokenizer.from_pretrained(models["base"])
     for rid, (adapter, prompt) in wanted.items():
         ((result, lineage, record),) = view[rid]
         text, tokens = alone[(adapter, prompt)]
