@@ -79,7 +79,7 @@ def test_adapters_mixed_in_the_topic_against_llm_generate(
         "engine.lora.adapters": {name: str(path) for name, path in adapters.items()},
         "batching.max_records": 256,
     }
-    stats, first = run_measured_worker(load_job_config(job_name, None, overrides), kafka)
+    stats, first = run_measured_worker(load_job_config(job_name, None, overrides), kafka, idle_exit_s=20)
     out = outputs(kafka, topics)
     assert out.count == PROMPTS == stats.results
     pipeline_rate = out.completion_tokens / ((out.last_ms - first) / 1000)
