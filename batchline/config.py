@@ -117,6 +117,46 @@ def engine_arg_path(key: str) -> str:
     return f"engine.engine_kwargs.{key}"
 
 
+class LoraConfig(_Frozen):
+    """LoRA adapters of the job's model (vLLM serves them on one engine, mixed in one running batch). A record
+    names one in ``adapter``; vLLM's limits (``max_loras``, ``max_lora_rank``, ``max_cpu_loras``) go in
+    ``engine.engine_kwargs``. Adapters are not part of the job's fingerprint: adding or changing one re-pins no run."""
+
+    adapters: dict[str, str] = Field(
+        default_factory=dict,
+        description="Adapter name -> local directory in PEFT format (`adapter_config.json` and its weights).",
+    )
+    directory: str | None = Field(
+        None,
+        description="A directory whose subdirectories are adapters, named after them; read again when a record "
+        "names an adapter not known yet (at most every `rescan_s`), so new adapters need no restart.",
+    )
+    rescan_s: float = Field(
+        1.0,
+        ge=0,
+        description="Shortest interval between two reads of an adapter's files (new names, changed versions). "
+        "Shorter notices a retrained adapter sooner; each read costs a few stat calls per adapter.",
+    )
+    store: str | None = Field(
+        None,
+        description="Where the worker keeps a copy of each adapter version it loaded (`<name>/<digest>/`), so a run "
+        "pinned to a version keeps it after the source directory changes. Unset: a temporary directory per worker "
+        "(copies are lost on restart); set it to a persistent path to keep them across restarts.",
+    )
+
+    @property
+    def enabled(self) -> bool:
+        return bool(self.adapters) or self.directory is not None
+
+    def names(self) -> list[str]:
+        """The adapters' names: those of ``adapters`` and the subdirectories of ``directory`` now (read each call)."""
+        found = set(self.adapters)
+        root = Path(self.directory) if self.directory else None
+        if root is not None and root.is_dir():
+            found |= {d.name for d in root.iterdir() if d.is_dir() and not d.name.startswith(".")}
+        return sorted(found)
+
+
 class EngineConfig(_Frozen):
     name: Literal["deterministic", "vllm"] = Field(
         "deterministic",
@@ -166,6 +206,7 @@ class EngineConfig(_Frozen):
         description="vllm: the tool-call parser of the model's chat format (vLLM's `--tool-call-parser` names: "
         "`hermes`, `llama3_json`, ...). Unset: a record that carries `tools` is refused (invalid_input).",
     )
+    lora: LoraConfig = Field(default_factory=LoraConfig)
     engine_kwargs: dict[str, Any] = Field(
         default_factory=dict,
         description="Passed through to the engine: vLLM `LLM(...)` kwargs (`enforce_eager`, `dtype`, ...). "

@@ -22,10 +22,12 @@ from batchline.kafka.membership import Membership
 from batchline.kafka.topics import JobTopics, message_limits
 from batchline.runs.identity import Fingerprint, fingerprint_of
 from batchline.telemetry import Health, WorkerMetrics
+from consumers.adapter_pins import AdapterPins
 from consumers.admission import Admission
 from consumers.batcher import Batcher
 from consumers.commit import CommitLine, transactional_producer
 from consumers.engines import Engine, create_engine
+from consumers.engines.adapters import AdapterBook
 from consumers.infer import Feeder
 from consumers.intake import Intake
 from consumers.lanes import Lanes
@@ -81,10 +83,15 @@ class WorkerParts:
         self._incarnation = uuid.uuid4().hex[:6]  # batch ids stay unique across restarts of one slot
         # Intake counts tokens with the engine's tokenizer once the engine is loaded (Worker._engine_loaded); no
         # record arrives before: the partitions stay paused for the reason "engine" until then.
-        self.intake = Intake(config, engine.count_tokens if engine is not None else not_loaded)
+        # The job's LoRA adapters (engine.lora), resolved per record by intake; None when it names none.
+        self.adapters = AdapterBook.for_job(config)
+        self.intake = Intake(config, engine.count_tokens if engine is not None else not_loaded, self.adapters)
         self.batcher = Batcher(config.batching)
         self.wake = threading.Event()
         self.pinning = Pinning(kafka, self.topics, self.fingerprint)
+        # which version of its adapter each run's records use (fixed at the run's first use of it)
+        book = self.adapters
+        self.adapter_pins = AdapterPins(kafka, self.topics, self.fingerprint, self.pinning, book) if book else None
         # The engine thread loads the engine (unless given one), so the worker can join its group meanwhile.
         # Cancels and completion windows reach the engine thread through the runs view's stops (read-only there).
         load: Engine | Callable[[], Engine] = engine if engine is not None else lambda: create_engine(config)

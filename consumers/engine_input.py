@@ -30,7 +30,8 @@ def engine_input(config: JobConfig, item: WorkItem, greedy: Sampling | None = No
     assert request is not None
     plain = request.plain
     if greedy is not None and greedy.temperature == 0 and request.sampling is None and not request.messages and plain:
-        return EngineInput(item.request_id, item.prompt, None, greedy, item.attempt)  # most records: no lookups
+        # most records: no lookups
+        return EngineInput(item.request_id, item.prompt, None, greedy, item.attempt, None, item.adapter)
     job = config.engine.sampling
     over = request.sampling
     messages = tuple(request.messages) if request.messages else None
@@ -38,7 +39,7 @@ def engine_input(config: JobConfig, item: WorkItem, greedy: Sampling | None = No
     if over is None:
         if job.temperature == 0:
             shared = greedy or Sampling(job.temperature, job.top_p, job.max_tokens, None)
-            return EngineInput(item.request_id, item.prompt, messages, shared, item.attempt, options)
+            return EngineInput(item.request_id, item.prompt, messages, shared, item.attempt, options, item.adapter)
         temperature, top_p, max_tokens, seed = job.temperature, job.top_p, job.max_tokens, None
     else:
         temperature = over.temperature if over.temperature is not None else job.temperature
@@ -51,7 +52,13 @@ def engine_input(config: JobConfig, item: WorkItem, greedy: Sampling | None = No
     if seed is None and temperature > 0:
         seed = record_seed(job.seed, item.request_id)
     return EngineInput(
-        item.request_id, item.prompt, messages, Sampling(temperature, top_p, max_tokens, seed), item.attempt, options
+        item.request_id,
+        item.prompt,
+        messages,
+        Sampling(temperature, top_p, max_tokens, seed),
+        item.attempt,
+        options,
+        item.adapter,
     )
 
 

@@ -14,6 +14,7 @@ from confluent_kafka import Message
 
 from batchline.config import JobConfig
 from batchline.kafka import headers as h
+from consumers.engines.adapters import AdapterBook, adapter_failure
 from consumers.options import refused
 from consumers.work import Failure, Source, WorkItem
 from schemas.codec import DecodeError, decode_request, fallback_id
@@ -31,9 +32,10 @@ def render_prompt(template: str, text: str) -> str:
 
 
 class Intake:
-    def __init__(self, config: JobConfig, count_tokens: TokenCounter) -> None:
+    def __init__(self, config: JobConfig, count_tokens: TokenCounter, adapters: AdapterBook | None = None) -> None:
         self.config = config
         self.count_tokens = count_tokens
+        self.adapters = adapters
         # read once a record: kept here, not looked up through the config each time
         self._generate = config.task == "generate"
         self._max_bytes = config.max_request_bytes
@@ -68,6 +70,9 @@ class Intake:
         if not self._generate and request.text is None and request.prompt is None and request.inputs is None:
             item.failure = Failure("invalid_input", "WrongInput", f"{self.config.task} jobs take text or prompt")
             return item
+        if request.adapter is not None and (failure := self._adapter(item, request.adapter)) is not None:
+            item.failure = failure
+            return item
         if not request.plain and (failure := refused(request, self.config)) is not None:
             item.failure = failure
             return item
@@ -85,3 +90,17 @@ class Intake:
                 f"prompt has {tokens} tokens > max_model_len {limit}",
             )
         return item
+
+    def _adapter(self, item: WorkItem, name: str) -> Failure | None:
+        """Set the record's adapter (its current version), or say why it cannot have one."""
+        if not self._generate:
+            return adapter_failure(
+                "UnsupportedOption", name, f"LoRA adapters serve generate jobs, not {self.config.task}"
+            )
+        if self.adapters is None:
+            return adapter_failure("UnknownAdapter", name, "this job has no adapters (engine.lora)")
+        adapter = self.adapters.resolve(name)
+        if isinstance(adapter, Failure):
+            return adapter
+        item.adapter = adapter
+        return None

@@ -111,6 +111,8 @@ class Router:
             source_offset=offset,
             worker_id=ctx.worker_id,
             batch_id=ctx.batch_id,
+            adapter=item.adapter.name if item.adapter else None,
+            adapter_digest=item.adapter.digest if item.adapter else None,
         )
 
     @staticmethod
@@ -151,11 +153,12 @@ class Router:
             None if out.choices is None else [c.model_dump() for c in out.choices],
             out.embeddings,
         )
+        adapter = item.adapter.lineage if item.adapter is not None else None
         if item.headers and h.ORIGINAL_TOPIC in item.headers:  # a re-published retry
-            lineage = self._lineage.encode(run_id, *self._source(item), ctx.batch_id)
+            lineage = self._lineage.encode(run_id, *self._source(item), ctx.batch_id, adapter)
         else:
             source = item.source
-            lineage = self._lineage.encode(run_id, source.topic, source.partition, source.offset, ctx.batch_id)
+            lineage = self._lineage.encode(run_id, source.topic, source.partition, source.offset, ctx.batch_id, adapter)
         run = self._run_headers.get(run_id)
         if run is None:
             if len(self._run_headers) > 1024:  # many runs over a worker's life: keep the cache small
@@ -165,13 +168,20 @@ class Router:
         headers: h.Headers = [(h.LINEAGE, lineage), *run[0]]
         if trace is not None:
             headers.append(trace)
+        extra = trace_bytes
+        if adapter is not None:  # plain-text copies, for kcat users
+            named = [(h.ADAPTER, adapter[0].encode()), (h.ADAPTER_DIGEST, adapter[1].encode())]
+            headers += named
+            extra += headers_size(named)
         # wire_size(), from the parts: the commit line's size check need not walk the headers again
         n = len(lineage)
-        size = sized(key, encoded, self._lineage_name_bytes + n + length_size(n) + run[1] + trace_bytes)
+        size = sized(key, encoded, self._lineage_name_bytes + n + length_size(n) + run[1] + extra)
         return _new_tuple(Produced, (self._results_topic, encoded, key, headers, "result", item, None, size))
 
     # -- failures --------------------------------------------------------------------------------
     def _failure(self, item: WorkItem, failure: Failure, ctx: BatchContext) -> Produced:
+        if failure.failure_class == "adapter_pinned":  # waits for a worker with its run's version: no attempt spent
+            return self._retry(item, failure, counted=False)
         route = "dlq" if failure.failure_class in STOP_CLASSES else self.routes.get(failure.failure_class, "dlq")
         if route == "retry":
             if item.attempt >= self.config.retry.max_attempts:
@@ -184,13 +194,16 @@ class Router:
             return self._retry(item, failure)
         return self._dead_letter(item, failure)
 
-    def _retry(self, item: WorkItem, failure: Failure) -> Produced:
+    def _retry(self, item: WorkItem, failure: Failure, counted: bool = True) -> Produced:
+        """A retry through the tier of its attempt; ``counted`` false: not an attempt (the record did not run), it
+        goes through the first tier and comes back with the attempt count it had."""
         now_ms = int(time.time() * 1000)
-        tier, delay_s = self.config.retry.delay_of(item.attempt)
+        attempt = item.attempt if counted else item.attempt - 1
+        tier, delay_s = self.config.retry.delay_of(max(attempt, 1))
         first = _ms(item.first_failure_at) if item.first_failure_at else now_ms
         topic, partition, offset = self._source(item)
         headers: h.Headers = [
-            (h.ATTEMPT, str(item.attempt).encode()),
+            (h.ATTEMPT, str(attempt).encode()),
             (h.DUE_AT, str(now_ms + int(delay_s * 1000)).encode()),
             (h.FIRST_FAILURE_AT, str(first).encode()),
             (h.LAST_ERROR_TYPE, failure.error_type.encode()),

@@ -4,9 +4,12 @@ from __future__ import annotations
 
 from dataclasses import dataclass, field
 from datetime import datetime
-from typing import Literal, NamedTuple
+from typing import TYPE_CHECKING, Literal, NamedTuple
 
 from schemas import RequestLike
+
+if TYPE_CHECKING:
+    from consumers.engines.adapters import Adapter
 
 FailureClass = Literal[
     "invalid_input",
@@ -20,6 +23,7 @@ FailureClass = Literal[
     "oversize",  # a record too large to travel again (a retry tier, J.requests): dead-lettered
     "cancelled",  # its run was cancelled before the record started (batchline.runs.control): dead-lettered
     "expired",  # its run's completion window passed before the record started: dead-lettered
+    "adapter_pinned",  # its run is pinned to a version of its adapter this worker does not hold: left for another
 ]
 
 
@@ -62,6 +66,7 @@ class WorkItem:
     failure: Failure | None = None
     passed_over: str | None = None  # a reason when this worker must not process the record (another run's pin)
     trace_parent: str | None = None
+    adapter: Adapter | None = None  # the version of the record's LoRA adapter it runs with (intake, then pinning)
 
     @property
     def runnable(self) -> bool:

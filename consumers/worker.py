@@ -177,6 +177,8 @@ class Worker(WorkerParts):
             self.membership.close(0.0 if self._abandoned else LEAVE_S)
         finally:
             self.feeder.close_engine()
+            if self.adapters is not None:
+                self.adapters.close()
 
     def _idle_done(self) -> bool:
         """Idle for ``idle_exit_s`` since the worker could first take records (its engine loaded and partitions
@@ -246,6 +248,8 @@ class Worker(WorkerParts):
             elif aborted:
                 item.passed_over = "aborted"  # its offset commits with its batch's; nothing is produced for it
                 self.stats.aborted += 1
+            elif item.adapter is not None and self.adapter_pins is not None:
+                self.adapter_pins.settle(item)  # the adapter version the record's run is pinned to
             admitted.append(item)
         self.batcher.extend(admitted)
         if msgs:

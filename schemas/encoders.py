@@ -39,8 +39,11 @@ LINEAGE_FIELDS = (
     "source_offset",
     "worker_id",
     "batch_id",
+    "adapter",
+    "adapter_digest",
 )
 _CONSTANT = LINEAGE_FIELDS[1:9]
+_NO_ADAPTER = b"\x00\x00"  # adapter and adapter_digest: both null
 RESULT_FIELDS = (
     "request_id",
     "run_id",
@@ -251,8 +254,18 @@ class LineageEncoder:
         # everything before the source offset, per (run, topic, partition); everything after it, per batch
         self._prefixes: dict[tuple[str | None, str, int], bytes] = {}
         self._batch: tuple[str, bytes] = ("", self._worker + avro_string(""))
+        self._adapters: dict[tuple[str, str], bytes] = {}  # (name, digest) -> the two last fields
 
-    def encode(self, run_id: str | None, topic: str, partition: int, offset: int, batch_id: str) -> bytes:
+    def encode(
+        self,
+        run_id: str | None,
+        topic: str,
+        partition: int,
+        offset: int,
+        batch_id: str,
+        adapter: tuple[str, str] | None = None,
+    ) -> bytes:
+        """``adapter``: the LoRA adapter's (name, digest) that made the output; None: the base model."""
         prefix = self._prefixes.get((run_id, topic, partition))
         if prefix is None:
             if len(self._prefixes) > 4096:  # many runs over a worker's life: keep the cache small
@@ -262,4 +275,11 @@ class LineageEncoder:
         batch = self._batch
         if batch[0] != batch_id:
             batch = self._batch = (batch_id, self._worker + avro_string(batch_id))
-        return prefix + zigzag(offset) + batch[1]
+        if adapter is None:
+            return prefix + zigzag(offset) + batch[1] + _NO_ADAPTER
+        tail = self._adapters.get(adapter)
+        if tail is None:
+            if len(self._adapters) > 4096:
+                self._adapters.clear()
+            tail = self._adapters[adapter] = avro_optional_string(adapter[0]) + avro_optional_string(adapter[1])
+        return prefix + zigzag(offset) + batch[1] + tail

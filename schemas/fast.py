@@ -26,6 +26,10 @@ from typing import TYPE_CHECKING, Annotated, Protocol
 import msgspec
 from msgspec import Meta
 
+# A LoRA adapter's name (``Request.adapter``): a directory name under ``engine.lora.directory`` and a path segment of
+# the worker's adapter store, so no separators, no leading dot. ``schemas.models`` uses the same pattern.
+ADAPTER_NAME_PATTERN = r"^[A-Za-z0-9][A-Za-z0-9._-]{0,127}$"
+
 if TYPE_CHECKING:
     from schemas.models import StructuredOutput
 
@@ -141,6 +145,9 @@ class RequestLike(Protocol):
     def normalize(self) -> bool | None: ...
 
     @property
+    def adapter(self) -> str | None: ...
+
+    @property
     def plain(self) -> bool: ...
 
     @property
@@ -182,6 +189,7 @@ class Request(msgspec.Struct, frozen=True, forbid_unknown_fields=True):
     # allow_inf_nan=False in the model; msgspec reads no NaN and refuses an overflow, the bound says it anyway
     value: Annotated[float, Meta(ge=0.0, le=sys.float_info.max)] = 1.0
     metadata: dict[str, str] = {}
+    adapter: Annotated[str, Meta(pattern=ADAPTER_NAME_PATTERN)] | None = None
 
     # Not fields (no annotation): class attributes, read as fast as a field on the hot path.
     structured = tools = tool_choice = inputs = dimensions = normalize = None

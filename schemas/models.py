@@ -12,8 +12,11 @@ from typing import Annotated, Any
 
 from pydantic import BaseModel, ConfigDict, Field, StringConstraints, field_validator, model_validator
 
+from schemas.fast import ADAPTER_NAME_PATTERN
+
 OMITTED_KEEP_CHARS = 1000  # what a dead letter too large for its topic keeps of its error message and output
 RequestId = Annotated[str, StringConstraints(min_length=1, max_length=512)]
+AdapterName = Annotated[str, StringConstraints(pattern=ADAPTER_NAME_PATTERN)]
 # Hard bounds of a record's options, whatever the job allows (a job's limits, batchline.config.LimitsConfig, are
 # at most these): vLLM's own where it has one.
 MAX_N = 128
@@ -157,6 +160,7 @@ class Request(_Record):
     inputs: Annotated[list[str], Field(min_length=1, max_length=MAX_INPUTS)] | None = None
     dimensions: Annotated[int, Field(ge=1, le=1 << 16)] | None = None
     normalize: bool | None = None
+    adapter: AdapterName | None = None  # a LoRA adapter of the job's model (engine.lora); None: the base model
 
     _json_text = field_validator("tools", "tool_choice", mode="before")(_as_json_text)
 
@@ -311,6 +315,8 @@ class Lineage(_Record):
     source_offset: int
     worker_id: str
     batch_id: str
+    adapter: str | None = None  # the LoRA adapter that made the output, and the digest of its config and weights
+    adapter_digest: str | None = None
 
 
 class PartitionBoundary(_Record):
@@ -345,6 +351,8 @@ class RunManifest(_Record):
     tenant: str | None = None  # who submitted it: fair admission shares by tenant
     priority: int = 0  # fair admission: weighs 2**priority against its tenant's other runs
     endpoint: str | None = None  # an OpenAI-format submission's endpoint: the bodies export --format openai writes
+    adapter: str | None = None  # an adapter pin (batchline.runs.manifests.pin_adapter): the adapter and the version
+    adapter_digest: str | None = None  # of it that the run parent_run_id uses
 
 
 class QuarantinedRecord(_Record):

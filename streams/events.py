@@ -141,7 +141,8 @@ class RunEvents:
         for run in self._stale & self.snapshots.keys():
             self._merged[run] = merge_run_stats(run, self.snapshots[run].values(), manifests.get(run))
         self._stale.clear()
-        return judge(manifests, self._merged, time.time(), self._has_reached, self._settle_s)
+        pins = {run: self.view.adapter_pins(run) for run in manifests}  # as status --json shows them
+        return judge(manifests, self._merged, time.time(), self._has_reached, self._settle_s, pins)
 
     def changes(self, runs: dict[str, RunStatus]) -> list[RunStatus]:
         """The runs whose state is one they have not announced and not behind one they have."""

@@ -74,6 +74,7 @@ _VLLM_FILES = frozenset(
     {
         "test_api_vllm.py",
         "test_demo.py",
+        "test_vllm_adapters.py",
         "test_vllm_generate.py",
         "test_vllm_idle_exit.py",
         "test_vllm_options.py",

@@ -52,7 +52,7 @@ def create_app(service: ApiService) -> FastAPI:
         service.tenant_of(authorization)
         data = [
             {"id": name, "object": "model", "created": 0, "owned_by": f"batchline:{route.job}"}
-            for name, route in sorted(service.routes.items())
+            for name, route in sorted(service.models().items())
         ]
         return {"object": "list", "data": data}
 

@@ -25,13 +25,14 @@ from batchline.api.objects import ERRORS, OUTPUT, TERMINAL, batch_object
 from batchline.api.quota import Enqueued, over_limit
 from batchline.api.records import BatchRecord
 from batchline.api.service import ApiService
-from batchline.api.settings import CHAT, COMPLETIONS, EMBEDDINGS, RESPONSES
+from batchline.api.settings import CHAT, COMPLETIONS, EMBEDDINGS, RESPONSES, with_adapters
 from batchline.api.validate import requests, validate
 from batchline.config import KafkaSettings
 from batchline.exceptions import NotFoundError
 from batchline.runs.control import cancel_run, parse_window, reserve_idempotency_key, settle_s
 from batchline.runs.export import openai_error, openai_output, openai_stopped
 from batchline.runs.manifests import EXPIRED
+from batchline.runs.openai_rows import ADAPTER_SEPARATOR
 from batchline.runs.outcomes import RunOutcomes
 from batchline.runs.staging import Staging
 from batchline.runs.submit import publish_run
@@ -105,7 +106,8 @@ def create(
     if source.purpose != "batch":
         raise bad_request(f"file {source.id} has purpose {source.purpose!r}, not 'batch'", param="input_file_id")
     kafka, topics = service.kafka, service.topics
-    checked = validate(files.lines(files.content(kafka, topics, source)), str(endpoint), service.routes)
+    models = with_adapters(service.routes)  # the base models and their jobs' adapters (a directory read now)
+    checked = validate(files.lines(files.content(kafka, topics, source)), str(endpoint), models)
     record = BatchRecord(
         id=new_batch_id(),
         tenant=tenant,
@@ -129,7 +131,7 @@ def create(
         service.writer.put(topics.batches, failed.id, failed)
         return render(service, failed)
     assert checked.model is not None
-    route = service.routes[checked.model]
+    route = models[checked.model]
     record = record.model_copy(update={"job": route.job})
     job = service.jobs[route.job]
     if idempotency_key:
@@ -233,7 +235,8 @@ def output_lines(service: ApiService, record: BatchRecord, kind: str) -> Iterato
         for result, lineage in outcomes.results():
             if kind == OUTPUT:
                 encoding = record.encoding_format or "float"
-                yield _line(openai_output(result, lineage, record.endpoint, record.model, encoding_format=encoding))
+                model = line_model(record.model, lineage.adapter if lineage else None)
+                yield _line(openai_output(result, lineage, record.endpoint, model, encoding_format=encoding))
         if kind == ERRORS:
             for letter in outcomes.letters():
                 yield _line(openai_error(letter))
@@ -256,3 +259,12 @@ def output_record(service: ApiService, tenant: str, batch_id: str, kind: str, fi
     if obj["output_file_id" if kind == OUTPUT else "error_file_id"] != file_id:
         raise not_found("File", file_id)
     return record
+
+
+def line_model(batch_model: str | None, adapter: str | None) -> str | None:
+    """The model an output line names: its batch's base model, with the LoRA adapter that made it (its lineage's), as
+    the line named it (``<model>:<adapter>``); a batch may mix the base model and its adapters."""
+    if batch_model is None:
+        return None
+    base = batch_model.partition(ADAPTER_SEPARATOR)[0]
+    return base if adapter is None else f"{base}{ADAPTER_SEPARATOR}{adapter}"

@@ -22,7 +22,7 @@ from batchline.api.errors import ApiError, not_found, unauthorized
 from batchline.api.jobs import JobView
 from batchline.api.quota import TenantLimits
 from batchline.api.records import BatchRecord, FileRecord
-from batchline.api.settings import ApiTopics, ModelRoute
+from batchline.api.settings import ApiTopics, ModelRoute, with_adapters
 from batchline.api.store import CompactedView, Writer
 from batchline.api.webhook_records import EndpointRecord
 from batchline.config import KafkaSettings
@@ -102,6 +102,11 @@ class ApiService:
 
         jobs = list({r.job: r.topics for r in self.routes.values()}.values())
         return Deliverer(self.kafka, self.topics, jobs, self.endpoints, self.batches, self.writer)
+
+    def models(self) -> dict[str, ModelRoute]:
+        """Every model this server routes: the base models and their jobs' LoRA adapters (``<model>:<adapter>``),
+        an adapters directory read at each call, so adapters added there are served without a restart."""
+        return with_adapters(self.routes)
 
     def start(self) -> ApiService:
         create_api_topics(self.kafka, self.topics)

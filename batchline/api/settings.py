@@ -13,7 +13,7 @@ from __future__ import annotations
 
 import os
 from collections.abc import Mapping
-from dataclasses import dataclass
+from dataclasses import dataclass, replace
 from pathlib import Path
 
 from batchline.config import JobConfig
@@ -21,6 +21,7 @@ from batchline.exceptions import ConfigError
 from batchline.kafka.topics import JobTopics
 from batchline.runs.identity import Fingerprint, fingerprint_of
 from batchline.runs.openai_lines import CHAT_ENDPOINT, COMPLETIONS_ENDPOINT, EMBEDDINGS_ENDPOINT, RESPONSES_ENDPOINT
+from batchline.runs.openai_rows import ADAPTER_SEPARATOR
 
 CHAT, COMPLETIONS, EMBEDDINGS = CHAT_ENDPOINT, COMPLETIONS_ENDPOINT, EMBEDDINGS_ENDPOINT
 RESPONSES = RESPONSES_ENDPOINT
@@ -36,11 +37,13 @@ DEFAULT_TOPIC_PREFIX = "batchline-api"
 
 @dataclass(frozen=True)
 class ModelRoute:
-    """Model ``name`` is served by job ``config.job``; its batches become runs pinned to ``fingerprint``."""
+    """Model ``name`` is served by job ``config.job``; its batches become runs pinned to ``fingerprint``. A route of
+    one of the job's LoRA adapters (``adapter`` set) is named ``<model>:<adapter>``: the same job and fingerprint."""
 
     name: str
     config: JobConfig
     fingerprint: Fingerprint
+    adapter: str | None = None
 
     @classmethod
     def of(cls, name: str, config: JobConfig) -> ModelRoute:
@@ -57,6 +60,18 @@ class ModelRoute:
     @property
     def endpoints(self) -> tuple[str, ...]:
         return ENDPOINTS_BY_TASK[self.config.task]
+
+
+def with_adapters(routes: Mapping[str, ModelRoute]) -> dict[str, ModelRoute]:
+    """The routes and, for each base model whose job has LoRA adapters (``engine.lora``, its directory read now), a
+    route ``<model>:<adapter>`` per adapter."""
+    out = dict(routes)
+    for name, route in routes.items():
+        if route.adapter is None:
+            for adapter in route.config.engine.lora.names():
+                named = f"{name}{ADAPTER_SEPARATOR}{adapter}"
+                out[named] = replace(route, name=named, adapter=adapter)
+    return out
 
 
 @dataclass(frozen=True)

@@ -169,7 +169,9 @@ def _check_model(n: int, model: Any, routes: Mapping[str, ModelRoute], result: V
             known = ", ".join(sorted(routes))
             result.fail("model_not_found", f"Line {n}: model {model!r} is not served here ({known}).", n, "body.model")
             return False
-    elif model != result.model:
+    elif model != result.model and (
+        model not in routes or result.model not in routes or routes[model].job != routes[result.model].job
+    ):  # the lines of a batch may name the base model and its adapters: one job
         msg = f"Line {n}: model {model!r} differs from the batch's model {result.model!r}."
         result.fail("mismatched_model", msg, line=n, param="body.model")
         return False

@@ -59,6 +59,8 @@ def api(
     for name, job in _pairs(model, "--model", "NAME=JOB"):
         if name in routes:
             raise fail(f"--model {name} is given twice")
+        if ":" in name:  # <model>:<adapter> names a LoRA adapter of the model's job
+            raise fail(f"--model {name}: a model name has no ':' (<model>:<adapter> names an adapter)")
         cfg = job_config(job, paths.get(job))
         check_model(cfg)
         routes[name] = ModelRoute.of(name, cfg)

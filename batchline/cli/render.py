@@ -34,6 +34,8 @@ def run_panel(run: dict[str, Any]) -> Panel:
     )
     if run["waiting_for"]:
         head.append(f"\nwaiting for a worker of fingerprint {run['waiting_for']}", "yellow")
+    if run.get("adapters"):  # the LoRA adapter versions the run is pinned to
+        head.append("\nadapters " + ", ".join(f"{name}@{digest}" for name, digest in sorted(run["adapters"].items())))
     counts = Table.grid(padding=(0, 2))
     counts.add_row(
         "succeeded", str(run["succeeded"]), "pending", str(run["pending"]), "in flight", str(run["in_flight"])

@@ -9,6 +9,8 @@ RUN_ID = "batchline-run-id"
 MODEL = "batchline-model"
 CONFIG_DIGEST = "batchline-config-digest"
 FINGERPRINT = "batchline-fingerprint"
+ADAPTER = "batchline-adapter"  # the LoRA adapter that made a result (absent: the base model), and its digest
+ADAPTER_DIGEST = "batchline-adapter-digest"
 TRACEPARENT = "traceparent"
 
 ATTEMPT = "batchline-attempt"  # attempts already made (the next delivery is attempt + 1)

@@ -27,9 +27,20 @@ _MODEL_FILES = (
     "modules.json",
 )
 _WEIGHT_SUFFIXES = (".safetensors", ".bin", ".pt", ".gguf")
-# vLLM options that change speed or memory, not what a record's output is.
+# vLLM options that change speed or memory, not what a record's output is. The LoRA limits are among them: a
+# record's adapter and its digest are in its own lineage, and adding adapters to a job must not re-pin its runs.
 _NON_SEMANTIC_KWARGS = frozenset(
-    {"enforce_eager", "gpu_memory_utilization", "tensor_parallel_size", "max_num_seqs", "dtype_cpu_threads"}
+    {
+        "enforce_eager",
+        "gpu_memory_utilization",
+        "tensor_parallel_size",
+        "max_num_seqs",
+        "dtype_cpu_threads",
+        "enable_lora",
+        "max_loras",
+        "max_lora_rank",
+        "max_cpu_loras",
+    }
 )
 # The deterministic engine's knobs that were always hashed (when set) with the engine kwargs, where they were
 # written before they had a typed place: ``embed_dim`` changes outputs; ``batch_latency_ms`` does not, but was

@@ -13,6 +13,10 @@ The stream's pin has one winner, decided once, even when workers of several fing
   totally ordered and the earliest one wins. The view reads from offset 0 in order, so the first adoption it reads
   is the earliest there is: an adoption read back decides the stream for good.
 
+Adapter pins ride on it too (:func:`pin_adapter`): the version of a LoRA adapter a run uses is fixed when the run
+first uses it, keyed ``_adapter.<run>/<adapter>#<writer>`` and decided like the stream's adoptions (the earliest read
+wins), so two workers holding different versions never both run the same run.
+
 Run control (:mod:`batchline.runs.control`) rides on the same topic: a cancel is the run's manifest again with
 ``cancelled_at`` (the view keeps it once read, even if a later manifest of the run lacks it: submit's final
 manifest racing a cancel), and idempotency reservations are manifests keyed ``_idempotency.<key>#<run id>``, decided
@@ -42,6 +46,7 @@ log = logging.getLogger(__name__)
 STREAM_RUN = "_stream"
 ADOPTION_PREFIX = f"{STREAM_RUN}.claim."  # key prefix of the stream's adoptions in J.runs (its text is on the wire)
 IDEMPOTENCY_PREFIX = "_idempotency."  # key prefix of idempotency reservations: _idempotency.<key>#<run id>
+ADAPTER_PIN_PREFIX = "_adapter."  # key prefix of adapter pins: _adapter.<run id>/<adapter>#<writer id>
 CANCELLED = "cancelled"  # why a run's records stop: it was cancelled ...
 EXPIRED = "expired"  # ... or its completion window passed
 SYNC_TIMEOUT_S = 10.0
@@ -55,6 +60,7 @@ class RunsView:
         self._runs: dict[str, RunManifest] = {}
         self._adoptions: list[tuple[int, str, RunManifest]] = []  # (offset, adoption key, manifest), in offset order
         self._idempotency: dict[str, tuple[int, str]] = {}  # key -> (offset, run id) of its earliest reservation
+        self._adapter_pins: dict[tuple[str, str], tuple[int, str]] = {}  # (run, adapter) -> earliest (offset, digest)
         # run id -> (epoch s from which its records stop, why). Written by the view's thread only (whole entries),
         # read without the lock by the worker's and the scheduler's threads: a dict lookup on their hot path.
         self.stops: dict[str, tuple[float, str]] = {}
@@ -89,6 +95,17 @@ class RunsView:
         with self._lock:
             found = self._idempotency.get(key)
             return found[1] if found else None
+
+    def adapter_pin(self, run_id: str, adapter: str) -> str | None:
+        """The digest of the version of ``adapter`` that run ``run_id`` is pinned to (its earliest pin), if any."""
+        with self._lock:
+            found = self._adapter_pins.get((run_id, adapter))
+            return found[1] if found else None
+
+    def adapter_pins(self, run_id: str) -> dict[str, str]:
+        """Adapter -> the digest of the version the run is pinned to, for every adapter the run has used."""
+        with self._lock:
+            return {a: digest for (run, a), (_, digest) in self._adapter_pins.items() if run == run_id}
 
     @property
     def position(self) -> int:
@@ -133,6 +150,12 @@ class RunsView:
                 if all(offset != msg.offset() for offset, _, _ in self._adoptions):
                     self._adoptions.append((msg.offset(), key, manifest))
                     self._adoptions.sort(key=lambda c: c[0])
+            elif key.startswith(ADAPTER_PIN_PREFIX):
+                if manifest.parent_run_id and manifest.adapter and manifest.adapter_digest:
+                    pair = (manifest.parent_run_id, manifest.adapter)
+                    earlier = self._adapter_pins.get(pair)
+                    if earlier is None or msg.offset() < earlier[0]:
+                        self._adapter_pins[pair] = (msg.offset(), manifest.adapter_digest)
             elif key.startswith(IDEMPOTENCY_PREFIX):
                 reserved = manifest.idempotency_key or ""
                 earlier = self._idempotency.get(reserved)
@@ -220,3 +243,31 @@ def pin_stream(kafka: KafkaSettings, topics: JobTopics, fp: Fingerprint, reason:
     write_manifest(kafka, topics, manifest)
     log.info("open stream of %s pinned to %s (%s)", topics.job, fp.value, reason)
     return manifest
+
+
+def pin_adapter(
+    kafka: KafkaSettings, topics: JobTopics, fp: Fingerprint, run_id: str, adapter: str, digest: str, writer: str
+) -> int:
+    """Pin run ``run_id`` to version ``digest`` of LoRA ``adapter`` (a worker's first use of it in the run); the
+    earliest pin of a (run, adapter) wins (:meth:`RunsView.adapter_pin`). Its manifest's own run id is a pseudo-run
+    (``_adapter.<run>/<adapter>``) so a reader that knows no adapter pins never takes it for the run's manifest."""
+    manifest = manifest_for(
+        topics.job,
+        f"{ADAPTER_PIN_PREFIX}{run_id}/{adapter}",
+        fp,
+        parent_run_id=run_id,
+        adapter=adapter,
+        adapter_digest=digest,
+        source=f"adapter {adapter} pinned to {digest} by worker {writer}",
+    )
+    offset = write_manifest(kafka, topics, manifest, key=f"{ADAPTER_PIN_PREFIX}{run_id}/{adapter}#{writer}")
+    log.info(
+        "run %s of %s: adapter %s pinned to version %s at %s@%d",
+        run_id,
+        topics.job,
+        adapter,
+        digest,
+        topics.runs,
+        offset,
+    )
+    return offset

@@ -46,8 +46,14 @@ def sampling(name: str, rule: str, origin: Any = "OpenAI") -> BodyField:
     return honoured(name, f"sampling.{name}", rule, c.to(f"sampling.{name}"), origin)
 
 
+ADAPTER_SEPARATOR = ":"  # ``<model>:<adapter>``: a LoRA adapter of the model's job
+
+
 def model_name(value: Any, line: Line, param: str) -> None:
-    """Checked against the routes by :func:`batchline.api.validate.validate`."""
+    """Checked against the routes by :func:`batchline.api.validate.validate`. ``<model>:<adapter>`` names one of
+    the job's LoRA adapters: the record's ``adapter`` (a worker refuses one its job does not have, by name)."""
+    if isinstance(value, str) and ADAPTER_SEPARATOR in value:
+        line.put("adapter", value.rpartition(ADAPTER_SEPARATOR)[2], param)
 
 
 MODEL = BodyField(
@@ -55,7 +61,8 @@ MODEL = BodyField(
     "OpenAI",
     "honoured",
     "(the job)",
-    "names the model, routed to its job; one per batch",
+    "names the model, routed to its job; `<model>:<adapter>` names one of its LoRA adapters "
+    "(`adapter`); one job per batch",
     model_name,
     required=True,
 )

@@ -65,6 +65,7 @@ class RunStatus:
     state: str = "no-ledger"
     waiting_for: str | None = None
     children: list[str] = field(default_factory=list)
+    adapters: dict[str, str] = field(default_factory=dict)  # LoRA adapter -> the version (digest) the run is pinned to
 
     @property
     def total(self) -> int:
@@ -100,6 +101,7 @@ class RunStatus:
             "model_id": m.model_id if m else None,
             "parent_run_id": m.parent_run_id if m else None,
             "children": self.children,
+            "adapters": dict(self.adapters),
             "source": m.source if m else None,
             "boundaries": [b.model_dump() for b in m.boundaries] if m else [],
             "total": self.total,
@@ -264,9 +266,11 @@ def collect(kafka: KafkaSettings, topics: JobTopics, run_id: str | None = None) 
     view = RunsView(kafka, topics)
     view.sync()
     manifests = view.all()
+    pins = {run: view.adapter_pins(run) for run in manifests}
     view.stop()
     stats = latest_stats(kafka, topics, manifests)
-    by_id = judge(manifests, stats, time.time(), lambda m: group_has_reached(kafka, topics, m), settle_s(kafka))
+    reached = lambda m: group_has_reached(kafka, topics, m)  # noqa: E731
+    by_id = judge(manifests, stats, time.time(), reached, settle_s(kafka), pins)
     wanted = list(by_id.values())
     if run_id is not None:
         family = {run_id, *by_id[run_id].children} if run_id in by_id else set()
@@ -280,13 +284,16 @@ def judge(
     now: float,
     reached: Callable[[RunManifest], bool],
     settle: float,
+    pins: dict[str, dict[str, str]] | None = None,
 ) -> dict[str, RunStatus]:
     """Every run's status from its manifest and merged stats at ``now``, in display order (the open stream first,
     then by creation). ``reached``: whether a run's fingerprint group has consumed its records (asked only of runs
     with records pending and nothing counted yet); a run not reached is ``waiting``. ``settle``:
-    :func:`~batchline.runs.control.settle_s`, how long after its window a run's results may still commit."""
+    :func:`~batchline.runs.control.settle_s`, how long after its window a run's results may still commit. ``pins``:
+    run -> its adapters' pinned versions (adapter -> digest, ``RunsView.adapter_pins``)."""
+    pins = pins or {}
     ids = sorted(set(manifests) | set(stats), key=lambda r: (r != STREAM_RUN, _created(manifests.get(r)), r))
-    by_id = {r: RunStatus(r, manifests.get(r), stats.get(r)) for r in ids}
+    by_id = {r: RunStatus(r, manifests.get(r), stats.get(r), adapters=pins.get(r, {})) for r in ids}
     for st in by_id.values():
         parent = st.manifest.parent_run_id if st.manifest else None
         if parent in by_id:

@@ -17,6 +17,7 @@ from collections.abc import Iterable, Sequence
 from dataclasses import dataclass
 from typing import Any, Protocol, runtime_checkable
 
+from consumers.engines.adapters import Adapter
 from consumers.work import Failure
 from schemas import ChatMessageLike
 from schemas.models import Choice, StructuredOutput
@@ -84,6 +85,7 @@ class EngineInput:
     sampling: Sampling
     attempt: int = 1
     options: Options | None = None
+    adapter: Adapter | None = None  # the record's LoRA adapter (a version the worker holds); None: the base model
 
 
 @dataclass(slots=True)

@@ -221,6 +221,8 @@ class DeterministicEngine:
         s = inp.sampling
         # Greedy (temperature 0) outputs ignore the seed, as a real engine's would.
         salt = f"|{s.seed}".encode() if s.temperature > 0 else b"|0"
+        if inp.adapter is not None:  # another adapter (or version) is another model: another output
+            salt += f"|{inp.adapter.name}@{inp.adapter.digest}".encode()
         tag = f"{zlib.crc32(salt, zlib.crc32(inp.prompt.encode())):08x}"  # the CRC of f"{prompt}|{salt}"
         keep = max(1, s.max_tokens - 1)  # the first `keep` words, in reverse order
         if self.json_schema is not None:
@@ -254,6 +256,8 @@ class DeterministicEngine:
         s = inp.sampling
         # Greedy (temperature 0) outputs ignore the seed, as a real engine's would; sampled choices differ by index.
         salt = f"|{(s.seed or 0) + index}".encode() if s.temperature > 0 else b"|0"
+        if inp.adapter is not None:
+            salt += f"|{inp.adapter.name}@{inp.adapter.digest}".encode()
         tag = f"{zlib.crc32(salt, zlib.crc32(inp.prompt.encode())):08x}"
         if options.calls_tools:
             return self._tool_choice(index, options, tag)

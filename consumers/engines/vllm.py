@@ -33,6 +33,7 @@ from typing import Any
 
 from batchline.config import JobConfig
 from consumers.engines.base import EngineInput, EngineOutput, Options, Outcome
+from consumers.engines.vllm_lora import VLLMLoras
 from consumers.engines.vllm_records import by_similarity, choice_of, constraint, field_of, tool_parser
 from consumers.engines.vllm_watchdog import Watchdog, is_oom
 from consumers.exceptions import EngineError, EngineOOM, EngineStartError
@@ -76,6 +77,7 @@ class VLLMEngine:
         self._tool_parser: Any = tool_parser(eng.tool_parser) if eng.tool_parser else None
         self._llm: Any = None
         self._watchdog: Watchdog | None = None
+        self._loras = VLLMLoras(_on_cpu())  # the LoRA adapter versions loaded into vLLM
         self._label_vectors: Any = None  # numpy (labels x dim) unit vectors, set at start for classify by embedding
         self.restarts = 0  # read by the batchline.engine.restarts metric
         self._start()
@@ -84,6 +86,8 @@ class VLLMEngine:
     def _start(self) -> None:
         eng = self.config.engine
         kwargs: dict[str, Any] = {"max_model_len": eng.max_model_len, "seed": eng.sampling.seed}
+        if eng.lora.enabled:
+            kwargs["enable_lora"] = True
         kwargs.update(eng.engine_kwargs)
         timeout = eng.infer_timeout_s or None
         kwargs["runner"] = "pooling" if self.by_embedding else "generate"
@@ -116,6 +120,7 @@ class VLLMEngine:
         self._ids.clear()
         self._inputs.clear()
         self._vectors.clear()
+        self._loras.forget()
         llm, self._llm = self._llm, None
         if self._watchdog is not None:
             self._watchdog.stop()
@@ -185,8 +190,12 @@ class VLLMEngine:
                 params = self._sampling(inp, len(checked))
                 params.output_kind = self._final_only  # only finished records come back from step()
                 requests = [(f"r{key}", checked)]
+            lora = self._loras.request(engine, inp.adapter)
+            if isinstance(lora, Failure):
+                return lora
             for request_id, tokens in requests:
-                engine.add_request(request_id, self._vllm.TokensPrompt(prompt_token_ids=tokens), params)
+                prompt = self._vllm.TokensPrompt(prompt_token_ids=tokens)
+                engine.add_request(request_id, prompt, params, lora_request=lora)
                 added.append(request_id)
         except Exception as exc:  # vLLM refused this request alone (its parameters, its structured output...)
             if added:  # a record with several texts: none of them runs
@@ -286,7 +295,12 @@ class VLLMEngine:
                 try:
                     params = self._sampling(inp, len(tokens))
                     params.output_kind = self._final_only
-                    engine.add_request(request_id, self._vllm.TokensPrompt(prompt_token_ids=tokens), params)
+                    lora = self._loras.request(engine, inp.adapter)
+                    if isinstance(lora, Failure):
+                        outcomes[i] = lora
+                        continue
+                    prompt = self._vllm.TokensPrompt(prompt_token_ids=tokens)
+                    engine.add_request(request_id, prompt, params, lora_request=lora)
                 except Exception as exc:  # this record's parameters alone
                     outcomes[i] = self._refused(exc, inputs[i])
                     continue
@@ -447,3 +461,9 @@ class VLLMEngine:
         if "EngineGenerateError" in names:
             raise EngineError(f"{type(exc).__name__}: {exc}") from exc
         return None
+
+
+def _on_cpu() -> bool:
+    from vllm.platforms import current_platform
+
+    return bool(current_platform.is_cpu())

@@ -23,10 +23,11 @@ _CORPUS = (
 )
 
 
-def build_tiny_llama(out: Path, layers: int = 2) -> Path:
+def build_tiny_llama(out: Path, layers: int = 2, hidden: int = 256) -> Path:
     """A 2-layer Llama (hidden 256, 4 heads: head_dim 64, which the CPU attention accepts) with a byte-level
-    BPE tokenizer trained here. Random weights: outputs are noise, but every code path is the real one. ``layers``:
-    fewer make a faster engine (the benchmarks' fast-engine case)."""
+        BPE tokenizer trained here. Random weights: outputs are noise, but every code path is the real one. ``layers``:
+        fewer make a faster engine (the benchmarks' fast-engine case). ``hidden``: another width is another base model
+    (a LoRA adapter made for one does not fit the other)."""
     import torch
     from tokenizers import Tokenizer, decoders, models, pre_tokenizers, trainers
     from transformers import LlamaConfig, LlamaForCausalLM, PreTrainedTokenizerFast
@@ -46,8 +47,8 @@ def build_tiny_llama(out: Path, layers: int = 2) -> Path:
     hf.save_pretrained(out)
     config = LlamaConfig(
         vocab_size=len(hf),
-        hidden_size=256,
-        intermediate_size=512,
+        hidden_size=hidden,
+        intermediate_size=2 * hidden,
         num_hidden_layers=layers,
         num_attention_heads=4,
         num_key_value_heads=4,

@@ -40,6 +40,7 @@ SAMPLES: dict[str, BaseModel] = {
         priority=3,
         value=2.5,
         metadata={"k": "v", "source": "test"},
+        adapter="sql-v2",
     ),
     "result": Result(
         request_id="a",
@@ -68,7 +69,9 @@ SAMPLES: dict[str, BaseModel] = {
         first_failure_at=NOW,
         last_failure_at=NOW,
     ),
-    "lineage": lineage(run_id="run-1", model_revision="rev", fingerprint="fp"),
+    "lineage": lineage(
+        run_id="run-1", model_revision="rev", fingerprint="fp", adapter="sql", adapter_digest="0123456789abcdef"
+    ),
     "run_manifest": RunManifest(
         run_id="r",
         job="j",
@@ -83,6 +86,8 @@ SAMPLES: dict[str, BaseModel] = {
         boundaries=[{"partition": 0, "start_offset": 0, "end_offset": 3}],
         record_count=3,
         value_total=3.0,
+        adapter="sql",
+        adapter_digest="0123456789abcdef",
     ),
     "run_stats": RunStats(
         run_id="r",

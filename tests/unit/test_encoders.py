@@ -101,14 +101,21 @@ CONSTANTS = {
     offset=st.integers(0, 2**62),
     batch_id=TEXT,
     revision=OPT,
+    adapter=st.none() | st.tuples(TEXT, TEXT),
 )
 def test_lineage_bytes_equal_the_codec(
-    run_id: str | None, topic: str, partition: int, offset: int, batch_id: str, revision: str | None
+    run_id: str | None,
+    topic: str,
+    partition: int,
+    offset: int,
+    batch_id: str,
+    revision: str | None,
+    adapter: tuple[str, str] | None,
 ) -> None:
     constants = CONSTANTS | {"model_revision": revision}
     encoder = LineageEncoder(constants)
-    fast = encoder.encode(run_id, topic, partition, offset, batch_id)
-    again = encoder.encode(run_id, topic, partition, offset, batch_id)  # through the caches
+    fast = encoder.encode(run_id, topic, partition, offset, batch_id, adapter)
+    again = encoder.encode(run_id, topic, partition, offset, batch_id, adapter)  # through the caches
     model = Lineage(
         **constants,
         run_id=run_id,
@@ -116,6 +123,8 @@ def test_lineage_bytes_equal_the_codec(
         source_partition=partition,
         source_offset=offset,
         batch_id=batch_id,
+        adapter=adapter[0] if adapter else None,
+        adapter_digest=adapter[1] if adapter else None,
     )
     assert fast == again == codec_for("lineage").encode(model)
     assert codec_for("lineage").decode(fast) == model

@@ -261,6 +261,9 @@ class View:
     def all(self) -> dict[str, RunManifest]:
         return dict(self.runs)
 
+    def adapter_pins(self, run_id: str) -> dict[str, str]:
+        return {"sql": "d1"} if run_id == "pinned" else {}
+
     def stop(self) -> None:
         self.stopped = True
 
@@ -490,3 +493,14 @@ def test_wait_for_a_run_that_does_not_exist_is_not_found_and_without_a_run_a_usa
         wait_for(5, run=None)
     with pytest.raises(UsageError):
         wait_for(5, watch=True)
+
+
+def test_a_run_shows_the_adapter_versions_it_is_pinned_to(job: dict[str, Any]) -> None:
+    job["runs"] = {"pinned": manifest("pinned", count=1), "plain": manifest("plain", count=1)}
+    job["stats"] = {r: stats(r, succeeded=1) for r in job["runs"]}
+    shown = {st.run_id: st.as_json()["adapters"] for st in status.collect(KAFKA, TOPICS)}
+    assert shown == {"pinned": {"sql": "d1"}, "plain": {}}
+    from batchline.cli.render import run_panel
+
+    text = run_panel(next(st for st in status.collect(KAFKA, TOPICS) if st.run_id == "pinned").as_json())
+    assert "adapters sql@d1" in str(text.renderable.renderables[0])  # type: ignore[union-attr]
