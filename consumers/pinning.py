@@ -108,6 +108,7 @@ class Pinning:
             self._adopt()
             if time.monotonic() >= deadline:
                 return False
+            self.view.want()  # the view reads J.runs now, not at its next idle look
             time.sleep(READBACK_POLL_S)
         return True
 

@@ -32,7 +32,7 @@ import time
 from datetime import UTC, datetime
 from typing import Any
 
-from confluent_kafka import KafkaError, Message, TopicPartition
+from confluent_kafka import KafkaError, KafkaException, Message, TopicPartition
 
 from batchline.config import KafkaSettings
 from batchline.exceptions import BrokerUnreachable
@@ -50,6 +50,10 @@ ADAPTER_PIN_PREFIX = "_adapter."  # key prefix of adapter pins: _adapter.<run id
 CANCELLED = "cancelled"  # why a run's records stop: it was cancelled ...
 EXPIRED = "expired"  # ... or its completion window passed
 SYNC_TIMEOUT_S = 10.0
+# Caught up, the view's thread stops fetching J.runs and asks for its end this often instead: a fetch every 20 ms
+# (what the embedded broker needs to answer soon: it holds a fetch for its whole wait even when a record arrives)
+# cost that broker ~2 % of a core per idle worker, beside the engine. A reader that waits (sync, want) asks at once.
+IDLE_LOOK_S = 0.5
 
 
 class RunsView:
@@ -67,6 +71,7 @@ class RunsView:
         self._lock = threading.Lock()
         self._position = start
         self._stop = threading.Event()
+        self._wanted = threading.Event()  # someone waits for what was just written: stop idling
         self._thread: threading.Thread | None = None
         # J.runs is small and a worker may wait on it (the open stream's adoption read back): short fetch waits.
         self._consumer = make_reader(kafka, **{"fetch.wait.max.ms": 20, "fetch.error.backoff.ms": 20})
@@ -124,19 +129,48 @@ class RunsView:
             self._consumer.close()
         self._meta.close()
 
+    def want(self) -> None:
+        """Read ``J.runs`` at once rather than at the next idle look (something was just written that a thread
+        waits for, e.g. an adoption of the open stream)."""
+        self._wanted.set()
+
     def _loop(self) -> None:
+        """Fetch while there is something to read; caught up, stop fetching and look at its end every
+        :data:`IDLE_LOOK_S` (or at once when wanted), reading again from the view's position when it has moved."""
         try:
             while not self._stop.is_set():
-                self.poll_once(0.2)
+                if self.poll_once(0.2) or not self._caught_up():
+                    continue
+                # Unassigned, not paused: a resumed partition was fetched again only ~0.3 s later (librdkafka),
+                # an assigned one at once.
+                self._consumer.unassign()
+                while not self._stop.is_set():
+                    self._wanted.wait(IDLE_LOOK_S)
+                    self._wanted.clear()
+                    if not self._caught_up():
+                        break
+                self._consumer.assign([TopicPartition(self.topics.runs, 0, self._position)])
         finally:
             self._consumer.close()
 
-    def poll_once(self, timeout: float) -> None:
-        for msg in take(self._consumer, 100, timeout):  # back as soon as a manifest is there (an adoption read back)
+    def _caught_up(self) -> bool:
+        """The view has read everything written to J.runs so far (False when the broker cannot say)."""
+        try:
+            _, high = self._meta.get_watermark_offsets(TopicPartition(self.topics.runs, 0), 5.0, cached=False)
+        except KafkaException as exc:
+            log.debug("end of %s unknown (%s): fetching", self.topics.runs, exc)
+            return False
+        return bool(self._position >= high)
+
+    def poll_once(self, timeout: float) -> int:
+        """Read what has arrived, waiting at most ``timeout`` for the first manifest; how many messages came."""
+        msgs = take(self._consumer, 100, timeout)  # back as soon as a manifest is there (an adoption read back)
+        for msg in msgs:
             if msg.error():
                 continue
             self._read(msg)
             self._position = msg.offset() + 1
+        return len(msgs)
 
     def _read(self, msg: Message) -> None:
         try:
@@ -180,6 +214,7 @@ class RunsView:
             if self._thread is None:
                 self.poll_once(0.2)
             else:
+                self._wanted.set()  # the view's thread may be idling between looks
                 time.sleep(0.02)
         return True
 

@@ -74,6 +74,8 @@ class FakeRunsView:
 
     def stop(self) -> None: ...
 
+    def want(self) -> None: ...  # its reader never idles
+
     def _catch_up(self) -> None:
         if self.frozen:
             return
