@@ -220,6 +220,19 @@ class LimitsConfig(_Frozen):
         description="Cap on a record's completion tokens, whatever it asks. Unset: a record runs to the model's "
         "context (`engine.max_model_len`) at most, as vLLM does.",
     )
+    max_image_bytes: int = Field(
+        8 << 20,
+        ge=1,
+        description="Largest encoded image per part (bytes, after base64 decoding). A record's payload must also "
+        "fit `max_request_bytes` (a data URL is 4/3 of its image).",
+    )
+    max_image_pixels: int = Field(
+        4096 * 4096,
+        ge=1,
+        description="Most pixels per image, read from its header before it is decoded (a decompression bomb costs "
+        "a header read). Decoding one takes up to ~4 bytes a pixel on the worker while it is checked.",
+    )
+    max_images_per_message: int = Field(8, ge=0, description="Image parts in one chat message at most.")
 
 
 class BatchingConfig(_Frozen):

@@ -39,6 +39,7 @@ LINEAGE_FIELDS = (
     "source_offset",
     "worker_id",
     "batch_id",
+    "processor_digest",
 )
 _CONSTANT = LINEAGE_FIELDS[1:9]
 RESULT_FIELDS = (
@@ -252,9 +253,10 @@ class LineageEncoder:
             fastavro.schemaless_writer(middle, fastavro.parse_schema(types[name]), constants[name])
         self._middle = middle.getvalue()
         self._worker = avro_string(constants["worker_id"])
+        self._tail = avro_optional_string(constants.get("processor_digest"))  # after batch_id: constant too
         # everything before the source offset, per (run, topic, partition); everything after it, per batch
         self._prefixes: dict[tuple[str | None, str, int], bytes] = {}
-        self._batch: tuple[str, bytes] = ("", self._worker + avro_string(""))
+        self._batch: tuple[str, bytes] = ("", self._worker + avro_string("") + self._tail)
 
     def encode(self, run_id: str | None, topic: str, partition: int, offset: int, batch_id: str) -> bytes:
         prefix = self._prefixes.get((run_id, topic, partition))
@@ -265,5 +267,5 @@ class LineageEncoder:
             self._prefixes[(run_id, topic, partition)] = prefix
         batch = self._batch
         if batch[0] != batch_id:
-            batch = self._batch = (batch_id, self._worker + avro_string(batch_id))
+            batch = self._batch = (batch_id, self._worker + avro_string(batch_id) + self._tail)
         return prefix + zigzag(offset) + batch[1]
