@@ -144,7 +144,7 @@ def _media(field: str, declared: str) -> ImageProblem:
 
 def _decoded_problem(field: str, declared: str, data: bytes, limits: ImageLimits) -> ImageProblem | None:
     """Open the image (its header only), bound its pixels, then decode it fully."""
-    from PIL import Image
+    from PIL import Image, UnidentifiedImageError
 
     try:
         with warnings.catch_warnings():
@@ -161,7 +161,7 @@ def _decoded_problem(field: str, declared: str, data: bytes, limits: ImageLimits
     except Image.DecompressionBombError as exc:  # over twice Pillow's own bound: refused before our check
         declared_pixels = re.search(r"\((\d+) pixels\)", str(exc))
         return _too_many_pixels(field, declared_pixels.group(1) if declared_pixels else "too many", limits)
-    except Image.UnidentifiedImageError:
+    except UnidentifiedImageError:
         return ImageProblem("UndecodableImage", f"{field}: not an image Pillow can read ({declared} declared)")
     except (OSError, SyntaxError, ValueError) as exc:
         return ImageProblem("UndecodableImage", f"{field}: {type(exc).__name__}: {exc}"[:500])
