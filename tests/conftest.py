@@ -71,7 +71,14 @@ def logs_dir(tmp_path: Path) -> Path:
 # first, on a worker each; the rest follows in file order. (xdist's own `loadgroup` cannot do this with pytest 9.2:
 # it tags node ids through `Item._nodeid`, which pytest no longer reads.)
 _VLLM_FILES = frozenset(
-    {"test_api_vllm.py", "test_demo.py", "test_vllm_generate.py", "test_vllm_options.py", "test_vllm_pooling.py"}
+    {
+        "test_api_vllm.py",
+        "test_demo.py",
+        "test_vllm_generate.py",
+        "test_vllm_images.py",
+        "test_vllm_options.py",
+        "test_vllm_pooling.py",
+    }
 )
 _NETNS_FILES = frozenset({"test_partitions.py", "test_liveness_chaos.py", "test_lossy_link.py"})
 _FIRST = {"vllm": 0, "netns": 1}
