@@ -251,6 +251,13 @@ class BatchingConfig(_Frozen):
             "0.5 s), so memory never grows with topic size."
         ),
     )
+    max_in_flight_bytes: int = Field(
+        256 << 20,
+        ge=1 << 20,
+        description="Payload bytes of the records buffered, inferring or committing; at it no more are taken, as "
+        "at `max_in_flight_records` (a topic of 5 MB images reaches this first). librdkafka's prefetch adds "
+        "about 1 MB, or one record per partition when records are larger.",
+    )
     pipeline_depth: int = Field(
         2,
         ge=1,

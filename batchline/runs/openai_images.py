@@ -55,4 +55,3 @@ def _part(url: Any, detail: Any, where: str) -> dict[str, Any]:
             f"{where}.detail", f"{detail!r} is not honoured (the model's processor sets the resolution): auto"
         )
     return {"type": "image_url", "image_url": {"url": url, **({"detail": detail} if detail else {})}}
-
