@@ -34,7 +34,7 @@ from typing import Any
 
 from batchline.config import JobConfig
 from consumers.engines.base import EngineInput, EngineOutput, Options, Outcome
-from consumers.engines.vllm_chat import enqueue as enqueue_chat
+from consumers.engines.vllm_chat import add as add_chat
 from consumers.engines.vllm_chat import has_image_parts
 from consumers.engines.vllm_records import by_similarity, choice_of, constraint, field_of, tool_parser
 from consumers.engines.vllm_watchdog import Watchdog, is_oom
@@ -294,7 +294,7 @@ class VLLMEngine:
                     if has_image_parts(inp.messages):  # vLLM's chat path places the images (no token ids here)
                         assert inp.messages is not None
                         tools = list(inp.options.tools) if inp.options is not None and inp.options.tools else None
-                        request_id = enqueue_chat(self._llm, inp.messages, params, tools)
+                        add_chat(self._llm, request_id, inp.messages, params, tools)
                     else:
                         engine.add_request(request_id, self._vllm.TokensPrompt(prompt_token_ids=tokens), params)
                 except Exception as exc:  # this record's parameters alone
@@ -346,7 +346,9 @@ class VLLMEngine:
         try:
             params = self._sampling(inp, 0)
             tools = list(inp.options.tools) if inp.options is not None and inp.options.tools else None
-            request_id = enqueue_chat(self._llm, inp.messages, params, tools)
+            params.output_kind = self._final_only  # only finished records come back from step()
+            request_id = f"r{key}"
+            add_chat(self._llm, request_id, inp.messages, params, tools)
         except Exception as exc:  # vLLM refused this request alone (its images, its length, its parameters)
             return self._refused(exc, inp)
         self._keys[key] = [request_id]

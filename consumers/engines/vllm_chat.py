@@ -1,7 +1,7 @@
 """Chat records with image parts on vLLM: the conversation as vLLM's chat handler takes it (OpenAI's parts, images
-as data URLs), added through ``LLM.enqueue_chat`` - the path ``LLM.chat`` takes - so the model's chat template
-places the images and vLLM's processor turns them into the model's inputs (``multi_modal_data``), with image
-tokens counted in the prompt as vLLM counts them.
+as data URLs), rendered by the function ``LLM.chat`` renders with and added under the engine's own request id, so
+the model's chat template places the images and vLLM's processor turns them into the model's inputs
+(``multi_modal_data``), with image tokens counted in the prompt as vLLM counts them.
 
 Text-only records keep the engine's own path (``TokensPrompt`` of the tokenized chat template).
 """
@@ -37,7 +37,12 @@ def conversation(messages: Sequence[ChatMessageLike]) -> list[dict[str, Any]]:
     return out
 
 
-def enqueue(llm: Any, messages: Sequence[ChatMessageLike], params: Any, tools: list[Any] | None) -> str:
-    """Add one chat record to ``llm``'s engine as ``LLM.chat`` would; returns vLLM's request id."""
-    ids: list[str] = llm.enqueue_chat(conversation(messages), params, use_tqdm=False, tools=tools)
-    return ids[0]
+def add(llm: Any, request_id: str, messages: Sequence[ChatMessageLike], params: Any, tools: list[Any] | None) -> None:
+    """Add one chat record to ``llm``'s engine under ``request_id``, its prompt rendered as ``LLM.chat`` renders it.
+
+    ``LLM._preprocess_chat_one`` is the function ``LLM.chat`` and ``LLM.enqueue_chat`` render with (vLLM 0.32,
+    the release the ``gpu``/``cpu`` extras pin). ``enqueue_chat`` itself is not used: it returns vLLM's internal
+    request id (the external one plus a random suffix) while ``LLMEngine.step`` reports the external one, and it
+    numbers requests itself, so its records could not be told apart from ours in ``step``'s outputs."""
+    prompt = llm._preprocess_chat_one(conversation(messages), tools=tools)
+    llm.llm_engine.add_request(request_id, prompt, params)
