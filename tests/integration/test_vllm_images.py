@@ -23,7 +23,7 @@ from batchline.runs.submit import submit_file
 from tests.support.images import bad_corpus, chat, data_url, png
 from tests.support.kafka import dead_letters, results
 from tests.support.models import run_worker
-from tests.support.vlm import build_tiny_vlm
+from tests.support.vlm import IMAGE_TOKENS, build_tiny_vlm
 
 pytest.importorskip("vllm")
 pytestmark = pytest.mark.vllm
@@ -43,6 +43,8 @@ temperature = 0
 [batching]
 max_records = 16
 linger_ms = 200
+[retry]
+tiers = ["1s", "2s"]
 """
 
 
@@ -79,7 +81,7 @@ def test_image_records_equal_llm_chat_token_for_token_and_bad_images_dead_letter
 ) -> None:
     from vllm import SamplingParams
 
-    topics = make_job(job_name, partitions=2)
+    topics = make_job(job_name, partitions=2, tiers=("1s", "2s"))
     cfg = load_job_config(job_name, _config(tmp_path / "job.toml", tiny_vlm))
     good = {f"img-{i}": _messages(i, color) for i, color in enumerate(COLORS)}
     good["text-only"] = [{"role": "user", "content": "where is my parcel?"}]
@@ -150,3 +152,48 @@ def test_an_image_record_the_model_cannot_fit_fails_alone(engine: Any) -> None:
             ordered = engine.infer(inputs)
         assert isinstance(ordered[0], EngineOutput) and isinstance(ordered[2], EngineOutput), ordered
         assert isinstance(ordered[1], Failure) and ordered[1].failure_class == "invalid_input", ordered[1]
+
+
+def test_an_openai_batch_with_image_lines_completes_through_the_sdk(
+    kafka: KafkaSettings,
+    job_name: str,
+    make_job: Callable[..., JobTopics],
+    tmp_path: Path,
+    logs_dir: Path,
+    tiny_vlm: Path,
+    engine: Any,
+) -> None:
+    """``batchline api`` with a worker and the streams: a chat batch whose lines carry image_url parts completes;
+    each output line validates as the SDK's ``ChatCompletion``, its prompt tokens with the image's."""
+    from openai.types.chat import ChatCompletion
+
+    from tests.support.api import ApiServer, jsonl, wait_batch, write_lines
+    from tests.support.procs import CliProcess
+
+    engine.close()  # one vLLM at a time on this machine: the worker process starts its own
+    make_job(job_name, partitions=1, tiers=("1s", "2s"))
+    cfg = _config(tmp_path / "job.toml", tiny_vlm)
+    api = ApiServer(kafka.bootstrap, logs_dir / "api.log", {"tiny-vlm": job_name}, {job_name: cfg}, prefix=job_name)
+    n = 6
+    lines = [
+        json.dumps({"custom_id": f"img-{i}", "method": "POST", "url": "/v1/chat/completions",
+                    "body": {"model": "tiny-vlm", "messages": _messages(i, COLORS[i]), "max_tokens": 8}})
+        for i in range(n)
+    ]  # fmt: skip
+    with api:
+        client = api.client()
+        with write_lines(tmp_path / "in.jsonl", lines).open("rb") as fh:
+            upload = client.files.create(file=fh, purpose="batch")
+        batch = client.batches.create(input_file_id=upload.id, endpoint="/v1/chat/completions", completion_window="24h")
+        args = [["streams", job_name, "--config", str(cfg)], ["worker", job_name, "--config", str(cfg)]]
+        with (
+            CliProcess(args[0], kafka.bootstrap, logs_dir / "streams.log"),
+            CliProcess(args[1], kafka.bootstrap, logs_dir / "worker.log"),
+        ):
+            done = wait_batch(client, batch.id, {"completed"}, 600.0)
+        assert done.request_counts is not None and done.request_counts.completed == n, done
+        output = jsonl(client.files.content(done.output_file_id).text)
+    assert sorted(line["custom_id"] for line in output) == [f"img-{i}" for i in range(n)]
+    for line in output:
+        body = ChatCompletion.model_validate(line["response"]["body"])
+        assert body.usage is not None and body.usage.prompt_tokens > 4 + IMAGE_TOKENS and body.choices[0].message
