@@ -84,3 +84,50 @@ def test_good_and_bad_image_records_each_end_once_where_expected(
     output = {rid: copies[0][0].output for rid, copies in outcomes.results.items()}
     assert output["avro-red"] == output["json-0"], "the same image as bytes and as a data URL"
     assert len({output[f"json-{i}"] for i in range(6)}) == 6, "different images, different outputs"
+
+
+def test_what_a_worker_holds_is_bounded_by_bytes_while_a_topic_of_large_images_flows(
+    kafka: KafkaSettings, job_name: str, make_job: Callable[..., JobTopics], tmp_path: Path
+) -> None:
+    """A slow engine behind a topic of ~400 KB image records: the worker holds (buffered, inferring, committing)
+    about ``batching.max_in_flight_bytes``, not ``max_in_flight_records`` of them; with a large byte bound the same
+    run holds many times more (the bound is what limits it). Every record ends once as a result either way."""
+    import threading
+
+    from batchline.config import load_job_config
+    from consumers.worker import Worker
+
+    image = data_url(_noise_png(400_000))
+    record_bytes = len(image) + 200
+    n = 48
+    peaks = {}
+    for bound in (2 << 20, 256 << 20):
+        job = f"{job_name}-{bound >> 20}m"
+        topics = make_job(job, partitions=1, tiers=("1s", "2s"))
+        extra = f"\n[limits]\nmax_image_bytes = {MAX_IMAGE_BYTES * 4}\n"
+        cfg_path = job_toml(tmp_path / f"{job}.toml", kwargs="batch_latency_ms = 150", max_records=2, extra=extra)
+        cfg = load_job_config(job, cfg_path, {"batching.max_in_flight_bytes": bound})
+        records = [(f"big-{i}".encode(), json.dumps({"id": f"big-{i}", "messages": chat(image, f"image {i}")}).encode())
+                   for i in range(n)]  # fmt: skip
+        produce_raw(kafka, topics.requests, records)
+        worker = Worker(cfg, kafka, idle_exit_s=3)
+        held: list[int] = []
+        done = threading.Event()
+
+        def sample(w: Worker = worker, out: list[int] = held, stop: threading.Event = done) -> None:
+            while not stop.wait(0.005):
+                out.append(w._held_bytes())
+
+        sampler = threading.Thread(target=sample, daemon=True)
+        sampler.start()
+        try:
+            worker.run()
+        finally:
+            done.set()
+            sampler.join(5)
+        outcomes = assert_exactly_once(kafka.bootstrap, topics, {f"big-{i}" for i in range(n)})
+        assert set(outcomes.placed().values()) == {"result"}
+        peaks[bound] = max(held)
+    # at the bound, more records are taken only while under it: at most about one poll's worth over it
+    assert peaks[2 << 20] <= (2 << 20) + 3 * record_bytes, peaks
+    assert peaks[256 << 20] > 2 * peaks[2 << 20], peaks  # measured: 2.1 MB against 10.7 MB
