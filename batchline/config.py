@@ -261,6 +261,19 @@ class LimitsConfig(_Frozen):
         description="Cap on a record's completion tokens, whatever it asks. Unset: a record runs to the model's "
         "context (`engine.max_model_len`) at most, as vLLM does.",
     )
+    max_image_bytes: int = Field(
+        8 << 20,
+        ge=1,
+        description="Largest encoded image per part (bytes, after base64 decoding). A record's payload must also "
+        "fit `max_request_bytes` (a data URL is 4/3 of its image).",
+    )
+    max_image_pixels: int = Field(
+        4096 * 4096,
+        ge=1,
+        description="Most pixels per image, read from its header before it is decoded (a decompression bomb costs "
+        "a header read). Decoding one takes up to ~4 bytes a pixel on the worker while it is checked.",
+    )
+    max_images_per_message: int = Field(8, ge=0, description="Image parts in one chat message at most.")
 
 
 class BatchingConfig(_Frozen):
@@ -278,6 +291,13 @@ class BatchingConfig(_Frozen):
             "Records buffered, inferring or committing; at it no more are taken (partitions pause if it lasts "
             "0.5 s), so memory never grows with topic size."
         ),
+    )
+    max_in_flight_bytes: int = Field(
+        256 << 20,
+        ge=1 << 20,
+        description="Payload bytes of the records buffered, inferring or committing; at it no more are taken, as "
+        "at `max_in_flight_records` (a topic of 5 MB images reaches this first). librdkafka's prefetch adds "
+        "about 1 MB, or one record per partition when records are larger.",
     )
     pipeline_depth: int = Field(
         2,

@@ -47,14 +47,15 @@ class Admission:
         self.clock = clock
         self._full_since: float | None = None  # when the worker last reached max_in_flight_records (flow control)
 
-    def flow_control(self, held: int) -> None:
-        """``held``: the records the worker holds uncommitted (buffered, inferring, committing). At the limit,
-        records are no longer taken (:meth:`consumers.worker.Worker._poll`); still full FLOW_PAUSE_AFTER_S later,
-        the partitions pause (polling goes on), and they resume below half the limit."""
+    def flow_control(self, held: int, held_bytes: int = 0) -> None:
+        """``held``: the records the worker holds uncommitted (buffered, inferring, committing), ``held_bytes`` their
+        payloads' bytes. At either limit, records are no longer taken (:meth:`consumers.worker.Worker._poll`); still
+        full FLOW_PAUSE_AFTER_S later, the partitions pause (polling goes on), and they resume below half of both."""
         limit = self.config.batching.max_in_flight_records
-        if held < limit:
+        byte_limit = self.config.batching.max_in_flight_bytes
+        if held < limit and held_bytes < byte_limit:
             self._full_since = None
-            if held < limit // 2:
+            if held < limit // 2 and held_bytes < byte_limit // 2:
                 self.pauses.lift("flow")
         elif self._full_since is None:
             self._full_since = self.clock()

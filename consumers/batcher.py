@@ -11,7 +11,7 @@ from collections import deque
 from collections.abc import Callable, Iterable, Iterator
 
 from batchline.config import BatchingConfig
-from consumers.work import WorkItem
+from consumers.work import WorkItem, payload_bytes
 
 
 class Batcher:
@@ -21,6 +21,7 @@ class Batcher:
         self._items: deque[tuple[float, WorkItem]] = deque()
         self._runnable = 0
         self._tokens = 0
+        self._bytes = 0  # payload bytes buffered (batching.max_in_flight_bytes)
 
     def __len__(self) -> int:
         return len(self._items)
@@ -31,14 +32,21 @@ class Batcher:
     def extend(self, items: Iterable[WorkItem]) -> None:
         """Buffer ``items``, delivered together (one poll): they share one arrival time."""
         now, append = self.clock(), self._items.append
-        runnable = tokens = 0
+        runnable = tokens = size = 0
         for item in items:
             append((now, item))
+            size += len(item.payload)
             if item.runnable:
                 runnable += 1
                 tokens += item.prompt_tokens
         self._runnable += runnable
         self._tokens += tokens
+        self._bytes += size
+
+    @property
+    def bytes(self) -> int:
+        """Payload bytes buffered."""
+        return self._bytes
 
     def full(self) -> bool:
         return self._runnable >= self.config.max_records or self._tokens >= self.config.max_prompt_tokens
@@ -81,6 +89,7 @@ class Batcher:
             batch.append(self._items.popleft()[1])
         self._runnable -= runnable
         self._tokens -= tokens
+        self._bytes -= payload_bytes(batch)
         return batch, runnable, tokens
 
     def drop(self, partitions: Iterable[tuple[str, int]]) -> int:
@@ -91,4 +100,5 @@ class Batcher:
         self._items = deque(keep)
         self._runnable = sum(1 for _, i in keep if i.runnable)
         self._tokens = sum(i.prompt_tokens for _, i in keep if i.runnable)
+        self._bytes = payload_bytes(i for _, i in keep)
         return dropped

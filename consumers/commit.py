@@ -48,7 +48,7 @@ from batchline.telemetry import Health, WorkerMetrics, traceparent_of
 from consumers.batch_report import BatchReport
 from consumers.infer import Flight
 from consumers.route import BatchContext, Produced, Router
-from consumers.work import WorkerStats
+from consumers.work import WorkerStats, payload_bytes
 
 log = logging.getLogger(__name__)
 COMMIT_GROUP_RECORDS = 2048  # finished micro-batches committed in one transaction, at most this many records
@@ -142,6 +142,7 @@ class CommitLine:
         self._line: deque[_Txn] = deque()  # queued, not yet harvested, oldest first (worker thread)
         self._committing = 0  # flights in _line
         self._held = 0  # records in _flights: read by the metrics' thread too (an int, never a half-updated sum)
+        self._held_bytes = 0  # their payload bytes (batching.max_in_flight_bytes), read the same way
         self._cond = threading.Condition()
         self._queue: deque[_Txn] = deque()  # to commit, its head committing while _busy (under _cond)
         self._busy = False
@@ -158,6 +159,7 @@ class CommitLine:
         """``flight`` was handed to the engine: it is on the line until it commits or is dropped."""
         self._flights.append(flight)
         self._held += len(flight.items)
+        self._held_bytes += payload_bytes(flight.items)
 
     def __len__(self) -> int:
         """Micro-batches launched and not yet committed."""
@@ -166,6 +168,10 @@ class CommitLine:
     def held(self) -> int:
         """Records launched and not yet committed (inferring or committing)."""
         return self._held
+
+    def held_bytes(self) -> int:
+        """The payload bytes of the records :meth:`held` counts."""
+        return self._held_bytes
 
     def committing(self) -> int:
         """Micro-batches routed into transactions not yet harvested (queued or committing)."""
@@ -211,7 +217,9 @@ class CommitLine:
                 self._committing = 0
                 return txn.error
             for _ in txn.flights:
-                self._held -= len(self._flights.popleft().items)
+                committed = self._flights.popleft()
+                self._held -= len(committed.items)
+                self._held_bytes -= payload_bytes(committed.items)
             self.report.close(txn.spans, txn.started_ns, txn.ended_ns, None)
             self.report.committed(txn.flights, txn.produced())
         return None
@@ -230,7 +238,7 @@ class CommitLine:
         assert not self._line, "drop() after drain(): nothing may be committing"
         flights = list(self._flights)
         self._flights.clear()
-        self._held = 0
+        self._held = self._held_bytes = 0
         return flights
 
     def fence_left_open(self) -> None:
@@ -259,7 +267,7 @@ class CommitLine:
         self._committing = 0
         flights = list(self._flights)
         self._flights.clear()
-        self._held = 0
+        self._held = self._held_bytes = 0
         return flights
 
     def close(self, timeout: float = 60.0) -> None:

@@ -2,7 +2,8 @@
 
 Nothing raised here: a bad record becomes a WorkItem with an ``invalid_input`` failure, so it rides in its
 batch (its offset is committed with its neighbours') and leaves as a dead letter. That includes a record whose own
-options this job cannot honour (``batchline.runs.request_options``): refused by name, never ignored.
+options this job cannot honour (``batchline.runs.request_options``): refused by name, never ignored; and a record
+with an image a worker must not pass on (``schemas.images``: remote, too large, a bomb, undecodable).
 """
 
 from __future__ import annotations
@@ -18,6 +19,8 @@ from consumers.engines.adapters import AdapterBook, adapter_failure
 from consumers.options import refused
 from consumers.work import Failure, Source, WorkItem
 from schemas.codec import DecodeError, decode_request, fallback_id
+from schemas.images import ImageLimits, has_images
+from schemas.images import problem as image_problem
 
 TokenCounter = Callable[[str], int]
 
@@ -41,6 +44,8 @@ class Intake:
         self._max_bytes = config.max_request_bytes
         self._template = config.engine.prompt_template
         self._max_model_len = config.engine.max_model_len
+        limits = config.limits
+        self._image_limits = ImageLimits(limits.max_image_bytes, limits.max_image_pixels, limits.max_images_per_message)
 
     def admit(self, msg: Message) -> WorkItem:
         raw_headers = msg.headers()
@@ -76,6 +81,11 @@ class Intake:
         if not request.plain and (failure := refused(request, self.config)) is not None:
             item.failure = failure
             return item
+        if request.messages is not None and has_images(request.messages):
+            found = image_problem(request.messages, self._image_limits)
+            if found is not None:
+                item.failure = Failure("invalid_input", found.error_type, found.message)
+                return item
         item.prompt = prompt = render_prompt(self._template, request.input_text)
         if request.inputs is None:
             item.prompt_tokens = tokens = self.count_tokens(prompt)

@@ -19,7 +19,7 @@ from batchline.kafka import headers as h
 from batchline.kafka.record_size import headers_size, length_size, sized
 from batchline.kafka.topics import JobTopics
 from batchline.runs.control import STOP_CLASSES
-from batchline.runs.identity import Fingerprint
+from batchline.runs.identity import Fingerprint, processor_digest
 from consumers.engines.base import EngineOutput, Outcome
 from consumers.exceptions import MissingOutcome
 from consumers.work import Failure, WorkItem
@@ -66,7 +66,10 @@ class Router:
         self.routes = config.retry.routes
         self.worker_id = worker_id
         self._results = ResultEncoder(config.task)
-        self._lineage = LineageEncoder(fingerprint.as_dict() | {"worker_id": worker_id})
+        self._processor = processor_digest(config.engine.model)
+        self._lineage = LineageEncoder(
+            fingerprint.as_dict() | {"worker_id": worker_id, "processor_digest": self._processor}
+        )
         self._fixed_headers: h.Headers = [
             (h.MODEL, fingerprint.model_id.encode()),
             (h.CONFIG_DIGEST, fingerprint.config_digest.encode()),
@@ -113,6 +116,7 @@ class Router:
             batch_id=ctx.batch_id,
             adapter=item.adapter.name if item.adapter else None,
             adapter_digest=item.adapter.digest if item.adapter else None,
+            processor_digest=self._processor,
         )
 
     @staticmethod

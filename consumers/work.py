@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+from collections.abc import Iterable
 from dataclasses import dataclass, field
 from datetime import datetime
 from typing import TYPE_CHECKING, Literal, NamedTuple
@@ -100,3 +101,8 @@ class WorkerStats:
     sink_failures: int = 0
     rewinds: int = 0
     by_kind: dict[str, int] = field(default_factory=dict)
+
+
+def payload_bytes(items: Iterable[WorkItem]) -> int:
+    """The bytes of the records' payloads: what holding them costs (``batching.max_in_flight_bytes``)."""
+    return sum(len(item.payload) for item in items)

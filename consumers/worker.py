@@ -138,6 +138,7 @@ class Worker(WorkerParts):
             self.kafka,
             in_flight=self._held,
             assigned=lambda: list(self.pauses.assigned),
+            in_flight_bytes=self._held_bytes,
         )
         try:
             self._follow_engine()  # an engine given ready-made: subscribe now
@@ -149,7 +150,8 @@ class Worker(WorkerParts):
                 self._follow_schedule()  # time windows and lanes
                 self._dispatch()  # ready micro-batches -> the engine and the commit line
                 self._commit()  # committed micro-batches off the line, finished ones queued to commit
-                self.admission.flow_control(self._held())  # pause above max_in_flight_records, resume below half
+                # pause above max_in_flight_records or _bytes, resume below half
+                self.admission.flow_control(self._held(), self._held_bytes())
             self._drain()
         except (BatchlineError, KafkaException) as exc:
             # nothing more is committed: the partitions' next owner re-reads it; with the broker fine (the engine
@@ -230,7 +232,7 @@ class Worker(WorkerParts):
         self.pauses.wake_fetchers()  # partitions resumed since the last poll fetch at once
         # At max_in_flight_records nothing more is taken while the partitions fetch; paused ones deliver nothing, so
         # consume() is called as usual then: it also serves the rebalance callbacks.
-        room = self.config.batching.max_in_flight_records - self._held()
+        room = self._room()
         want = min(POLL_BATCH, room) if self.pauses.fetching() else POLL_BATCH
         msgs = self.consumer.consume(want, 0) if want > 0 else []
         if not msgs and not self._work_ready():
@@ -278,6 +280,22 @@ class Worker(WorkerParts):
     def _held(self) -> int:
         """Records this worker holds uncommitted: buffered, inferring, or committing."""
         return len(self.batcher) + self.commits.held()
+
+    def _held_bytes(self) -> int:
+        """The payload bytes of the records :meth:`_held` counts."""
+        return self.batcher.bytes + self.commits.held_bytes()
+
+    def _room(self) -> int:
+        """Records that may be taken now: under ``max_in_flight_records``, and under ``max_in_flight_bytes`` at the
+        size of the records held so far (none at either limit)."""
+        batching = self.config.batching
+        held, size = self._held(), self._held_bytes()
+        room = batching.max_in_flight_records - held
+        if size >= batching.max_in_flight_bytes:
+            return 0
+        if held and size:
+            room = min(room, max(1, (batching.max_in_flight_bytes - size) * held // size))
+        return room
 
     # -- scheduling ------------------------------------------------------------------------------
     def _follow_schedule(self) -> None:

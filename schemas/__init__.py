@@ -4,6 +4,7 @@ from schemas.codec import AvroCodec, DecodeError, codec_for
 from schemas.fast import ChatMessageLike, RequestLike, SamplingLike
 from schemas.models import (
     ChatMessage,
+    ContentPart,
     DeadLetter,
     Lineage,
     PartitionBoundary,
@@ -19,6 +20,7 @@ __all__ = [
     "AvroCodec",
     "ChatMessage",
     "ChatMessageLike",
+    "ContentPart",
     "DeadLetter",
     "DecodeError",
     "Lineage",

@@ -41,6 +41,7 @@ LINEAGE_FIELDS = (
     "batch_id",
     "adapter",
     "adapter_digest",
+    "processor_digest",
 )
 _CONSTANT = LINEAGE_FIELDS[1:9]
 _NO_ADAPTER = b"\x00\x00"  # adapter and adapter_digest: both null
@@ -251,10 +252,11 @@ class LineageEncoder:
             fastavro.schemaless_writer(middle, fastavro.parse_schema(types[name]), constants[name])
         self._middle = middle.getvalue()
         self._worker = avro_string(constants["worker_id"])
+        self._tail = avro_optional_string(constants.get("processor_digest"))  # the last field: constant too
         # everything before the source offset, per (run, topic, partition); everything after it, per batch
         self._prefixes: dict[tuple[str | None, str, int], bytes] = {}
         self._batch: tuple[str, bytes] = ("", self._worker + avro_string(""))
-        self._adapters: dict[tuple[str, str], bytes] = {}  # (name, digest) -> the two last fields
+        self._adapters: dict[tuple[str, str], bytes] = {}  # (name, digest) -> the adapter's two fields and the tail
 
     def encode(
         self,
@@ -276,10 +278,11 @@ class LineageEncoder:
         if batch[0] != batch_id:
             batch = self._batch = (batch_id, self._worker + avro_string(batch_id))
         if adapter is None:
-            return prefix + zigzag(offset) + batch[1] + _NO_ADAPTER
+            return prefix + zigzag(offset) + batch[1] + _NO_ADAPTER + self._tail
         tail = self._adapters.get(adapter)
         if tail is None:
             if len(self._adapters) > 4096:
                 self._adapters.clear()
-            tail = self._adapters[adapter] = avro_optional_string(adapter[0]) + avro_optional_string(adapter[1])
+            tail = avro_optional_string(adapter[0]) + avro_optional_string(adapter[1]) + self._tail
+            self._adapters[adapter] = tail
         return prefix + zigzag(offset) + batch[1] + tail

@@ -31,7 +31,7 @@ from msgspec import Meta
 ADAPTER_NAME_PATTERN = r"^[A-Za-z0-9][A-Za-z0-9._-]{0,127}$"
 
 if TYPE_CHECKING:
-    from schemas.models import StructuredOutput
+    from schemas.models import ContentPart, StructuredOutput
 
 __all__ = ["ChatMessage", "ChatMessageLike", "Request", "RequestLike", "SamplingLike", "SamplingOverrides", "decode"]
 
@@ -44,6 +44,12 @@ class ChatMessageLike(Protocol):
 
     @property
     def content(self) -> str: ...
+
+    @property
+    def parts(self) -> Sequence[ContentPart] | None: ...
+
+    @property
+    def text(self) -> str: ...
 
 
 class SamplingLike(Protocol):
@@ -155,8 +161,16 @@ class RequestLike(Protocol):
 
 
 class ChatMessage(msgspec.Struct, frozen=True, forbid_unknown_fields=True):
+    """Text content only: a message with parts (a list ``content``) is refused here and takes the pydantic path."""
+
     role: Annotated[str, Meta(min_length=1, max_length=64)]
     content: str
+
+    parts = None  # not a field: a class attribute, as on the model when there are no parts
+
+    @property
+    def text(self) -> str:
+        return self.content
 
 
 class SamplingOverrides(msgspec.Struct, frozen=True, forbid_unknown_fields=True):

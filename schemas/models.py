@@ -5,10 +5,11 @@ Field names match the ``.avsc`` files one to one; a unit test keeps them in step
 
 from __future__ import annotations
 
+import base64
 import hashlib
 import json
 from datetime import datetime
-from typing import Annotated, Any
+from typing import Annotated, Any, Literal
 
 from pydantic import BaseModel, ConfigDict, Field, StringConstraints, field_validator, model_validator
 
@@ -30,9 +31,96 @@ class _Record(BaseModel):
     model_config = ConfigDict(frozen=True, extra="forbid")
 
 
+class ContentPart(_Record):
+    """One part of a chat message's content, as OpenAI's chat parts name them: ``text`` (its ``text``),
+    ``image_url`` (``url``: a ``data:`` URL; a remote one is refused, the worker fetches nothing) or ``image``
+    (``data``: the encoded image bytes, with their ``media_type``; Avro records only). ``detail`` is OpenAI's
+    (``auto`` only: the model's processor decides the resolution). Images are checked against the job's
+    ``[limits]`` at intake (``schemas.images``)."""
+
+    type: Literal["text", "image_url", "image"]
+    text: str | None = None
+    url: str | None = None
+    data: bytes | None = None
+    media_type: str | None = None
+    detail: str | None = None
+
+    @model_validator(mode="before")
+    @classmethod
+    def _openai_shape(cls, raw: Any) -> Any:
+        # {"type": "image_url", "image_url": {"url": ..., "detail": ...}} (or "image_url": "...") -> flat fields
+        if isinstance(raw, dict) and raw.get("type") == "image_url" and "image_url" in raw:
+            inner = raw["image_url"]
+            flat = {k: v for k, v in raw.items() if k != "image_url"}
+            if isinstance(inner, str):
+                return flat | {"url": inner}
+            if isinstance(inner, dict):
+                unknown = set(inner) - {"url", "detail"}
+                if unknown:
+                    raise ValueError(f"image_url.{sorted(unknown)[0]}: not a field of an image_url part")
+                return flat | inner
+        return raw
+
+    @model_validator(mode="after")
+    def _fields_of_type(self) -> ContentPart:
+        wanted = {"text": ("text",), "image_url": ("url",), "image": ("data", "media_type")}[self.type]
+        for name in wanted:
+            if getattr(self, name) is None:
+                raise ValueError(f"a {self.type} part needs {name}")
+        stray = [n for n in ("text", "url", "data", "media_type", "detail") if n not in wanted and getattr(self, n)]
+        if stray and stray != ["detail"]:
+            raise ValueError(f"{stray[0]} is not a field of a {self.type} part")
+        if self.detail is not None and self.type == "text":
+            raise ValueError("detail is not a field of a text part")
+        return self
+
+
 class ChatMessage(_Record):
+    """A chat message: ``content`` text, or (``content`` empty) ``parts`` of text and images. JSON records may
+    write OpenAI's shape, ``content`` as a list of parts; it is read into ``parts``."""
+
     role: Annotated[str, StringConstraints(min_length=1, max_length=64)]
     content: str
+    parts: Annotated[list[ContentPart], Field(min_length=1)] | None = None
+
+    @model_validator(mode="before")
+    @classmethod
+    def _content_parts(cls, raw: Any) -> Any:
+        if isinstance(raw, dict) and isinstance(raw.get("content"), list):
+            if raw.get("parts") is not None:
+                raise ValueError("content as a list of parts and parts: give one")
+            return {k: v for k, v in raw.items() if k != "content"} | {"content": "", "parts": raw["content"]}
+        return raw
+
+    @model_validator(mode="after")
+    def _text_or_parts(self) -> ChatMessage:
+        if self.parts is not None and self.content:
+            raise ValueError("a message with parts has empty content (its text is in text parts)")
+        return self
+
+    @property
+    def text(self) -> str:
+        """The message as text: its content, or its parts joined, each image as its digest (for token counts,
+        hashing and the deterministic engine: different images give different text)."""
+        if self.parts is None:
+            return self.content
+        return "\n".join(p.text if p.type == "text" else image_tag(p) for p in self.parts)  # type: ignore[misc]
+
+
+def image_tag(part: ContentPart) -> str:
+    """``<image:...>`` with a digest of the image's bytes (a data URL's decoded payload, so the same image
+    written as bytes or as a data URL has the same tag); a URL that is not base64 data is hashed as written."""
+    payload: bytes
+    if part.data is not None:
+        payload = part.data
+    else:
+        url = part.url or ""
+        head, _, body = url.partition(",")
+        try:
+            payload = base64.b64decode(body, validate=True) if head.endswith(";base64") else url.encode()
+        except ValueError:
+            payload = url.encode()
+    return f"<image:{hashlib.sha256(payload).hexdigest()[:16]}>"
 
 
 class SamplingOverrides(_Record):
@@ -192,7 +280,7 @@ class Request(_Record):
     def input_text(self) -> str:
         """The record's input as one string (chat messages joined), for token counting and hashing."""
         if self.messages is not None:
-            return "\n".join(f"{m.role}: {m.content}" for m in self.messages)
+            return "\n".join(f"{m.role}: {m.text}" for m in self.messages)
         if self.inputs is not None:
             return "\n".join(self.inputs)
         return self.prompt if self.prompt is not None else (self.text or "")
@@ -317,6 +405,7 @@ class Lineage(_Record):
     batch_id: str
     adapter: str | None = None  # the LoRA adapter that made the output, and the digest of its config and weights
     adapter_digest: str | None = None
+    processor_digest: str | None = None  # the model's processor configuration, when it has one (images)
 
 
 class PartitionBoundary(_Record):

@@ -77,6 +77,7 @@ _VLLM_FILES = frozenset(
         "test_vllm_adapters.py",
         "test_vllm_generate.py",
         "test_vllm_idle_exit.py",
+        "test_vllm_images.py",
         "test_vllm_options.py",
         "test_vllm_pooling.py",
     }

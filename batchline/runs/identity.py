@@ -17,6 +17,7 @@ from typing import Any
 
 from batchline.config import JobConfig
 
+_PROCESSOR_FILES = ("preprocessor_config.json", "processor_config.json")  # how images become model inputs
 _MODEL_FILES = (
     "config.json",
     "generation_config.json",
@@ -25,6 +26,7 @@ _MODEL_FILES = (
     "model.safetensors.index.json",
     "pytorch_model.bin.index.json",
     "modules.json",
+    *_PROCESSOR_FILES,
 )
 _WEIGHT_SUFFIXES = (".safetensors", ".bin", ".pt", ".gguf")
 # vLLM options that change speed or memory, not what a record's output is. The LoRA limits are among them: a
@@ -69,6 +71,21 @@ def model_digest(model: str | None) -> str:
     for f in sorted(root.rglob("*")):
         if f.is_file() and f.suffix in _WEIGHT_SUFFIXES:
             h.update(f"{f.relative_to(root)}:{f.stat().st_size}".encode())
+    return h.hexdigest()[:16]
+
+
+def processor_digest(model: str | None) -> str | None:
+    """Digest of a local model directory's processor configuration (how images become the model's inputs), or
+    None when it has none (a text-only model). Named in each result's lineage; the model digest covers it too."""
+    root = Path(model) if model else None
+    if root is None or not root.is_dir():
+        return None
+    found = [(name, root / name) for name in _PROCESSOR_FILES if (root / name).is_file()]
+    if not found:
+        return None
+    h = hashlib.sha256()
+    for name, f in found:
+        h.update(name.encode() + b"\0" + f.read_bytes())
     return h.hexdigest()[:16]
 
 

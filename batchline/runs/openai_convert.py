@@ -135,30 +135,41 @@ def messages(value: Any, line: Line, param: str) -> None:
             raise invalid(f"{where}.role", "must be a string")
         if role not in ROLES:
             raise unsupported(f"{where}.role", f"{role!r} is not served (system, developer, user, assistant)")
-        out.append({"role": ROLES[role], "content": _content(message.get("content"), f"{where}.content")})
+        out.append({"role": ROLES[role], "content": _content(message.get("content"), f"{where}.content", role)})
     line.put("messages", out, param)
 
 
-def _content(value: Any, param: str) -> str:
-    """A string, or text parts joined by newlines (as vLLM's chat server joins them)."""
+def _content(value: Any, param: str, role: str = "user") -> str | list[dict[str, Any]]:
+    """A string, or text parts joined by newlines (as vLLM's chat server joins them); a user message with
+    ``image_url`` parts keeps its parts (``batchline.runs.openai_images``)."""
+    from batchline.runs.openai_images import chat_image  # it raises this module's errors
+
     if isinstance(value, str):
         return value
     if not isinstance(value, list) or not value:
         raise invalid(param, "must be a string or a non-empty list of text parts")
     texts = []
+    parts: list[dict[str, Any]] = []
     for i, part in enumerate(value):
         where = f"{param}[{i}]"
         if not isinstance(part, dict):
             raise invalid(where, "must be a content part object")
         kind = part.get("type")
+        if kind == "image_url" and role == "user":
+            parts.append(chat_image(part, where))
+            continue
         if kind != "text":
-            raise unsupported(f"{where}.type", f"{kind!r} parts are not served (text only)")
+            served = "text, image_url in user messages" if role == "user" else "text"
+            raise unsupported(f"{where}.type", f"{kind!r} parts are not served ({served})")
         for key, item in part.items():
             if key not in ("type", "text") and item is not None:
                 raise unsupported(f"{where}.{key}", "is not carried: a text part is its text")
         if not isinstance(part.get("text"), str):
             raise invalid(f"{where}.text", "must be a string")
         texts.append(part["text"])
+        parts.append({"type": "text", "text": part["text"]})
+    if len(parts) > len(texts):  # images: the parts in their order
+        return parts
     return "\n".join(texts)
 
 

@@ -15,6 +15,7 @@ from typing import Any
 
 from batchline.runs import openai_convert as c
 from batchline.runs.openai_convert import Line
+from batchline.runs.openai_images import input_image
 from batchline.runs.openai_rows import (
     DECODING,
     EXTRAS,
@@ -53,7 +54,7 @@ def input_items(value: Any, line: Line, param: str) -> None:
     line.put("messages", out, param)
 
 
-def _message(item: Any, where: str) -> dict[str, str]:
+def _message(item: Any, where: str) -> dict[str, Any]:
     if not isinstance(item, dict):
         raise c.invalid(where, "must be a message item with role and content")
     kind = item.get("type")
@@ -70,20 +71,25 @@ def _message(item: Any, where: str) -> dict[str, str]:
     return {"role": ROLES[role], "content": _content(item.get("content"), role, f"{where}.content")}
 
 
-def _content(value: Any, role: str, param: str) -> str:
+def _content(value: Any, role: str, param: str) -> str | list[dict[str, Any]]:
     """A string, or text parts joined by newlines as chat's are: ``input_text``, and ``output_text`` in an assistant
-    message (how an earlier response's text is given back)."""
+    message (how an earlier response's text is given back); a user message with ``input_image`` parts keeps its
+    parts (``batchline.runs.openai_images``)."""
     if isinstance(value, str):
         return value
     if not isinstance(value, list) or not value:
         raise c.invalid(param, "must be a string or a non-empty list of input_text parts")
     kinds = ("input_text", "output_text") if role == "assistant" else ("input_text",)
     texts = []
+    parts: list[dict[str, Any]] = []
     for i, part in enumerate(value):
         where = f"{param}[{i}]"
         if not isinstance(part, dict):
             raise c.invalid(where, "must be a content part object")
-        if part.get("type") not in kinds:  # input_image, input_file, input_audio, refusal, ...
+        if part.get("type") == "input_image" and role == "user":
+            parts.append(input_image(part, where))
+            continue
+        if part.get("type") not in kinds:  # input_file, input_audio, refusal, ...
             raise c.unsupported(f"{where}.type", f"{part.get('type')!r} parts are not served ({', '.join(kinds)})")
         for key, item in part.items():
             if key not in PART_KEYS and item is not None and not (key == "annotations" and item == []):
@@ -91,6 +97,9 @@ def _content(value: Any, role: str, param: str) -> str:
         if not isinstance(part.get("text"), str):
             raise c.invalid(f"{where}.text", "must be a string")
         texts.append(part["text"])
+        parts.append({"type": "text", "text": part["text"]})
+    if len(parts) > len(texts):  # images: the parts in their order
+        return parts
     return "\n".join(texts)
 
 
@@ -206,8 +215,9 @@ RESPONSES_FIELDS = [
         "messages",
         "a string (a user message) or message items {role, content} of system, developer (as system), user or "
         "assistant, content a string or input_text parts (output_text too in an assistant message; joined by "
-        "newlines); other items (function_call, function_call_output, reasoning, item_reference), parts (images, "
-        "files, audio) and item fields are refused",
+        "newlines), input_image parts in a user message (image_url a data URL; detail auto; file_id and remote "
+        "URLs refused); other items (function_call, function_call_output, reasoning, item_reference), parts "
+        "(files, audio) and item fields are refused",
         input_items,
         required=True,
     ),

@@ -29,7 +29,9 @@ CHAT_FIELDS = [
         "honoured",
         "messages",
         "system, developer (as system), user and assistant messages of string content or text parts (joined "
-        "by newlines, as vLLM does); other roles, parts and message fields (name, tool_calls, ...) are refused",
+        "by newlines, as vLLM does); user messages may hold image_url parts (data URLs; detail auto; remote URLs "
+        "refused; each image checked against the job's [limits] by the worker); other roles, parts and message "
+        "fields (name, tool_calls, ...) are refused",
         c.messages,
         required=True,
     ),

@@ -132,6 +132,7 @@ class WorkerMetrics:
         *,
         in_flight: Callable[[], int],
         assigned: Callable[[], Collection[tuple[str, int]]],
+        in_flight_bytes: Callable[[], int] | None = None,
     ) -> None:
         """Observe the worker: ``in_flight()`` records buffered or inferring, the lag of the ``assigned()``
         partitions (read for its group by an admin client on ``kafka``: the worker's own consumer is not called from
@@ -145,6 +146,11 @@ class WorkerMetrics:
             feed("batchline.records.in_flight", "gauge", "{record}", "Records buffered or on the engine"),
             lambda: [Observation(in_flight(), attrs)],
         )
+        if in_flight_bytes is not None:
+            w.add(
+                feed("batchline.records.in_flight_bytes", "gauge", "By", "Payload bytes of the records in flight"),
+                lambda: [Observation(in_flight_bytes(), attrs)],
+            )
         w.add(
             feed(
                 "batchline.consumer.lag",

@@ -5,7 +5,8 @@ imported when the engine starts, never at module import. ``engine.engine_kwargs`
 (``enforce_eager``, ``tensor_parallel_size``, ``dtype``, ...); ``engine.infer_timeout_s`` is ours: a call that runs
 longer restarts the engine. Only local model paths are accepted: nothing is downloaded at run time.
 
-- ``generate``: a prompt, or chat messages rendered with the model's chat template; per-record sampling
+- ``generate``: a prompt, or chat messages rendered with the model's chat template (with image parts: through
+  vLLM's chat path, ``consumers.engines.vllm_chat``); per-record sampling
   parameters (seed included); an optional JSON schema enforced by vLLM's structured outputs.
   Generation streams (continuous batching, :class:`~consumers.engines.base.StreamingEngine`): ``add`` puts a
   record into vLLM's engine (``LLMEngine.add_request``) as soon as the worker hands it over, ``step`` advances
@@ -33,6 +34,8 @@ from typing import Any
 
 from batchline.config import JobConfig
 from consumers.engines.base import EngineInput, EngineOutput, Options, Outcome
+from consumers.engines.vllm_chat import add as add_chat
+from consumers.engines.vllm_chat import has_image_parts
 from consumers.engines.vllm_lora import VLLMLoras
 from consumers.engines.vllm_records import by_similarity, choice_of, constraint, field_of, tool_parser
 from consumers.engines.vllm_watchdog import Watchdog, is_oom
@@ -153,7 +156,7 @@ class VLLMEngine:
         outcomes: list[Outcome | None] = [None] * len(inputs)
         todo: list[tuple[int, EngineInput, list[int]]] = []
         for i, inp in enumerate(inputs):
-            checked = self._tokens(inp)
+            checked = [] if not self.by_embedding and has_image_parts(inp.messages) else self._tokens(inp)
             if isinstance(checked, Failure):
                 outcomes[i] = checked
             else:
@@ -177,6 +180,8 @@ class VLLMEngine:
     # LLM.generate and LLM.embed feed it themselves: a pooled record is one request per text to embed.
     def add(self, key: int, inp: EngineInput) -> Failure | None:
         self._ensure_running()
+        if not self.by_embedding and has_image_parts(inp.messages):
+            return self._add_chat(key, inp)
         checked = self._tokens(inp)
         if isinstance(checked, Failure):
             return checked
@@ -299,8 +304,13 @@ class VLLMEngine:
                     if isinstance(lora, Failure):
                         outcomes[i] = lora
                         continue
-                    prompt = self._vllm.TokensPrompt(prompt_token_ids=tokens)
-                    engine.add_request(request_id, prompt, params, lora_request=lora)
+                    if has_image_parts(inp.messages):  # vLLM's chat path places the images (no token ids here)
+                        assert inp.messages is not None
+                        tools = list(inp.options.tools) if inp.options is not None and inp.options.tools else None
+                        add_chat(self._llm, request_id, inp.messages, params, tools, lora)
+                    else:
+                        prompt = self._vllm.TokensPrompt(prompt_token_ids=tokens)
+                        engine.add_request(request_id, prompt, params, lora_request=lora)
                 except Exception as exc:  # this record's parameters alone
                     outcomes[i] = self._refused(exc, inputs[i])
                     continue
@@ -341,6 +351,24 @@ class VLLMEngine:
         for i, outcome in zip(spans, self._embedded(records), strict=True):
             outcomes[i] = outcome
         return [o for o in outcomes if o is not None]
+
+    def _add_chat(self, key: int, inp: EngineInput) -> Failure | None:
+        """A chat record with images, through vLLM's chat path (``consumers.engines.vllm_chat``): its prompt length
+        is known only once vLLM has placed its image tokens, so vLLM checks it (a prompt over ``max_model_len``
+        comes back as this record's ``invalid_input``)."""
+        assert inp.messages is not None
+        try:
+            params = self._sampling(inp, 0)
+            tools = list(inp.options.tools) if inp.options is not None and inp.options.tools else None
+            params.output_kind = self._final_only  # only finished records come back from step()
+            request_id = f"r{key}"
+            add_chat(self._llm, request_id, inp.messages, params, tools)
+        except Exception as exc:  # vLLM refused this request alone (its images, its length, its parameters)
+            return self._refused(exc, inp)
+        self._keys[key] = [request_id]
+        self._ids[request_id] = key
+        self._inputs[key] = inp
+        return None
 
     def _pooling(self, inp: EngineInput) -> Any:
         """The record's PoolingParams (``dimensions``, ``normalize``), verified against the model: raises if this

@@ -27,7 +27,16 @@ from tests.support.java import ReferenceAvro, compile_reference
 from tests.support.jobs import job_toml
 from tests.support.kafka import produce_raw, results, wait_for
 from tests.support.procs import CliProcess
-from tests.support.records import CHOICES_RESULT, EMBED_REQUEST, EMBEDDINGS_RESULT, FULL_REQUEST, SAMPLES, TOOL_RESULT
+from tests.support.records import (
+    CHOICES_RESULT,
+    EMBED_REQUEST,
+    EMBEDDINGS_RESULT,
+    FULL_REQUEST,
+    IMAGE_BYTES,
+    IMAGE_REQUEST,
+    SAMPLES,
+    TOOL_RESULT,
+)
 
 EPOCH = datetime(1970, 1, 1, tzinfo=UTC)
 RESULTS_TIMEOUT_S = 120.0
@@ -81,6 +90,7 @@ RICH: list[tuple[str, BaseModel]] = [
     ("result", EMBEDDINGS_RESULT),
     ("request", FULL_REQUEST),
     ("request", EMBED_REQUEST),
+    ("request", IMAGE_REQUEST),
 ]
 
 
@@ -105,6 +115,9 @@ def test_reference_decoder_reads_choices_logprobs_tool_calls_embeddings_and_ever
     assert read[3]["record"]["sampling"]["logit_bias"] == {"50256": -100.0, "13": 2.5}
     assert read[3]["record"]["structured"]["json_schema"] == FULL_REQUEST.structured.json_schema  # type: ignore[union-attr]
     assert read[4]["record"]["inputs"] == ["first", "zweite ü"] and read[4]["record"]["dimensions"] == 256
+    parts = read[5]["record"]["messages"][0]["parts"]
+    assert [p["type"] for p in parts] == ["text", "image", "image_url"]
+    assert base64.b64decode(parts[1]["data"]) == IMAGE_BYTES and parts[1]["media_type"] == "image/png"
 
 
 PREVIOUS = sorted((Path(__file__).parents[2] / "schemas" / "previous").glob("*.avsc"))

@@ -210,3 +210,20 @@ FULL_REQUEST = Request(
     tool_choice="auto",
 )
 EMBED_REQUEST = Request(id="emb-2", run_id="run-1", inputs=["first", "zweite ü"], dimensions=256, normalize=True)
+# A chat request with image parts: text, the image's bytes (Avro) and the same image as a data URL.
+IMAGE_BYTES = bytes(range(256)) * 3 + b"\x89PNG\r\n\x1a\n"  # every byte value: bytes must survive as bytes
+IMAGE_REQUEST = Request(
+    id="img-3",
+    run_id="run-1",
+    messages=[
+        {
+            "role": "user",
+            "content": "",
+            "parts": [
+                {"type": "text", "text": "what is in the image? ü"},
+                {"type": "image", "data": IMAGE_BYTES, "media_type": "image/png"},
+                {"type": "image_url", "url": "data:image/png;base64,iVBORw0KGgo=", "detail": "auto"},
+            ],
+        }
+    ],
+)

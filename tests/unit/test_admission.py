@@ -66,6 +66,21 @@ def test_a_full_worker_pauses_only_after_staying_full_and_resumes_below_half() -
     assert pauses.reasons == set() and consumer.calls == ["pause", "resume"]
 
 
+def test_bytes_in_flight_pause_like_records_and_resume_below_half_of_both() -> None:
+    admission, pauses, consumer, clock, _ = _admission()
+    byte_limit = admission.config.batching.max_in_flight_bytes
+    admission.flow_control(1, byte_limit)  # one record, but the bytes are at their limit (one large image)
+    clock.now += FLOW_PAUSE_AFTER_S
+    admission.flow_control(1, byte_limit)
+    assert pauses.reasons == {"flow"} and consumer.calls == ["pause"]
+    admission.flow_control(1, byte_limit // 2)  # below the limit, not below half: stays paused
+    assert pauses.reasons == {"flow"}
+    admission.flow_control(LIMIT // 2, byte_limit // 2 - 1)  # bytes below half, records not: stays paused
+    assert pauses.reasons == {"flow"}
+    admission.flow_control(LIMIT // 2 - 1, byte_limit // 2 - 1)
+    assert pauses.reasons == set() and consumer.calls == ["pause", "resume"]
+
+
 def test_room_freed_before_the_pause_restarts_the_wait() -> None:
     admission, pauses, _, clock, _ = _admission()
     admission.flow_control(LIMIT)
