@@ -64,6 +64,7 @@ from batchline.config import JobConfig, KafkaSettings
 from batchline.exceptions import BatchlineError
 from batchline.kafka.client import take
 from batchline.kafka.groups import nobody_in
+from batchline.kafka.membership import LEAVE_TIMEOUT_S
 from batchline.telemetry import Health
 from consumers.assembly import WorkerParts
 from consumers.engines import Engine
@@ -77,7 +78,6 @@ WAIT_FETCHING_S = 0.05  # longest wait on a finished inference while records may
 WAIT_PAUSED_S = 0.5  # longest wait while every partition is paused (callbacks are served between waits)
 WAIT_IDLE_S = 0.5  # longest wait in consume() with nothing in flight
 ABANDON_WAIT_S = 2.0  # how long a worker that lost its broker waits for its commit thread before it exits
-LEAVE_S = 30.0  # longest wait for a stable group before leaving it (batchline.kafka.embedded.ghost_leader.close_member)
 OBSERVE_EVERY_S = 0.2  # how often the loop reads the group membership for the commit thread (Ownership.observe)
 REVOKE_GRACE_S = 20.0  # how long a revocation waits for in-flight micro-batches before rewinding them
 TP = tuple[str, int]
@@ -176,7 +176,7 @@ class Worker(WorkerParts):
         self.pinning.stop()
         try:
             # Leave once the group is stable (embedded mode); after an abandon (the broker is lost) at once.
-            self.membership.close(0.0 if self._abandoned else LEAVE_S)
+            self.membership.close(0.0 if self._abandoned else LEAVE_TIMEOUT_S)
         finally:
             self.feeder.close_engine()
             if self.adapters is not None:

@@ -109,8 +109,8 @@ def test_apache_mode_does_not_import_the_embedded_package() -> None:
         "from batchline.config import KafkaSettings\n"
         "from batchline.kafka.broker_mode import quirks_for\n"
         "q = quirks_for(KafkaSettings(broker='apache', bootstrap='kafka'))\n"
-        "q.aborted_records(); q.sampler(__import__('batchline.kafka.groups').kafka.groups.AssignmentWatch('g', 1), "
-        "lambda: False).start()\n"
+        "from batchline.kafka.groups import AssignmentWatch\n"
+        "q.aborted_records(); q.sampler(AssignmentWatch('g', 1), lambda: False).start()\n"
         "print(sorted(m for m in sys.modules if m.startswith('batchline.kafka.embedded')))\n"
     )
     out = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, timeout=120, check=True)
