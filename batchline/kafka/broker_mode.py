@@ -97,7 +97,9 @@ class BrokerQuirks(Protocol):
 
     mode: Mode
 
-    def consumer_settings(self, on_stats: Callable[[str], None]) -> dict[str, Any]: ...
+    def consumer_settings(self, on_stats: Callable[[str], None]) -> dict[str, Any]:
+        """librdkafka settings of a transactional member's consumer, ``on_stats`` fed its statistics if needed."""
+        ...
 
     def rejoin_rule(
         self, claim_ttl_s: float | None, lease_s: float | None, broker_down: BrokerDown

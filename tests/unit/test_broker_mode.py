@@ -96,7 +96,7 @@ def test_embedded_mode_builds_the_embedded_packages_classes() -> None:
     quirks = EmbeddedBroker(KafkaSettings(broker="embedded", bootstrap="127.0.0.1:9"))  # nothing connects here
     records = quirks.aborted_records()
     assert type(records).__name__ == "AbortedIndex" and records.decides_ends
-    assert set(quirks.consumer_settings(print)) == {"statistics.interval.ms", "stats_cb"}
+    assert set(quirks.consumer_settings(print)) == {"statistics.interval.ms", "stats_cb", "fetch.wait.max.ms"}
     assert type(quirks.rejoin_rule(4.0, 6.0, never_down)).__name__ == "RejoinRule"
     assert type(quirks.takeover(["J.results"])).__name__ == "TakeoverGate"
 
