@@ -31,7 +31,9 @@ def engine_input(config: JobConfig, item: WorkItem, greedy: Sampling | None = No
     plain = request.plain
     if greedy is not None and greedy.temperature == 0 and request.sampling is None and not request.messages and plain:
         # most records: no lookups
-        return EngineInput(item.request_id, item.prompt, None, greedy, item.attempt, None, item.adapter)
+        return EngineInput(
+            item.request_id, item.prompt, None, greedy, item.attempt, None, item.adapter, item.prompt_ids
+        )
     job = config.engine.sampling
     over = request.sampling
     messages = tuple(request.messages) if request.messages else None
@@ -39,7 +41,9 @@ def engine_input(config: JobConfig, item: WorkItem, greedy: Sampling | None = No
     if over is None:
         if job.temperature == 0:
             shared = greedy or Sampling(job.temperature, job.top_p, job.max_tokens, None)
-            return EngineInput(item.request_id, item.prompt, messages, shared, item.attempt, options, item.adapter)
+            return EngineInput(
+                item.request_id, item.prompt, messages, shared, item.attempt, options, item.adapter, item.prompt_ids
+            )
         temperature, top_p, max_tokens, seed = job.temperature, job.top_p, job.max_tokens, None
     else:
         temperature = over.temperature if over.temperature is not None else job.temperature
@@ -59,6 +63,7 @@ def engine_input(config: JobConfig, item: WorkItem, greedy: Sampling | None = No
         item.attempt,
         options,
         item.adapter,
+        item.prompt_ids,
     )
 
 

@@ -23,6 +23,7 @@ from schemas.images import ImageLimits, has_images
 from schemas.images import problem as image_problem
 
 TokenCounter = Callable[[str], int]
+PromptEncoder = Callable[[str], "list[int] | None"]  # Engine.prompt_ids
 
 
 _new_tuple = tuple.__new__
@@ -38,6 +39,8 @@ class Intake:
     def __init__(self, config: JobConfig, count_tokens: TokenCounter, adapters: AdapterBook | None = None) -> None:
         self.config = config
         self.count_tokens = count_tokens
+        # set with count_tokens once the engine has loaded (Worker._engine_loaded), on the poll thread like admit()
+        self.encode: PromptEncoder | None = None
         self.adapters = adapters
         # read once a record: kept here, not looked up through the config each time
         self._generate = config.task == "generate"
@@ -87,7 +90,12 @@ class Intake:
                 item.failure = Failure("invalid_input", found.error_type, found.message)
                 return item
         item.prompt = prompt = render_prompt(self._template, request.input_text)
-        if request.inputs is None:
+        if request.inputs is None and request.messages is None and self.encode is not None:
+            # the engine's own ids, kept for it (EngineInput.prompt_ids): a prompt is encoded once, and here on the
+            # poll thread rather than on the engine thread, where vLLM waits for it
+            ids = item.prompt_ids = self.encode(prompt)
+            item.prompt_tokens = tokens = len(ids) if ids is not None else self.count_tokens(prompt)
+        elif request.inputs is None:
             item.prompt_tokens = tokens = self.count_tokens(prompt)
         else:  # several texts, embedded one by one: each must fit
             counts = [self.count_tokens(render_prompt(self._template, text)) for text in request.inputs]

@@ -64,6 +64,7 @@ class WorkItem:
     first_failure_at: datetime | None = None
     prompt: str = ""
     prompt_tokens: int = 0
+    prompt_ids: list[int] | None = None  # ``prompt`` encoded by the engine's tokenizer at intake, for the engine
     failure: Failure | None = None
     passed_over: str | None = None  # a reason when this worker must not process the record (another run's pin)
     trace_parent: str | None = None

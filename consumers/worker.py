@@ -211,6 +211,8 @@ class Worker(WorkerParts):
         self._engine_ready = True
         self._last_record = time.monotonic()  # the idle clock starts when records can first come in
         self.intake.count_tokens = self.feeder.engine.count_tokens
+        engine = self.feeder.engine
+        self.intake.encode = engine.prompt_ids if engine.prompt_ids("") is not None else None  # None: it reads text
         self.health.set_engine_loaded()  # readiness
         gc.collect()
         gc.freeze()

@@ -86,6 +86,7 @@ class EngineInput:
     attempt: int = 1
     options: Options | None = None
     adapter: Adapter | None = None  # the record's LoRA adapter (a version the worker holds); None: the base model
+    prompt_ids: list[int] | None = None  # ``prompt`` encoded at intake (Engine.prompt_ids); None: encode it here
 
 
 @dataclass(slots=True)
@@ -113,6 +114,11 @@ class Engine(Protocol):
     streaming: bool  # True: a StreamingEngine to drive record by record; False: call by call (``infer``)
 
     def count_tokens(self, text: str) -> int: ...
+
+    def prompt_ids(self, text: str) -> list[int] | None:
+        """``text``'s token ids as the engine would encode the prompt itself, or None (an engine that takes text):
+        intake counts a prompt's tokens with these and keeps them on the record, so it is encoded once."""
+        ...
 
     def infer(self, inputs: Sequence[EngineInput]) -> list[Outcome]: ...
 

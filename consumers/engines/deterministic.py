@@ -111,6 +111,9 @@ class DeterministicEngine:
     def count_tokens(self, text: str) -> int:
         return len(text.split())
 
+    def prompt_ids(self, text: str) -> list[int] | None:
+        return None  # it reads the text
+
     def infer(self, inputs: Sequence[EngineInput]) -> list[Outcome]:
         self.calls += 1
         running = {i: (inp, self._steps_of(inp)) for i, inp in enumerate(inputs)}

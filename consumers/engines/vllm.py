@@ -141,6 +141,9 @@ class VLLMEngine:
     def count_tokens(self, text: str) -> int:
         return len(self.tokenizer.encode(text))
 
+    def prompt_ids(self, text: str) -> list[int] | None:
+        return list(self.tokenizer.encode(text))
+
     def _ensure_running(self) -> None:
         if self._llm is None or (self._watchdog is not None and not self._watchdog.alive()):
             log.warning("vLLM engine is not running; restarting it")
@@ -272,6 +275,8 @@ class VLLMEngine:
                 ids = list(self.tokenizer.encode(text, add_special_tokens=False))
             elif inp.options is not None and inp.options.inputs is not None:  # several texts: the longest must fit
                 ids = max((list(self.tokenizer.encode(x)) for x in inp.options.inputs), key=len)
+            elif inp.prompt_ids is not None:  # encoded at intake (prompt_ids), on the poll thread
+                ids = inp.prompt_ids
             else:
                 ids = list(self.tokenizer.encode(inp.prompt))
         except Exception as exc:  # no chat template, undecodable text: this record's problem only

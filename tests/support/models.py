@@ -96,6 +96,10 @@ class SharedEngine:
     def count_tokens(self, text: str) -> int:
         return int(self.inner.count_tokens(text))
 
+    def prompt_ids(self, text: str) -> list[int] | None:
+        ids: list[int] | None = self.inner.prompt_ids(text)
+        return ids
+
     def infer(self, inputs: Sequence[EngineInput]) -> list[Outcome]:
         return list(self.inner.infer(inputs))
 

@@ -13,6 +13,8 @@ from typing import Any
 from confluent_kafka import TIMESTAMP_CREATE_TIME, TIMESTAMP_NOT_AVAILABLE, Message
 
 from batchline.kafka import headers as h
+from consumers.engine_input import engine_input
+from consumers.engines.base import Sampling
 from consumers.intake import Intake
 from consumers.work import WorkItem
 from schemas import Request, codec_for
@@ -125,3 +127,28 @@ def test_a_message_without_a_timestamp_has_none() -> None:
     )
     item = Intake(config(), _words).admit(msg)
     assert item.source.timestamp is None and item.runnable and item.headers == {}
+
+
+def test_an_engine_that_encodes_prompts_gets_them_encoded_once_at_intake() -> None:
+    encoded: list[str] = []
+
+    def ids(text: str) -> list[int]:
+        encoded.append(text)
+        return [ord(c) for c in text]
+
+    intake = Intake(config(**{"engine.prompt_template": "Q: {input}"}), _words)
+    intake.encode = ids
+
+    def admit(payload: bytes) -> WorkItem:
+        return intake.admit(Message(topic=T, partition=0, offset=1, key=b"k", value=payload))
+
+    plain = admit(_json(id="p", prompt="ab", sampling={"max_tokens": 3}))
+    assert plain.prompt_ids == [ord(c) for c in "Q: ab"] and plain.prompt_tokens == 5  # the ids' count, not words
+    chat = admit(_json(id="c", messages=[{"role": "user", "content": "hi there"}]))
+    several = admit(_json(id="s", prompt="x", inputs=["one two", "three"]))
+    assert chat.prompt_ids is None and several.prompt_ids is None  # the engine renders and encodes those itself
+    assert encoded == ["Q: ab"]
+    inp = engine_input(config(), plain)
+    assert inp.prompt_ids == plain.prompt_ids and inp.sampling.max_tokens == 3  # handed to the engine with it
+    greedy = admit(_json(id="g", prompt="z"))
+    assert engine_input(config(), greedy, Sampling(0.0, 1.0, 16, None)).prompt_ids == [ord(c) for c in "Q: z"]
