@@ -6,12 +6,14 @@ Per case (records x partitions of ``J.requests``):
 - the baseline: ``LLM.generate(all prompts)`` (the tiny Llama of the tests, greedy, per-record ``max_tokens``
   long-tailed between 8 and 160) or ``LLM.embed(all texts)`` (the packaged MiniLM, ticket texts), warmed by a small
   call, then ``REPEATS`` timed calls on that one ``LLM``; then shut down (one vLLM at a time on the machine);
-- batchline: ``python -m batchline.cli worker J --config job.toml --metrics-port P`` (the command a user runs; the
-  job's defaults but the model), ready first (``/readyz`` 200: engine loaded, partitions assigned; and every
-  partition of ``J.requests`` in its lag gauge); then ``REPEATS`` rounds on that one process: the same inputs
-  (new ids) published raw to ``J.requests`` by a plain confluent-kafka producer (connected before), each round's
-  span from just before its first publish to its last result's broker timestamp (``J.results``, read_committed),
-  as a user reading the topics sees it. The first round is a worker just ready, as a user starts it.
+- batchline: ``batchline worker J --config job.toml --metrics-port P`` (the command a user runs; the job's
+  defaults but the model) from the wheel built from this tree, installed over this venv (its vLLM) and run from a
+  folder outside the tree (:func:`tests.support.installed.over_this_venv`), ready first (``/readyz`` 200: engine
+  loaded, partitions assigned; and every partition of ``J.requests`` in its lag gauge); then ``REPEATS`` rounds on
+  that one process: the same inputs (new ids) published raw to ``J.requests`` by a plain confluent-kafka producer
+  (connected before), each round's span from just before its first publish to its last result's broker timestamp
+  (``J.results``, read_committed), as a user reading the topics sees it. The first round is a worker just ready,
+  as a user starts it.
 
 Beside each rate, CPU seconds over the span (``cpu_s``): of the process (``LLM.generate``'s, or the worker's, every
 thread), of vLLM's engine-core processes below it, of the broker, of everything else on the machine (``other``:
@@ -43,9 +45,10 @@ from schemas import codec_for
 from tests.bench.conftest import record
 from tests.bench.test_fast_engine import _machine_cpu, _proc_cpu
 from tests.bench.test_vllm_ratio import MAX_MODEL_LEN, _device, _max_tokens, _prompts, _rows, _shutdown
+from tests.support.installed import build_wheel, over_this_venv
 from tests.support.models import build_tiny_llama, minilm_path
 from tests.support.probes import free_port, get, scrape, total, values
-from tests.support.procs import CliProcess
+from tests.support.procs import CliProcess, Launcher
 
 pytest.importorskip("vllm")
 
@@ -63,6 +66,13 @@ EMBED_MAX_MODEL_LEN = 64
 @pytest.fixture(scope="module")
 def tiny_llama(tmp_path_factory: pytest.TempPathFactory) -> Path:
     return build_tiny_llama(tmp_path_factory.mktemp("models") / "tiny-llama")
+
+
+@pytest.fixture(scope="module")
+def installed(tmp_path_factory: pytest.TempPathFactory) -> Launcher:
+    """``python -m batchline.cli`` of the wheel, not of the checkout."""
+    work = tmp_path_factory.mktemp("wheel")
+    return over_this_venv(build_wheel(work), work)
 
 
 class Cpu:
@@ -185,7 +195,7 @@ class Results:
 
 def _worker_rounds(
     kafka: KafkaSettings, topics: JobTopics, partitions: int, cfg: Path, rounds: list[list[tuple[bytes, bytes]]],
-    logs: Path,
+    logs: Path, launcher: Launcher,
 ) -> list[dict[str, Any]]:  # fmt: skip
     """Start ``batchline worker``, wait until it is ready with every partition; then per round, publish its rows raw
     and wait for every result. A round's span runs from just before its first publish to its last result's broker
@@ -197,7 +207,7 @@ def _worker_rounds(
     assert producer.flush(30) == 0
     reader = Results(kafka, topics.results, partitions)
     out = []
-    with CliProcess(args, kafka.bootstrap, logs / f"worker-{topics.job}.log") as worker:
+    with CliProcess(args, kafka.bootstrap, logs / f"worker-{topics.job}.log", launcher=launcher) as worker:
         assert worker.proc is not None
         _wait(lambda: get(port, "/readyz")[0] == 200, READY_TIMEOUT_S, "waiting for /readyz", worker)
         _wait(lambda: _lag_partitions(port) == partitions, 60, "waiting for every partition", worker)
@@ -274,6 +284,7 @@ def test_generate_worker_process_against_llm_generate(
     tiny_llama: Path,
     tmp_path: Path,
     logs_dir: Path,
+    installed: Launcher,
     n: int,
     partitions: int,
 ) -> None:
@@ -282,7 +293,9 @@ def test_generate_worker_process_against_llm_generate(
     topics = make_job(job_name, partitions=partitions)
     cfg = _job_toml(tmp_path / "job.toml", "generate", tiny_llama, MAX_MODEL_LEN)
     prefixes = [f"r{r}" for r in range(REPEATS)]
-    rounds = _worker_rounds(kafka, topics, partitions, cfg, [_rows(p, prompts, budgets) for p in prefixes], logs_dir)
+    rounds = _worker_rounds(
+        kafka, topics, partitions, cfg, [_rows(p, prompts, budgets) for p in prefixes], logs_dir, installed
+    )
     counts = _tokens_by_round(kafka, topics, [f"{p}-" for p in prefixes])
     pairs = []
     for a, ours, (count, tokens) in zip(alone, rounds, counts.values(), strict=True):
@@ -309,6 +322,7 @@ def test_embed_worker_process_against_llm_embed(
     job_name: str,
     tmp_path: Path,
     logs_dir: Path,
+    installed: Launcher,
     n: int,
     partitions: int,
 ) -> None:
@@ -322,7 +336,7 @@ def test_embed_worker_process_against_llm_embed(
         [(f"{p}-{t.id}".encode(), f'{{"id": "{p}-{t.id}", "text": "{t.text}"}}'.encode()) for t in sample]
         for p in prefixes
     ]
-    rounds = _worker_rounds(kafka, topics, partitions, cfg, rows, logs_dir)
+    rounds = _worker_rounds(kafka, topics, partitions, cfg, rows, logs_dir, installed)
     counts = _tokens_by_round(kafka, topics, [f"{p}-" for p in prefixes])
     pairs = []
     for a, ours, (count, _) in zip(alone, rounds, counts.values(), strict=True):

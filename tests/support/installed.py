@@ -94,3 +94,21 @@ def install(wheel: Path, work: Path) -> Installed:
     pip = [str(venv / "bin" / "python"), "-m", "pip", "install", "--quiet", str(wheel)]
     _check(pip, INSTALL_TIMEOUT_S, clean_env(venv / "bin"), home)
     return Installed(venv, home)
+
+
+def over_this_venv(wheel: Path, work: Path) -> Launcher:
+    """``python -m batchline.cli`` of this interpreter with ``wheel`` installed over the source tree: its files
+    unpacked under ``work/site`` (no dependencies: this venv's vLLM and the rest serve it), first on
+    ``PYTHONPATH``, run from ``work/home``, outside the tree. For what needs the engine the clean venv lacks (the
+    benchmarks' vLLM workers): the code that runs is the wheel's, checked here, not the checkout's."""
+    site, home = work / "site", work / "home"
+    home.mkdir(parents=True)
+    pip = [sys.executable, "-m", "pip", "install", "--quiet", "--no-deps", "--target", str(site), str(wheel)]
+    _check(pip, INSTALL_TIMEOUT_S)
+    # The editable install's finder comes after PYTHONPATH's entries (it is a meta path hook appended last).
+    env = {k: v for k, v in os.environ.items() if k not in ("PYTHONPATH", "PYTHONHOME", "PYTHONSTARTUP")}
+    env["PYTHONPATH"] = str(site)
+    probe = f"import {', '.join(PACKAGES)}; print(*(m.__file__ for m in ({', '.join(PACKAGES)})))"
+    found = _check([sys.executable, "-c", probe], CLI_TIMEOUT_S, env, home).split()
+    assert all(Path(f).is_relative_to(site) for f in found), f"the wheel's packages are not the ones imported: {found}"
+    return Launcher((sys.executable, "-m", "batchline.cli"), env, home)
