@@ -20,8 +20,10 @@ longer restarts the engine. Only local model paths are accepted: nothing is down
   label text's embedding (computed once at start), softmaxed; ``"generation"`` constrains the completion to
   the label set.
 
-Prompts are tokenized here with the engine's own tokenizer: a prompt over ``max_model_len`` is an
-``invalid_input`` failure of that record alone, before vLLM sees the batch (vLLM would reject the whole call).
+Prompts go to vLLM as token ids of the engine's own tokenizer: a plain prompt's, encoded once at intake
+(:meth:`VLLMEngine.prompt_ids`, on the worker's poll thread), others' (chat, several inputs) encoded here. A prompt
+over ``max_model_len`` is an ``invalid_input`` failure of that record alone, before vLLM sees the batch (vLLM would
+reject the whole call).
 """
 
 from __future__ import annotations
