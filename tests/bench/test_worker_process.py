@@ -72,7 +72,7 @@ def tiny_llama(tmp_path_factory: pytest.TempPathFactory) -> Path:
 def installed(tmp_path_factory: pytest.TempPathFactory) -> Launcher:
     """``python -m batchline.cli`` of the wheel, not of the checkout."""
     work = tmp_path_factory.mktemp("wheel")
-    return over_this_venv(build_wheel(work), work)
+    return over_this_venv(build_wheel(work, isolated=False), work)
 
 
 class Cpu:

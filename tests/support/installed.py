@@ -37,12 +37,15 @@ def _check(argv: list[str], timeout: float, env: dict[str, str] | None = None, c
     return proc.stdout
 
 
-def build_wheel(work: Path) -> Path:
-    """The wheel of this tree, as ``pip wheel .`` makes it (the project's own build backend, isolated)."""
+def build_wheel(work: Path, isolated: bool = True) -> Path:
+    """The wheel of this tree, as ``pip wheel .`` makes it (the project's own build backend, isolated: pip fetches
+    it from the index). ``isolated`` False builds with this venv's setuptools, for machines without an index (the
+    benchmarks on a GPU machine)."""
     src = work / "src"
     shutil.copytree(ROOT, src, ignore=NOT_SOURCE)
     out = work / "dist"
-    _check([sys.executable, "-m", "pip", "wheel", "--no-deps", "--quiet", "-w", str(out), str(src)], BUILD_TIMEOUT_S)
+    build = [sys.executable, "-m", "pip", "wheel", "--no-deps", "--quiet", "-w", str(out), str(src)]
+    _check(build if isolated else [*build, "--no-build-isolation"], BUILD_TIMEOUT_S)
     (wheel,) = out.glob("batchline-*.whl")
     return wheel
 
