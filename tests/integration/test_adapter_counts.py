@@ -6,6 +6,7 @@ adapter the job does not know ends its records as dead letters counted under tha
 from __future__ import annotations
 
 import json
+import shutil
 from collections.abc import Callable
 from pathlib import Path
 from typing import Any
@@ -20,7 +21,7 @@ from consumers.engines.deterministic import DeterministicEngine
 from tests.support.adapters import build_adapter
 from tests.support.cli import run_cli, status_json
 from tests.support.jobs import job_toml
-from tests.support.kafka import wait_for
+from tests.support.kafka import produce_raw, results, wait_for
 from tests.support.models import build_tiny_llama
 from tests.support.oracle import assert_exactly_once
 from tests.support.procs import CliProcess
@@ -128,3 +129,64 @@ def test_status_and_export_break_a_run_s_counts_down_by_adapter(
         "nope-0": "nope",
         "nope-1": "nope",
     }
+
+
+def _waiting(kafka: KafkaSettings, job: str, run_id: str) -> dict[str, int] | None:
+    wait: dict[str, int] = status_json(kafka.bootstrap, job, run_id)[run_id]["waiting_for_adapter"]
+    return wait or None
+
+
+def test_records_waiting_for_an_adapter_version_no_worker_holds_are_named_in_status(
+    kafka: KafkaSettings,
+    job_name: str,
+    make_job: Callable[..., JobTopics],
+    tmp_path: Path,
+    logs_dir: Path,
+    adapter_dirs: dict[str, Path],
+) -> None:
+    """Run R is pinned to version 1 of ``sql``; the adapter's directory then holds version 2 and the worker's copy of
+    version 1 is gone: R's further records wait, and ``status`` names the version they wait for and how many; with
+    version 1 back in the directory they finish, every result of R with version 1."""
+    topics = make_job(job_name, partitions=2, tiers=("1s",))
+    source, store = tmp_path / "adapters", tmp_path / "store"
+    shutil.copytree(adapter_dirs["sql"], source / "sql")
+    weights = source / "sql" / "adapter_model.safetensors"
+    lora = f'[engine.lora]\ndirectory = "{source}"\nrescan_s = 0\nstore = "{store}"\n'
+    cfg = job_toml(tmp_path / "job.toml", "latency_ms = 5", max_records=4, tiers='"1s"', extra=lora)
+    config = load_job_config(job_name, cfg)
+    (tmp_path / "r.jsonl").write_text(
+        "".join(json.dumps({"id": f"r-{i}", "prompt": f"p {i}", "adapter": "sql"}) + "\n" for i in range(4))
+    )
+    run_id = submit_file(kafka, topics, tmp_path / "r.jsonl", fingerprint_of(config)).run_id
+    late = [
+        (
+            f"late-{i}".encode(),
+            json.dumps({"id": f"late-{i}", "run_id": run_id, "prompt": "x", "adapter": "sql"}).encode(),
+        )
+        for i in range(3)
+    ]
+
+    with _streams(job_name, cfg, kafka, logs_dir):
+        with _worker(job_name, cfg, kafka, logs_dir / "worker-1.log"):
+            run = wait_for(lambda: _settled(kafka, job_name, run_id), RUN_TIMEOUT_S, "run R on version 1")
+        v1 = run["adapters"]["sql"]
+        shutil.copy(adapter_dirs["chat"] / "adapter_model.safetensors", weights)  # version 2: other weights
+        shutil.rmtree(store / "sql" / v1)  # the worker's copy of version 1 is gone
+        produce_raw(kafka, topics.requests, late)  # more records of R
+        with _worker(job_name, cfg, kafka, logs_dir / "worker-2.log"):
+            waiting = wait_for(lambda: _waiting(kafka, job_name, run_id), RUN_TIMEOUT_S, "R's records to wait")
+            assert waiting == {f"sql@{v1}": 3}
+            text = run_cli(kafka.bootstrap, "status", job_name, "--run", run_id).stdout
+            assert f"waiting for adapter sql@{v1}: 3 records" in text, text
+            assert not set(results(kafka, topics)) & {"late-0", "late-1", "late-2"}  # none ran with version 2
+            shutil.copy(adapter_dirs["sql"] / "adapter_model.safetensors", weights)  # version 1 is back
+            run = wait_for(lambda: _settled(kafka, job_name, run_id), RUN_TIMEOUT_S, "R's records to finish")
+
+    assert_exactly_once(kafka.bootstrap, topics, {f"r-{i}" for i in range(4)} | {f"late-{i}" for i in range(3)})
+    assert (run["succeeded"], run["waiting_for_adapter"], run["by_adapter"]["sql"]["succeeded"]) == (7, {}, 7)
+    versions = {
+        (lineage.adapter, lineage.adapter_digest)
+        for copies in results(kafka, topics).values()
+        for _, lineage, _ in copies
+    }
+    assert versions == {("sql", v1)}  # no run mixes versions
