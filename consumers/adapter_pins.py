@@ -72,7 +72,7 @@ class AdapterPins:
             f"adapter: {adapter.name!r}: run {run_id} is pinned to version {pinned}; this worker holds {adapter.digest}"
             " (the record waits for a worker with the pinned version)"
         )
-        item.failure = Failure("adapter_pinned", "AdapterVersionPinned", why)
+        item.failure = Failure("adapter_pinned", "AdapterVersionPinned", why, waiting_for=f"{adapter.name}@{pinned}")
 
     def _pin(self, run_id: str, name: str, digest: str) -> str | None:
         """Write this worker's pin and read the winner back (this one, or an earlier one); None if not known in time."""

@@ -156,6 +156,7 @@ class Router:
             item.weight,
             None if out.choices is None else [c.model_dump() for c in out.choices],
             out.embeddings,
+            item.adapter.name if item.adapter is not None else None,
         )
         adapter = item.adapter.lineage if item.adapter is not None else None
         if item.headers and h.ORIGINAL_TOPIC in item.headers:  # a re-published retry
@@ -221,6 +222,10 @@ class Router:
         ]
         if item.trace_parent:
             headers.append((h.TRACEPARENT, item.trace_parent.encode()))
+        if (adapter := item.adapter_name) is not None:  # the ledger counts the record under its adapter
+            headers.append((h.ADAPTER, adapter.encode()))
+        if failure.waiting_for is not None:
+            headers.append((h.WAITING_FOR, failure.waiting_for.encode()))
         return Produced(
             self.topics.retry(tier), item.payload, item.request_id.encode(), headers, "retry", item, failure
         )
@@ -245,6 +250,7 @@ class Router:
             last_failure_at=now,
             value=item.weight,
             invalid_output=failure.invalid_output,
+            adapter=item.adapter_name,
         )
         if small:
             letter = letter.without_payload()

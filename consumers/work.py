@@ -48,6 +48,7 @@ class Failure:
     error_type: str
     message: str
     invalid_output: str | None = None
+    waiting_for: str | None = None  # an adapter_pinned failure: the version (<adapter>@<digest>) the record waits for
 
 
 @dataclass(slots=True)
@@ -81,6 +82,11 @@ class WorkItem:
             return self.request.run_id
         raw = self.headers.get("batchline-run-id")
         return raw.decode("utf-8", "replace") if raw else None
+
+    @property
+    def adapter_name(self) -> str | None:
+        """The LoRA adapter the request names (known to the job or not); None: the base model, or unreadable."""
+        return self.request.adapter if self.request is not None else None
 
     @property
     def weight(self) -> float:

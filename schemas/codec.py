@@ -2,8 +2,9 @@
 
 Single-object: ``C3 01`` + the CRC-64-AVRO (Rabin) fingerprint of the schema's Parsing Canonical Form as 8
 little-endian bytes + body, as the Avro spec and its reference implementation (Java ``BinaryMessageDecoder``)
-write and read it; for ``result.avsc`` the header is ``c301 508739c7bef5b71f`` (older versions:
-``c301 6383fed9c9d54bed`` before ``choices`` and ``embeddings``, ``c301 b2e5099766bfe6e3`` before ``value``).
+write and read it; for ``result.avsc`` the header is ``c301 a4b0cd1d2ddfac71`` (older versions:
+``c301 508739c7bef5b71f`` before ``adapter``, ``c301 6383fed9c9d54bed`` before ``choices`` and ``embeddings``,
+``c301 b2e5099766bfe6e3`` before ``value``).
 fastavro's ``fingerprint(canonical, "CRC-64-AVRO")`` hex string already is that little-endian byte sequence.
 
 Records written by batchline 0.1.0 carry the fingerprint's 8 bytes reversed (``c301 e3e6bf669709e5b2`` for a

@@ -62,6 +62,7 @@ RESULT_FIELDS = (
     "value",
     "choices",
     "embeddings",
+    "adapter",
 )
 _DOUBLE = struct.Struct("<d")
 
@@ -168,9 +169,10 @@ class ResultEncoder:
         value: float | None,
         choices: Sequence[Mapping[str, Any]] | None = None,
         embeddings: Sequence[Sequence[float]] | None = None,
+        adapter: str | None = None,
     ) -> bytes:
         """A Result; ``tail`` is :meth:`tail` (latency_ms and produced_at). ``choices`` are plain dicts of
-        ``models.Choice``'s fields."""
+        ``models.Choice``'s fields; ``adapter`` the LoRA adapter's name (None: the base model)."""
         run_task = self._run_task.get(run_id)
         if run_task is None:
             if len(self._run_task) > 1024:  # many runs over a worker's life: keep the cache small
@@ -200,6 +202,7 @@ class ResultEncoder:
                 b"\x00" if value is None else b"\x02" + _DOUBLE.pack(value),
                 # choices and embeddings: both null for nearly every result, one join item
                 b"\x00\x00" if choices is None and embeddings is None else self._rare_pair(choices, embeddings),
+                b"\x00" if adapter is None else b"\x02" + avro_string(adapter),
             )
         )
 
@@ -228,6 +231,7 @@ def _empty_result() -> dict[str, Any]:
         "value": None,
         "choices": None,
         "embeddings": None,
+        "adapter": None,
     }
 
 

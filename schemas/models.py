@@ -346,6 +346,7 @@ class Result(_Record):
     value: float | None = None  # the request's value weight (None: a result written before the field existed)
     choices: list[Choice] | None = None  # with n, logprobs or tool calls: every choice (output repeats the first)
     embeddings: list[list[float]] | None = None  # a record with several inputs: one embedding each
+    adapter: str | None = None  # the LoRA adapter that made it (the lineage names its version); None: the base model
 
 
 class DeadLetter(_Record):
@@ -366,6 +367,7 @@ class DeadLetter(_Record):
     invalid_output: str | None = None
     payload_size: int | None = None
     payload_sha256: str | None = None
+    adapter: str | None = None  # the LoRA adapter the request named (known or not); None: base model or unreadable
 
     @property
     def payload_omitted(self) -> bool:
@@ -450,6 +452,19 @@ class QuarantinedRecord(_Record):
     failure_class: str
 
 
+class AdapterStats(_Record):
+    """A run's counts over the ids of one LoRA adapter (``RunStats.adapters``), with the run's own meanings."""
+
+    total: int = 0
+    succeeded: int = 0
+    failed_permanent: int = 0
+    quarantined: int = 0
+    retried: int = 0
+    pending: int = 0
+    cancelled: int = 0
+    expired: int = 0
+
+
 class RunStats(_Record):
     run_id: str
     total: int
@@ -474,3 +489,5 @@ class RunStats(_Record):
     instance: str = ""
     cancelled: int = 0  # ids whose outcome is a ``cancelled`` dead letter (not counted in ``quarantined``)
     expired: int = 0  # ids whose outcome is an ``expired`` dead letter (not counted in ``quarantined``)
+    adapters: dict[str, AdapterStats] = Field(default_factory=dict)  # per adapter named ("": base); {} if none was
+    waiting: dict[str, int] = Field(default_factory=dict)  # adapter@digest -> pending ids waiting for that version

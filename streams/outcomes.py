@@ -25,10 +25,11 @@ T = TypeVar("T")
 # What a skimmed record becomes: an Sighting in its field order, built by the generated walk itself.
 RESULT_SHAPE: Shape = (
     Fixed(RESULT), "request_id", "run_id", "value", Fixed(""), Fixed(0), "prompt_tokens", "completion_tokens",
-    "latency_ms",
+    "latency_ms", "adapter", Fixed(""),
 )  # fmt: skip
 DEAD_LETTER_SHAPE: Shape = (
     Fixed(DEAD), "request_id", "run_id", "value", "failure_class", Fixed(0), Fixed(0), Fixed(0), Fixed(0.0),
+    "adapter", Fixed(""),
 )  # fmt: skip
 # Outcomes built as tuples: a named tuple's own constructor is a Python-level call (0.5 us a record).
 _new = tuple.__new__
@@ -82,7 +83,8 @@ class OutcomeReader:
 
     @staticmethod
     def retry(headers: list[tuple[str, bytes | None]] | None, key: bytes | None, value: bytes | None) -> Sighting:
-        """A retry's id, run and attempt from its headers (the last of a name wins, as ``headers.as_dict``).
+        """A retry's id, run, attempt, adapter and the adapter version it waits for (if it does) from its headers
+        (the last of a name wins, as ``headers.as_dict``).
 
         Run ids and attempts repeat from record to record: each distinct header value is decoded once
         (:data:`_RUNS`, :data:`_ATTEMPTS`)."""
@@ -104,7 +106,24 @@ class OutcomeReader:
             except ValueError:
                 tries = 0
             _remember(_ATTEMPTS, attempt, tries)
-        return _new(Sighting, (RETRY, request_id, run_id, None, "", tries or 0, 0, 0, 0.0))
+        adapter = named.get(h.ADAPTER)
+        waiting = named.get(h.WAITING_FOR)
+        return _new(
+            Sighting,
+            (
+                RETRY,
+                request_id,
+                run_id,
+                None,
+                "",
+                tries or 0,
+                0,
+                0,
+                0.0,
+                adapter.decode("utf-8", "replace") if adapter else None,
+                waiting.decode("utf-8", "replace") if waiting else "",
+            ),
+        )
 
     def result(self, data: bytes) -> Sighting:
         outcome: Sighting | None = self._results.read(data)

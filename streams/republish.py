@@ -199,6 +199,7 @@ class Republisher:
             first_failure_at=datetime.fromtimestamp(first / 1000, UTC) if first > 0 else now,
             last_failure_at=now,
             value=value,
+            adapter=h.text(hdrs, h.ADAPTER),
         )
 
     def settle(self) -> None:

@@ -20,6 +20,14 @@ Rules (docs/architecture.md#streams), all per run and per distinct request id:
 - Dead letters of class ``cancelled`` and ``expired`` (run control, :mod:`batchline.runs.control`) are outcomes
   of their own, not failures: they count in ``cancelled`` / ``expired``, not in ``quarantined`` nor in
   ``dead_letters_by_class``, and never in the top quarantined.
+- Per LoRA adapter (:attr:`RunCounts.by_adapter`): the same counts over the ids whose records name that adapter (a
+  result's ``adapter``, a dead letter's, a retry's header); the base model's row is the run's counts less the
+  adapters' rows (:meth:`RunCounts.adapter_stats`). An id counts under the adapter each sighting names: every record
+  a worker writes for one request names the same one (a request that could not be read names none: the base model).
+- A pending id whose latest retry waits for a version of its adapter that no worker holds (header
+  ``batchline-waiting-for``, ``<adapter>@<digest>``: its run is pinned to it) is *waiting* (:data:`WAITING`, the
+  version in its class column) and counts in ``waiting`` under that version until a later retry (one that does not
+  wait) or an outcome; it stays pending and in flight.
 - Tokens and engine seconds come from each id's first result (later copies are the same work re-delivered).
 - Values come from the outcomes: a result's ``value`` (the request's, filled by the worker), else the latest
   dead letter's, else the default weight 1.0. ``value_completed`` is the value of succeeded ids.
@@ -39,13 +47,15 @@ from typing import Any, NamedTuple
 from batchline.runs.manifests import CANCELLED, EXPIRED, STREAM_RUN
 from batchline.runs.status import TOP_QUARANTINED, merge_run_stats
 from schemas import DeadLetter, QuarantinedRecord, Result, RunManifest, RunStats
+from schemas.models import AdapterStats
 
 DEFAULT_VALUE = 1.0
 EXHAUSTED = "retries_exhausted"  # a dead letter of a record that kept failing transiently, not a bad record
 MAX_ATTEMPT_BIT = 62  # attempts are a bitmask in a signed 64-bit store column; bounds it against garbage headers
 
 RESULT, DEAD, RETRY = "result", "dead", "retry"
-PENDING, SUCCEEDED, QUARANTINED, STOPPED = 0, 1, 2, 3  # STOPPED: a cancelled or expired dead letter
+PENDING, SUCCEEDED, QUARANTINED, STOPPED, WAITING = 0, 1, 2, 3, 4  # STOPPED: a cancelled or expired dead letter
+# WAITING: pending, waiting for the adapter version its class column names (``<adapter>@<digest>``)
 STOP_CLASSES = (CANCELLED, EXPIRED)
 
 
@@ -64,6 +74,8 @@ class Sighting(NamedTuple):
     tokens_in: int = 0
     tokens_out: int = 0
     latency_ms: float = 0.0
+    adapter: str | None = None  # the LoRA adapter the record names; None or "": the base model
+    waiting_for: str = ""  # a retry waiting for a version of its adapter no worker holds: <adapter>@<digest>
 
 
 @dataclass(frozen=True)
@@ -73,6 +85,8 @@ class RetrySeen:
     request_id: str
     run_id: str | None
     attempt: int
+    adapter: str | None = None  # header batchline-adapter
+    waiting_for: str = ""  # header batchline-waiting-for
 
 
 LedgerEvent = RunManifest | Result | DeadLetter | RetrySeen | Sighting
@@ -86,6 +100,11 @@ record), and the store writes it as it is (with the id inside, a row's parameter
 No class is "", not None: the store binds it as a parameter, and sqlite3 adapts a None through its adapter
 protocol (a failed attribute lookup, ~1 us a row written)."""
 NEW_ID: IdState = ("", PENDING, "", 0, DEFAULT_VALUE)  # its id is the event's
+
+
+# An adapter's row in RunCounts.by_adapter: a list indexed by these (one list per adapter, updated in place).
+A_SEEN, A_SUCCEEDED, A_QUARANTINED, A_EXHAUSTED, A_RETRIED, A_CANCELLED, A_EXPIRED = range(7)
+A_FIELDS = 7
 
 
 @dataclass
@@ -106,13 +125,34 @@ class RunCounts:
     engine_ms: float = 0.0
     cancelled: int = 0
     expired: int = 0
+    by_adapter: dict[str, list[int]] = field(default_factory=dict)  # adapter -> its row (A_SEEN...), never the base's
+    waiting: Counter[str] = field(default_factory=Counter)  # <adapter>@<digest> -> ids waiting for that version
 
     def as_json(self) -> dict[str, Any]:
-        return {**self.__dict__, "by_class": dict(self.by_class)}
+        return {
+            **self.__dict__,
+            "by_class": dict(self.by_class),
+            "waiting": {k: n for k, n in self.waiting.items() if n},
+        }
 
     @classmethod
     def from_json(cls, body: dict[str, Any]) -> RunCounts:
-        return cls(**{**body, "by_class": Counter(body.get("by_class", {}))})
+        counter = Counter(body.get("by_class", {}))
+        return cls(**{**body, "by_class": counter, "waiting": Counter(body.get("waiting", {}))})
+
+    def adapter_stats(self) -> dict[str, AdapterStats]:
+        """The counts per adapter, the base model's (key "") being the run's less the adapters'; {} if no id named
+        an adapter."""
+        if not self.by_adapter:
+            return {}
+        exhausted = self.by_class.get(EXHAUSTED, 0)
+        base = [self.seen, self.succeeded, self.quarantined, exhausted, self.retried, self.cancelled, self.expired]
+        out: dict[str, AdapterStats] = {}
+        for name, row in sorted(self.by_adapter.items()):
+            out[name] = _adapter_stats(row)
+            base = [b - n for b, n in zip(base, row, strict=True)]
+        out[""] = _adapter_stats(base)
+        return out
 
     def stats(self, run_id: str, top: list[QuarantinedRecord], now: datetime, **part: Any) -> RunStats:
         """This run's counts as a RunStats: ``total`` the distinct ids seen, ``pending`` those without an outcome."""
@@ -136,8 +176,24 @@ class RunCounts:
             updated_at=now,
             cancelled=self.cancelled,
             expired=self.expired,
+            adapters=self.adapter_stats(),
+            waiting={k: n for k, n in self.waiting.items() if n},
             **part,
         )
+
+
+def _adapter_stats(row: list[int]) -> AdapterStats:
+    seen, succeeded, quarantined, exhausted, retried, cancelled, expired = row
+    return AdapterStats(
+        total=seen,
+        succeeded=succeeded,
+        failed_permanent=quarantined - exhausted,
+        quarantined=quarantined,
+        retried=retried,
+        pending=seen - succeeded - quarantined - cancelled - expired,
+        cancelled=cancelled,
+        expired=expired,
+    )
 
 
 def run_of(run_id: str | None) -> str:
@@ -164,16 +220,22 @@ def fold_batch(
 
     The store's hot loop (``streams/store.py``), and :func:`fold` for one event. The counts are local variables
     started from ``counts`` and written back once, with no call, attribute write per count or named tuple's field
-    access per event: per record at 1M ids, about half the time a call per event took."""
+    access per event: per record at 1M ids, about half the time a call per event took. An event of an adapter also
+    moves that adapter's row (:func:`_move_row`, a call only for those)."""
     seen, succeeded, quarantined = counts.seen, counts.succeeded, counts.quarantined
     retried, retries, in_flight = counts.retried, counts.retries, counts.in_flight
     value_seen, value_completed = counts.value_seen, counts.value_completed
     tokens_in, tokens_out, engine_ms = counts.tokens_in, counts.tokens_out, counts.engine_ms
-    by_class, changed = counts.by_class, False
+    by_class, by_adapter, waiting, changed = counts.by_class, counts.by_adapter, counts.waiting, False
     get, get_stored = states.get, stored.get
     try:
         for event in events:
-            kind, request_id, _, event_value, event_class, attempt, event_in, event_out, latency = event
+            kind, request_id, _, event_value, event_class, attempt, event_in, event_out, latency, adapter, wait = event
+            row = None
+            if adapter:
+                row = by_adapter.get(adapter)
+                if row is None:
+                    row = by_adapter[adapter] = [0] * A_FIELDS
             old = get(request_id)
             if old is None:
                 old = get_stored(request_id)
@@ -181,30 +243,47 @@ def fold_batch(
                     seen += 1
                     value_seen += DEFAULT_VALUE
                     old = NEW_ID
+                    if row is not None:
+                        row[A_SEEN] += 1
             _, status, failure_class, attempts, value = old
             if kind == RETRY:
                 bit = 1 << (0 if attempt < 0 else MAX_ATTEMPT_BIT if attempt > MAX_ATTEMPT_BIT else attempt)
                 if attempts & bit:
-                    continue
-                retries += 1
-                if not attempts:
-                    retried += 1
-                    if status == PENDING:
-                        in_flight += 1
-                states[request_id] = (request_id, status, failure_class, attempts | bit, value)
+                    # seen already; a wait repeats its attempt each time it comes back, and may follow another retry
+                    # of the same attempt number: only a change of what the id waits for is news
+                    if not wait or status not in (PENDING, WAITING) or failure_class == wait:
+                        continue
+                else:
+                    retries += 1
+                    if not attempts:
+                        retried += 1
+                        if row is not None:
+                            row[A_RETRIED] += 1
+                        if status == PENDING:
+                            in_flight += 1
+                new_status, new_class = status, failure_class
+                if status in (WAITING, PENDING):  # the latest retry says whether it waits, and for what
+                    if status == WAITING:
+                        waiting[failure_class] -= 1
+                    new_status, new_class = (WAITING, wait) if wait else (PENDING, "")
+                    if wait:
+                        waiting[wait] += 1
+                states[request_id] = (request_id, new_status, new_class, attempts | bit, value)
                 changed = True
                 continue
             if status == SUCCEEDED:
                 continue
             new_value = value if event_value is None else event_value
             if kind == RESULT:
-                new_class = failure_class
+                new_class = "" if status == WAITING else failure_class
                 new_status = SUCCEEDED
             else:
                 new_class = event_class
                 new_status = STOPPED if new_class in STOP_CLASSES else QUARANTINED
                 if status == new_status and failure_class == new_class and new_value == value:
                     continue
+            if row is not None:
+                _move_row(row, status, failure_class, new_status, new_class)
             # out of the count of its current, non-succeeded status
             if status == STOPPED:
                 if failure_class == CANCELLED:
@@ -216,6 +295,9 @@ def fold_batch(
                 by_class[failure_class] -= 1
                 if not by_class[failure_class]:
                     del by_class[failure_class]
+            elif status == WAITING:
+                in_flight -= 1
+                waiting[failure_class] -= 1
             elif status == PENDING and attempts:
                 in_flight -= 1
             value_seen += new_value - value
@@ -243,6 +325,24 @@ def fold_batch(
     return changed
 
 
+def _move_row(row: list[int], status: int, failure_class: str, new_status: int, new_class: str) -> None:
+    """An adapter's row follows one id from ``status`` (not succeeded) to an outcome, as the run's counts do."""
+    if status == STOPPED:
+        row[A_CANCELLED if failure_class == CANCELLED else A_EXPIRED] -= 1
+    elif status == QUARANTINED:
+        row[A_QUARANTINED] -= 1
+        if failure_class == EXHAUSTED:
+            row[A_EXHAUSTED] -= 1
+    if new_status == SUCCEEDED:
+        row[A_SUCCEEDED] += 1
+    elif new_status == STOPPED:
+        row[A_CANCELLED if new_class == CANCELLED else A_EXPIRED] += 1
+    else:
+        row[A_QUARANTINED] += 1
+        if new_class == EXHAUSTED:
+            row[A_EXHAUSTED] += 1
+
+
 def sighting_of(event: Result | DeadLetter | RetrySeen | Sighting) -> Sighting:
     """The :class:`Sighting` a decoded record stands for."""
     if isinstance(event, Sighting):
@@ -256,10 +356,20 @@ def sighting_of(event: Result | DeadLetter | RetrySeen | Sighting) -> Sighting:
             tokens_in=event.prompt_tokens,
             tokens_out=event.completion_tokens,
             latency_ms=event.latency_ms,
+            adapter=event.adapter,
         )
     if isinstance(event, DeadLetter):
-        return Sighting(DEAD, event.request_id, event.run_id, event.value, failure_class=event.failure_class)
-    return Sighting(RETRY, event.request_id, event.run_id, attempt=event.attempt)
+        return Sighting(
+            DEAD, event.request_id, event.run_id, event.value, failure_class=event.failure_class, adapter=event.adapter
+        )
+    return Sighting(
+        RETRY,
+        event.request_id,
+        event.run_id,
+        attempt=event.attempt,
+        adapter=event.adapter,
+        waiting_for=event.waiting_for,
+    )
 
 
 def top_quarantined(ids: dict[str, IdState], limit: int = TOP_QUARANTINED) -> list[QuarantinedRecord]:

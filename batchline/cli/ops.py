@@ -263,6 +263,8 @@ def export(
         soft_wrap=True,
         highlight=False,
     )
+    for name, row in report.by_adapter().items():
+        console.print(f"  {name}: {row['results']} results, {row['errors']} dead letters", highlight=False)
 
 
 ENDED = ("complete", "incomplete-with-quarantine", "complete-via-replay", "expired")  # states cancel leaves alone

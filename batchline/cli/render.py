@@ -36,6 +36,8 @@ def run_panel(run: dict[str, Any]) -> Panel:
         head.append(f"\nwaiting for a worker of fingerprint {run['waiting_for']}", "yellow")
     if run.get("adapters"):  # the LoRA adapter versions the run is pinned to
         head.append("\nadapters " + ", ".join(f"{name}@{digest}" for name, digest in sorted(run["adapters"].items())))
+    for version, n in run.get("waiting_for_adapter", {}).items():  # pinned to a version no worker holds any more
+        head.append(f"\nwaiting for adapter {version}: {n} records", "yellow")
     counts = Table.grid(padding=(0, 2))
     counts.add_row(
         "succeeded", str(run["succeeded"]), "pending", str(run["pending"]), "in flight", str(run["in_flight"])
@@ -60,6 +62,8 @@ def run_panel(run: dict[str, Any]) -> Panel:
         ProgressBar(total=total, completed=run["succeeded"], width=50), f"{run['succeeded'] / total:.1%} succeeded"
     )
     parts: list[Any] = [head, bar, counts]
+    if run.get("by_adapter"):
+        parts.append(adapter_table(run["by_adapter"]))
     if run["top_quarantined"]:
         q = Table("quarantined (highest value first)", "value", "class", box=None)
         for rec in run["top_quarantined"]:
@@ -73,6 +77,17 @@ def run_panel(run: dict[str, Any]) -> Panel:
     title = f"run {run['run_id']}" + (f" ({'; '.join(family)})" if family else "")
     subtitle = f"fingerprint {run['fingerprint']} · model {run['model_id']}" if run["fingerprint"] else None
     return Panel(Group(*parts), title=title, subtitle=subtitle, title_align="left")
+
+
+ADAPTER_COLUMNS = ("total", "succeeded", "failed", "retried", "pending", "cancelled", "expired")
+
+
+def adapter_table(rows: dict[str, dict[str, int]]) -> Table:
+    """A run's counts per LoRA adapter (``by_adapter`` of ``status --json``; the base model as ``(base)``)."""
+    table = Table("adapter", *ADAPTER_COLUMNS, box=None)
+    for name, row in rows.items():
+        table.add_row(name, *(str(row["quarantined" if col == "failed" else col]) for col in ADAPTER_COLUMNS))
+    return table
 
 
 def dlq_table(summary: dict[str, Any]) -> Table:

@@ -11,6 +11,9 @@ CONFIG_DIGEST = "batchline-config-digest"
 FINGERPRINT = "batchline-fingerprint"
 ADAPTER = "batchline-adapter"  # the LoRA adapter that made a result (absent: the base model), and its digest
 ADAPTER_DIGEST = "batchline-adapter-digest"
+# On a retry: the adapter the request names (the ledger counts the record under it), and, while it waits for a version
+# of it that no worker holds (its run is pinned to that version), which one: ``<adapter>@<digest>``.
+WAITING_FOR = "batchline-waiting-for"
 TRACEPARENT = "traceparent"
 
 ATTEMPT = "batchline-attempt"  # attempts already made (the next delivery is attempt + 1)

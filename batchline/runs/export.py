@@ -25,6 +25,9 @@ the API's files. Formats:
   ``choices`` a list of structs with their logprobs and tool calls nested, ``lineage`` a struct), written in row
   groups; the error file is JSONL as above.
 
+The report counts what was written per LoRA adapter (``by_adapter``: results by the adapter that made them, dead
+letters by the adapter their request named, the base model as ``(base)``) when any line names one.
+
 It streams (:class:`batchline.runs.outcomes.RunOutcomes`): results are read once, in topic order, committed ones
 only (``scan`` leaves records of aborted transactions out, on the embedded broker too), and written as they come,
 the first copy of each request id only; the dead letters of the ids without a result are written at the end;
@@ -38,8 +41,9 @@ import base64
 import json
 import logging
 import time
+from collections import Counter
 from collections.abc import Callable, Iterator
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 from pathlib import Path
 from typing import IO, Any, Literal, Protocol
 
@@ -53,6 +57,7 @@ from batchline.runs.openai_lines import openai_error as openai_error
 from batchline.runs.openai_lines import openai_output as openai_output
 from batchline.runs.openai_lines import openai_stopped as openai_stopped
 from batchline.runs.outcomes import RunOutcomes
+from batchline.runs.status import BASE
 from schemas import DeadLetter, Lineage, Result, RunManifest
 from schemas.codec import DecodeError, decode_request_model
 
@@ -73,6 +78,18 @@ class ExportReport:
     duplicates: int = 0  # further copies of an id already written
     unreadable: int = 0  # results that do not decode (skipped, logged)
     unmet: int = 0  # of ``errors``: an expired run's records no worker has met (no dead letter yet)
+    adapter_results: Counter[str] = field(default_factory=Counter)  # results per adapter ("": the base model)
+    adapter_errors: Counter[str] = field(default_factory=Counter)  # dead letters per adapter the request named
+
+    def by_adapter(self) -> dict[str, dict[str, int]]:
+        """Results and dead letters written per LoRA adapter (the base model as ``(base)``); {} if none named one."""
+        names = set(self.adapter_results) | set(self.adapter_errors)
+        if not names - {""}:
+            return {}
+        return {
+            name or BASE: {"results": self.adapter_results[name], "errors": self.adapter_errors[name]}
+            for name in sorted(names)
+        }
 
     @property
     def missing(self) -> int:
@@ -90,6 +107,7 @@ class ExportReport:
             "missing": self.missing,
             "duplicates_skipped": self.duplicates,
             "unreadable_skipped": self.unreadable,
+            "by_adapter": self.by_adapter(),
         }
 
 
@@ -158,6 +176,7 @@ class _Parquet:
                 ("value", pa.float64()),
                 ("choices", pa.list_(_choice_type(pa))),
                 ("embeddings", pa.list_(pa.list_(pa.float32()))),
+                ("adapter", pa.string()),
                 ("lineage", pa.struct(lineage_fields)),
             ]
         )
@@ -248,11 +267,11 @@ def export_run(
     parts = [p.with_name(p.name + ".part") for p in (report.path, report.errors_path)]
     try:
         with RunOutcomes(kafka, topics, run_id) as outcomes:
-            _write_results(outcomes, _writer(fmt, parts[0], manifest.endpoint), progress)
+            _write_results(outcomes, _writer(fmt, parts[0], manifest.endpoint), progress, report.adapter_results)
             unmet = _unmet_expired(outcomes, manifest, settle_s(kafka))
             shape = openai_error if fmt == "openai" else letter_json
             stopped = _openai_unmet if fmt == "openai" else _jsonl_unmet
-            report.unmet = _write_errors(outcomes, shape, parts[1], progress, unmet, stopped)
+            report.unmet = _write_errors(outcomes, shape, parts[1], progress, unmet, stopped, report.adapter_errors)
             report.results, report.errors = outcomes.results_read, outcomes.letters_read + report.unmet
             report.duplicates, report.unreadable = outcomes.duplicates, outcomes.unreadable
     except BaseException:
@@ -264,10 +283,13 @@ def export_run(
     return report
 
 
-def _write_results(outcomes: RunOutcomes, writer: _Writer, progress: Callable[[int], None] | None) -> None:
+def _write_results(
+    outcomes: RunOutcomes, writer: _Writer, progress: Callable[[int], None] | None, adapters: Counter[str]
+) -> None:
     try:
         for result, lineage in outcomes.results():
             writer.write(result, lineage)
+            adapters[(lineage.adapter if lineage else None) or result.adapter or ""] += 1
             if progress:
                 progress(1)
     finally:
@@ -281,6 +303,7 @@ def _write_errors(
     progress: Callable[[int], None] | None,
     unmet: Callable[[], Iterator[str]],
     stopped: Callable[[str, str], dict[str, Any]],
+    adapters: Counter[str],
 ) -> int:
     """The dead letters, then the request ids ``unmet`` yields (an expired run's records no worker has met yet), each
     as ``stopped`` writes it; returns how many of those."""
@@ -288,6 +311,7 @@ def _write_errors(
     with part.open("w", encoding="utf-8") as fh:
         for letter in outcomes.letters():
             fh.write(json.dumps(shape(letter), ensure_ascii=False) + "\n")
+            adapters[letter.adapter or ""] += 1
             if progress:
                 progress(1)
         for rid in unmet():

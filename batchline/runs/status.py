@@ -18,6 +18,10 @@ one, once the commit bound after the window (the transaction timeout) has passed
 an engine at the deadline ends ``expired`` too, so they reach ``J.dlq`` as ``expired`` dead letters when a worker
 or the retry scheduler meets them, which changes no count. So succeeded + failed (the ``quarantined``) +
 cancelled + expired + pending = total, always, and an expired run's counts never change.
+A run whose records named LoRA adapters breaks its counts down by adapter (``by_adapter``, the base model as
+:data:`BASE`), over the records the ledger has seen (a record no worker has met yet is in the run's ``pending``
+only); records waiting for a version of their adapter that no worker holds any more are named with it
+(``waiting_for_adapter``: ``<adapter>@<digest>`` -> records).
 The ``--json`` shape is :meth:`RunStatus.as_json` and is stable (documented in docs/cli.md).
 """
 
@@ -41,8 +45,10 @@ from batchline.runs.control import expired_now, settle_s
 from batchline.runs.manifests import CANCELLED, STREAM_RUN, RunsView, stop_of
 from schemas import RunManifest, RunStats, codec_for
 from schemas.codec import DecodeError
+from schemas.models import AdapterStats
 
 TOP_QUARANTINED = 10
+BASE = "(base)"  # the base model's row of a run's counts by adapter (no adapter name has parentheses)
 STATES = (
     "submitting",
     "waiting",
@@ -82,6 +88,18 @@ class RunStatus:
             return 0, cancelled, expired + pending
         return pending, cancelled, expired
 
+    def by_adapter(self) -> dict[str, dict[str, int]]:
+        """The run's counts per LoRA adapter its records named (the base model as :data:`BASE`); {} if none did. An
+        expired run's pending records count as expired, as in :meth:`counts`."""
+        rows = self.stats.adapters if self.stats is not None else {}
+        out: dict[str, dict[str, int]] = {}
+        for name, row in sorted(rows.items()):
+            counts = row.model_dump()
+            if self.state == "expired":
+                counts["expired"], counts["pending"] = counts["expired"] + counts["pending"], 0
+            out[name or BASE] = counts
+        return out
+
     def as_json(self) -> dict[str, Any]:
         s, m = self.stats, self.manifest
         per_1k = 1000 / s.total if s and s.total else 0.0
@@ -102,6 +120,8 @@ class RunStatus:
             "parent_run_id": m.parent_run_id if m else None,
             "children": self.children,
             "adapters": dict(self.adapters),
+            "by_adapter": self.by_adapter(),
+            "waiting_for_adapter": dict(sorted(s.waiting.items())) if s else {},
             "source": m.source if m else None,
             "boundaries": [b.model_dump() for b in m.boundaries] if m else [],
             "total": self.total,
@@ -179,8 +199,10 @@ def merge_run_stats(run_id: str, snapshots: Iterable[RunStats], manifest: RunMan
     succeeded, quarantined = sum(p.succeeded for p in parts), sum(p.quarantined for p in parts)
     cancelled, expired = sum(p.cancelled for p in parts), sum(p.expired for p in parts)
     by_class: Counter[str] = Counter()
+    waiting: Counter[str] = Counter()
     for p in parts:
         by_class.update(p.dead_letters_by_class)
+        waiting.update(p.waiting)
     top = sorted((q for p in parts for q in p.top_quarantined), key=lambda q: (-q.value, q.request_id))
     return RunStats(
         run_id=run_id,
@@ -203,7 +225,25 @@ def merge_run_stats(run_id: str, snapshots: Iterable[RunStats], manifest: RunMan
         position=sum(p.position for p in parts),
         cancelled=cancelled,
         expired=expired,
+        adapters=_merge_adapters(parts),
+        waiting={k: n for k, n in sorted(waiting.items()) if n},
     )
+
+
+def _merge_adapters(parts: list[RunStats]) -> dict[str, AdapterStats]:
+    """The shards' counts per adapter, added up (each id lives in one shard); the base model's row ("") is the
+    shards' run counts less the adapters' (a shard that met no adapter sends no rows at all). {} if no adapter."""
+    sums: dict[str, Counter[str]] = {}
+    for p in parts:
+        for name, row in p.adapters.items():
+            if name:
+                sums.setdefault(name, Counter()).update(row.model_dump())
+    if not sums:
+        return {}
+    base = Counter({f: sum(getattr(p, f) for p in parts) for f in AdapterStats.model_fields})
+    for named in sums.values():
+        base.subtract(named)
+    return {"": AdapterStats(**base)} | {name: AdapterStats(**named) for name, named in sorted(sums.items())}
 
 
 def latest_stats(

@@ -79,9 +79,9 @@ def test_reference_decoder_reads_every_record_kind_batchline_writes(java: Refere
     assert read[1]["kind"] == "result" and read[1]["header"] == RESULT_HEADER
 
 
-# result.avsc with choices and embeddings; c3016383fed9c9d54bed before them (previous/result.v2.avsc), and
-# c301b2e5099766bfe6e3 before value (previous/result.v1.avsc)
-RESULT_HEADER = "c301508739c7bef5b71f"
+# result.avsc with adapter; c301508739c7bef5b71f before it (previous/result.v3.avsc), c3016383fed9c9d54bed before
+# choices and embeddings (previous/result.v2.avsc), and c301b2e5099766bfe6e3 before value (previous/result.v1.avsc)
+RESULT_HEADER = "c301a4b0cd1d2ddfac71"
 # Records with every option and nested field set: n choices with logprobs and their alternatives, tool calls,
 # several embeddings; a chat request with every sampling option, structured output and tools; a multi-input embed.
 RICH: list[tuple[str, BaseModel]] = [

@@ -133,7 +133,8 @@ PREVIOUS = Path(__file__).parents[2] / "schemas" / "previous"
 @pytest.mark.parametrize(
     ("version", "header"),
     [  # the Java reference's vectors (docs/architecture.md#wire-format), today's first
-        (None, "c301508739c7bef5b71f"),  # with choices and embeddings
+        (None, "c301a4b0cd1d2ddfac71"),  # with adapter
+        ("result.v3", "c301508739c7bef5b71f"),  # with choices and embeddings
         ("result.v2", "c3016383fed9c9d54bed"),  # with value
         ("result.v1", "c301b2e5099766bfe6e3"),
     ],

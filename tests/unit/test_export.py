@@ -139,6 +139,7 @@ def test_every_request_id_comes_out_once_across_the_two_files_and_the_report_cou
         "missing": 2,
         "duplicates_skipped": 1,
         "unreadable_skipped": 1,
+        "by_adapter": {},
     }
     assert progress == [1, 1, 1, 1]  # one tick per line or row written
     assert sorted(p.name for p in out.iterdir()) == [f"run.{fmt}", f"run.{fmt}.errors.jsonl"]
@@ -368,6 +369,7 @@ def test_jsonl_error_lines_carry_the_letter_with_its_request_decoded_or_its_payl
         "invalid_output": None,
         "payload_size": None,
         "payload_sha256": None,
+        "adapter": None,
     }
     assert set(shared) | {"request_id", "payload"} == set(DeadLetter.model_fields)
     assert a == shared | {"request_id": "a", "request": FULL_REQUEST.model_dump(mode="json", exclude_none=True)}
@@ -408,6 +410,7 @@ def test_parquet_columns_are_typed_and_nested_as_documented_and_rows_hold_every_
         f"int64, logprobs: list<element: struct<{token}, top: list<element: struct<{token}>>>>, tool_calls: "
         "list<element: struct<id: string, name: string, arguments: string>>>>",
         "embeddings": "list<element: list<element: float>>",
+        "adapter": "string",
         "lineage": f"struct<{lineage_types}>",
     }
     assert set(types) == set(Result.model_fields) | {"lineage"}

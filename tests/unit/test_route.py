@@ -245,3 +245,30 @@ def test_retries_and_dead_letters_leave_their_size_to_the_producer() -> None:
     retried, dead = item("r1"), item("r2")
     produced = _route(router, [retried, dead], {0: _fail("transient"), 1: _fail("invalid_output")})
     assert [(p.kind, p.size) for p in produced] == [("retry", 0), ("dlq", 0)]
+
+
+def test_every_message_of_a_record_naming_an_adapter_names_it_for_the_ledger() -> None:
+    """The ledger counts a record under its adapter from what it reads: a dead letter's ``adapter`` (the name the
+    request gave, known to the job or not), a retry's ``batchline-adapter`` header, and for a record waiting for its
+    run's version, ``batchline-waiting-for``. A record naming no adapter carries neither."""
+    router = _router()
+    named, plain, waiting = (item(rid) for rid in ("a", "b", "c"))
+    named.request = Request(id="a", prompt="x", adapter="nope")
+    waiting.request = Request(id="c", run_id="run-a", prompt="x", adapter="sql")
+    letter, retry, wait = _route(
+        router,
+        [named, plain, waiting],
+        {
+            0: _fail("invalid_input", "UnknownAdapter"),
+            1: _fail("transient"),
+            2: _fail("adapter_pinned", "AdapterVersionPinned", waiting_for="sql@abc"),
+        },
+    )
+    assert (letter.kind, _letter(letter).adapter) == ("dlq", "nope")
+    assert retry.kind == "retry" and h.ADAPTER not in _headers(retry) and h.WAITING_FOR not in _headers(retry)
+    assert wait.kind == "retry"
+    assert (_headers(wait)[h.ADAPTER], _headers(wait)[h.WAITING_FOR], _headers(wait)[h.ATTEMPT]) == (
+        b"sql",
+        b"sql@abc",
+        b"0",
+    )

@@ -73,6 +73,7 @@ RESULTS = st.fixed_dictionaries(
         "value": st.none() | doubles,
         "choices": st.none() | st.lists(CHOICES, max_size=3),
         "embeddings": st.none() | st.lists(st.lists(float32s, max_size=3), max_size=3),
+        "adapter": st.none() | texts,
     }
 )
 LETTERS = st.fixed_dictionaries(
@@ -94,6 +95,7 @@ LETTERS = st.fixed_dictionaries(
         "invalid_output": st.none() | texts,
         "payload_size": st.none() | longs,
         "payload_sha256": st.none() | texts,
+        "adapter": st.none() | texts,
     }
 )
 
@@ -105,6 +107,8 @@ def _old(name: str) -> tuple[Any, bytes]:
 
 RESULT_V1, RESULT_V1_FP = _old("result.v1.avsc")
 RESULT_V2, RESULT_V2_FP = _old("result.v2.avsc")
+RESULT_V3, RESULT_V3_FP = _old("result.v3.avsc")
+LETTER_V2, LETTER_V2_FP = _old("dead_letter.v2.avsc")
 
 
 def framed(kind: str, record: dict[str, Any], framing: str) -> bytes:
@@ -117,10 +121,16 @@ def framed(kind: str, record: dict[str, Any], framing: str) -> bytes:
         head = b"\x00" + struct.pack(">I", 7)
     elif framing == "v1":
         schema, head = RESULT_V1, b"\xc3\x01" + RESULT_V1_FP
-        record = {k: v for k, v in record.items() if k not in ("value", "choices", "embeddings")}
+        record = {k: v for k, v in record.items() if k not in ("value", "choices", "embeddings", "adapter")}
     elif framing == "v2":
         schema, head = RESULT_V2, b"\xc3\x01" + RESULT_V2_FP
-        record = {k: v for k, v in record.items() if k not in ("choices", "embeddings")}
+        record = {k: v for k, v in record.items() if k not in ("choices", "embeddings", "adapter")}
+    elif framing == "v3":
+        schema, head = RESULT_V3, b"\xc3\x01" + RESULT_V3_FP
+        record = {k: v for k, v in record.items() if k != "adapter"}
+    elif framing == "letter-v2":
+        schema, head = LETTER_V2, b"\xc3\x01" + LETTER_V2_FP
+        record = {k: v for k, v in record.items() if k != "adapter"}
     buf = io.BytesIO(head)
     buf.seek(len(head))
     fastavro.schemaless_writer(buf, schema, record)
@@ -135,8 +145,8 @@ def by_codec(kind: str, data: bytes) -> Sighting | None:
         return None
     if kind == "result":
         tokens = (r.prompt_tokens, r.completion_tokens, r.latency_ms)
-        return Sighting(RESULT, r.request_id, r.run_id, r.value, "", 0, *tokens)
-    return Sighting(DEAD, r.request_id, r.run_id, r.value, r.failure_class)
+        return Sighting(RESULT, r.request_id, r.run_id, r.value, "", 0, *tokens, r.adapter)
+    return Sighting(DEAD, r.request_id, r.run_id, r.value, r.failure_class, adapter=r.adapter)
 
 
 def by_reader(kind: str, data: bytes) -> Sighting | None:
@@ -169,7 +179,7 @@ def corrupt(data: bytes, how: int, at: int, junk: bytes) -> bytes:
 
 
 @settings(max_examples=300, deadline=None)
-@given(RESULTS, st.sampled_from(["spec", "legacy", "confluent", "v1", "v2"]))
+@given(RESULTS, st.sampled_from(["spec", "legacy", "confluent", "v1", "v2", "v3"]))
 def test_a_valid_result_of_any_version_is_skimmed_to_what_the_codec_reads(record: dict[str, Any], how: str) -> None:
     data = framed("result", record, how)
     assert Skimmer(codec_for("result"), ("request_id",)).read(data) is not None, "the fast path took it"
@@ -177,7 +187,7 @@ def test_a_valid_result_of_any_version_is_skimmed_to_what_the_codec_reads(record
 
 
 @settings(max_examples=300, deadline=None)
-@given(LETTERS, st.sampled_from(["spec", "legacy", "confluent"]))
+@given(LETTERS, st.sampled_from(["spec", "legacy", "confluent", "letter-v2"]))
 def test_a_valid_dead_letter_is_skimmed_to_what_the_codec_reads(record: dict[str, Any], how: str) -> None:
     data = framed("dead_letter", record, how)
     assert Skimmer(codec_for("dead_letter"), ("request_id",)).read(data) is not None, "the fast path took it"
@@ -212,14 +222,26 @@ HEADER_VALUES = st.none() | st.binary(max_size=6) | st.sampled_from([b"1", b"7",
 
 @settings(max_examples=500, deadline=None)
 @given(
-    st.lists(st.tuples(st.sampled_from([h.REQUEST_ID, h.RUN_ID, h.ATTEMPT, "other"]), HEADER_VALUES), max_size=5),
+    st.lists(
+        st.tuples(
+            st.sampled_from([h.REQUEST_ID, h.RUN_ID, h.ATTEMPT, h.ADAPTER, h.WAITING_FOR, "other"]), HEADER_VALUES
+        ),
+        max_size=5,
+    ),
     st.none() | st.binary(max_size=4),
     st.binary(max_size=4),
 )
 def test_a_retry_reads_its_headers_as_the_helpers_do(headers: list[Any], key: bytes | None, value: bytes) -> None:
     seen = h.as_dict(headers)
     rid = h.text(seen, h.REQUEST_ID) or fallback_id(key, value)
-    expected = Sighting(RETRY, rid, h.text(seen, h.RUN_ID), attempt=h.integer(seen, h.ATTEMPT, 0))
+    expected = Sighting(
+        RETRY,
+        rid,
+        h.text(seen, h.RUN_ID),
+        attempt=h.integer(seen, h.ATTEMPT, 0),
+        adapter=h.text(seen, h.ADAPTER) or None,
+        waiting_for=h.text(seen, h.WAITING_FOR) or "",
+    )
     assert READER.retry(headers, key, value) == expected
 
 

@@ -219,7 +219,11 @@ def test_fold_batch_is_fold_event_by_event(seed: int) -> None:
         value = rng.choice((None, 0.1, 0.3, 2.5, 1e-9)) if kind != RETRY else None
         cls = rng.choice(classes) if kind == DEAD else ""
         attempt = rng.choice((-3, 0, 1, 2, 3, 62, 63, 500))
-        return Sighting(kind, rng.choice(ids), "r1", value, cls, attempt, rng.randrange(9), rng.randrange(9), 0.1)
+        rid = rng.choice(ids)
+        adapter = ("sql", "chat", None)[int(rid.split("-")[1]) % 3]  # one adapter per id, as the worker writes
+        wait = rng.choice(("", "", f"{adapter}@v1", f"{adapter}@v2")) if kind == RETRY and adapter else ""
+        tokens = (rng.randrange(9), rng.randrange(9), 0.1)
+        return Sighting(kind, rid, "r1", value, cls, attempt, *tokens, adapter=adapter, waiting_for=wait)
 
     stored: dict[str, IdState] = {}
     reference = RunCounts()
@@ -242,3 +246,60 @@ def test_fold_batch_is_fold_event_by_event(seed: int) -> None:
         assert fold_batch(batched, batch, states, stored) is changed
         assert batched == reference
         assert states == expected_states
+
+
+def _adapter_result(rid: str, adapter: str | None) -> Result:
+    return result(rid).model_copy(update={"adapter": adapter})
+
+
+def _adapter_letter(rid: str, adapter: str | None, cls: str = "invalid_input") -> DeadLetter:
+    return letter(rid, cls).model_copy(update={"adapter": adapter})
+
+
+def test_a_run_s_counts_break_down_by_adapter_and_the_base_model_row_is_the_rest() -> None:
+    """Each adapter's row counts its ids as the run counts all of them; the base model's is what is left; the rows
+    add up to the run; a record retried then succeeded, one exhausted, one cancelled and one still retrying each
+    land in their own adapter's row."""
+    events: list[LedgerEvent] = [
+        _adapter_result("s1", "sql"),
+        _adapter_result("s1", "sql"),  # a duplicate counts once
+        RetrySeen("s2", "r1", 1, adapter="sql"),
+        _adapter_result("s2", "sql"),
+        _adapter_letter("s3", "sql", "retries_exhausted"),
+        _adapter_letter("n1", "nope"),  # an adapter the job does not know: its own row
+        RetrySeen("c1", "r1", 1, adapter="chat"),  # still retrying: pending
+        _adapter_letter("c2", "chat", CANCELLED),
+        _adapter_result("b1", None),
+        _adapter_letter("b2", None),
+    ]
+    stats = compute_run_stats(events, NOW)["r1"]
+    rows = {name: row.model_dump() for name, row in stats.adapters.items()}
+    zero = dict.fromkeys(["total", "succeeded", "failed_permanent", "quarantined", "retried", "pending"], 0)
+    zero |= {"cancelled": 0, "expired": 0}
+    assert rows == {
+        "": zero | {"total": 2, "succeeded": 1, "failed_permanent": 1, "quarantined": 1},
+        "chat": zero | {"total": 2, "retried": 1, "pending": 1, "cancelled": 1},
+        "nope": zero | {"total": 1, "failed_permanent": 1, "quarantined": 1},
+        "sql": zero | {"total": 3, "succeeded": 2, "quarantined": 1, "retried": 1},
+    }
+    for field in zero:
+        assert sum(row[field] for row in rows.values()) == getattr(stats, field), field
+    assert compute_run_stats([_adapter_result("x", None)], NOW)["r1"].adapters == {}  # no adapter: no breakdown
+
+
+def test_a_record_waiting_for_an_adapter_version_counts_under_it_until_it_ends_or_retries_otherwise() -> None:
+    """A retry whose header says it waits for sql@v1 makes its id waiting (pending, in flight); the same wait coming
+    back (same attempt) changes nothing; a wait for another version moves it; a result, or a retry that does not
+    wait, ends the wait."""
+    wait = lambda rid, attempt, version: RetrySeen(rid, "r1", attempt, "sql", version)  # noqa: E731
+    stats = compute_run_stats([wait("a", 0, "sql@v1"), wait("a", 0, "sql@v1"), wait("b", 0, "sql@v1")], NOW)["r1"]
+    assert (stats.waiting, stats.pending, stats.in_flight, stats.retries) == ({"sql@v1": 2}, 2, 2, 2)
+    stats = compute_run_stats([wait("a", 0, "sql@v1"), wait("a", 0, "sql@v2")], NOW)["r1"]
+    assert stats.waiting == {"sql@v2": 1}
+    stats = compute_run_stats([wait("a", 0, "sql@v1"), wait("b", 0, "sql@v1"), _adapter_result("a", "sql")], NOW)
+    assert (stats["r1"].waiting, stats["r1"].pending, stats["r1"].succeeded) == ({"sql@v1": 1}, 1, 1)
+    stats = compute_run_stats([wait("a", 0, "sql@v1"), RetrySeen("a", "r1", 1, "sql")], NOW)["r1"]
+    assert (stats.waiting, stats.pending, stats.in_flight) == ({}, 1, 1)
+    # a wait after a transient retry of the same attempt number is still news
+    stats = compute_run_stats([RetrySeen("a", "r1", 1, "sql"), wait("a", 1, "sql@v1")], NOW)["r1"]
+    assert (stats.waiting, stats.retries) == ({"sql@v1": 1}, 1)
