@@ -296,8 +296,9 @@ class BatchingConfig(_Frozen):
         256 << 20,
         ge=1 << 20,
         description="Payload bytes of the records buffered, inferring or committing; at it no more are taken, as "
-        "at `max_in_flight_records` (a topic of 5 MB images reaches this first). librdkafka's prefetch adds "
-        "about 1 MB, or one record per partition when records are larger.",
+        "at `max_in_flight_records` (a topic of 5 MB images reaches this first). A record held costs about twice "
+        "its payload (its decoded request too); librdkafka's prefetch adds about 1 MB, or one record per partition "
+        "when records are larger. `batchline status` shows it.",
     )
     pipeline_depth: int = Field(
         2,
