@@ -3,7 +3,8 @@
 Nothing raised here: a bad record becomes a WorkItem with an ``invalid_input`` failure, so it rides in its
 batch (its offset is committed with its neighbours') and leaves as a dead letter. That includes a record whose own
 options this job cannot honour (``batchline.runs.request_options``): refused by name, never ignored; and a record
-with an image a worker must not pass on (``schemas.images``: remote, too large, a bomb, undecodable).
+with an image a worker must not pass on (``schemas.images``: remote, too large, a bomb, undecodable). A record
+whose remote images the job allows has their fetch started here, on the fetcher's own threads (``consumers.fetch``).
 """
 
 from __future__ import annotations
@@ -16,6 +17,7 @@ from confluent_kafka import Message
 from batchline.config import JobConfig
 from batchline.kafka import headers as h
 from consumers.engines.adapters import AdapterBook, adapter_failure
+from consumers.fetch import ImageFetcher
 from consumers.options import refused
 from consumers.work import Failure, Source, WorkItem
 from schemas.codec import DecodeError, decode_request, fallback_id
@@ -34,18 +36,35 @@ def render_prompt(template: str, text: str) -> str:
     return text if template == "{input}" else template.replace("{input}", text)
 
 
+def image_limits(config: JobConfig) -> ImageLimits:
+    """The job's per-record image bounds, and the remote URL prefixes it allows to be fetched."""
+    limits = config.limits
+    return ImageLimits(
+        limits.max_image_bytes,
+        limits.max_image_pixels,
+        limits.max_images_per_message,
+        config.images.fetch.allow,
+    )
+
+
 class Intake:
-    def __init__(self, config: JobConfig, count_tokens: TokenCounter, adapters: AdapterBook | None = None) -> None:
+    def __init__(
+        self,
+        config: JobConfig,
+        count_tokens: TokenCounter,
+        adapters: AdapterBook | None = None,
+        fetcher: ImageFetcher | None = None,
+    ) -> None:
         self.config = config
         self.count_tokens = count_tokens
         self.adapters = adapters
+        self.fetcher = fetcher  # the job's allowed remote images (images.fetch); None: every remote URL is refused
         # read once a record: kept here, not looked up through the config each time
         self._generate = config.task == "generate"
         self._max_bytes = config.max_request_bytes
         self._template = config.engine.prompt_template
         self._max_model_len = config.engine.max_model_len
-        limits = config.limits
-        self._image_limits = ImageLimits(limits.max_image_bytes, limits.max_image_pixels, limits.max_images_per_message)
+        self._image_limits = image_limits(config)
 
     def admit(self, msg: Message) -> WorkItem:
         raw_headers = msg.headers()
@@ -86,6 +105,8 @@ class Intake:
             if found is not None:
                 item.failure = Failure("invalid_input", found.error_type, found.message)
                 return item
+            if self.fetcher is not None:  # on the fetcher's threads; the record waits in the batcher meanwhile
+                item.fetching = self.fetcher.start(request.messages)
         item.prompt = prompt = render_prompt(self._template, request.input_text)
         if request.inputs is None:
             item.prompt_tokens = tokens = self.count_tokens(prompt)

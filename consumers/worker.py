@@ -169,6 +169,8 @@ class Worker(WorkerParts):
     def close(self) -> None:
         self.metrics.close()  # stop observing this worker
         self.feeder.close()
+        if self.intake.fetcher is not None:
+            self.intake.fetcher.close()
         # After an abandon (the broker is lost) nothing is waited for: exit within the bound, not a timeout later.
         self.commits.close(ABANDON_WAIT_S if self._abandoned else 60.0)
         self.lanes.stop()
@@ -236,7 +238,8 @@ class Worker(WorkerParts):
         want = min(POLL_BATCH, room) if self.pauses.fetching() else POLL_BATCH
         msgs = self.consumer.consume(want, 0) if want > 0 else []
         if not msgs and not self._work_ready():
-            if want <= 0 or self.commits or self.pauses.holding:  # woken by a finished flight, commit or engine load
+            # woken by a finished flight, commit, engine load or image fetch
+            if want <= 0 or self.commits or self.pauses.holding or self.batcher.waiting():
                 self.wake.wait(WAIT_FETCHING_S if self.pauses.fetching() else WAIT_PAUSED_S)
                 msgs = self.consumer.consume(want, 0) if want > 0 else []
             else:  # nothing in flight: records are what we wait for (take() returns with the first one)
@@ -379,10 +382,11 @@ class Worker(WorkerParts):
             self._commit()
             if not self.commits:
                 batch = self.batcher.take(force=True)
-                if not batch:
+                if batch:
+                    self._launch(batch)
+                    continue
+                if not self.batcher.waiting():  # else its images are being fetched (within images.fetch.timeout_s)
                     return
-                self._launch(batch)
-                continue
             self._check_engine()
             self.wake.wait(WAIT_PAUSED_S)
             self.wake.clear()
