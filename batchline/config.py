@@ -24,6 +24,7 @@ from batchline.exceptions import ConfigError
 # The Kafka concern (TLS, SASL, the librdkafka passthrough) has its own module; its names are here as before.
 from batchline.kafka.settings import DEFAULT_BOOTSTRAP as DEFAULT_BOOTSTRAP
 from batchline.kafka.settings import KafkaSettings as KafkaSettings
+from schemas.images import fetch_allowed
 from schemas.models import MAX_LOGPROBS, MAX_N
 
 Task = Literal["generate", "embed", "classify"]
@@ -295,6 +296,10 @@ class ImageFetchConfig(_Frozen):
         "`limits.max_image_bytes` (counted as it streams) or one that is not an image ends it as `invalid_input`.",
     )
     concurrency: int = Field(4, ge=1, le=64, description="Fetches at once, on threads of their own.")
+
+    def allows(self, url: str) -> bool:
+        """Whether a worker of this job fetches ``url`` (``schemas.images.fetch_allowed``)."""
+        return fetch_allowed(url, self.allow)
 
     @field_validator("allow")
     @classmethod

@@ -41,7 +41,13 @@ class ImageLimits:
 
     def fetches(self, url: str) -> bool:
         """Whether ``url`` is a remote URL the job allows to be fetched."""
-        return bool(self.fetch_allow) and is_remote(url) and url.startswith(self.fetch_allow) and _plain(url)
+        return fetch_allowed(url, self.fetch_allow)
+
+
+def fetch_allowed(url: str, allow: tuple[str, ...]) -> bool:
+    """Whether ``url`` is a remote URL under one of the prefixes ``allow`` (``images.fetch.allow``), with no way out
+    of it."""
+    return bool(allow) and is_remote(url) and url.startswith(allow) and _plain(url)
 
 
 @dataclass(frozen=True)

@@ -154,3 +154,36 @@ def test_a_prefix_must_name_a_scheme_a_host_and_a_path(prefix: str) -> None:
 def test_fetching_is_off_by_default() -> None:
     assert ImageFetchConfig().allow == ()
     assert config().images.fetch.allow == ()
+
+
+def test_the_batch_api_takes_a_remote_image_only_where_the_models_job_fetches_it() -> None:
+    """The API's line validation answers as the job's workers would: a remote URL under the job's prefixes is
+    carried to the worker (which fetches it), any other fails its line by name at once."""
+    from batchline.api.settings import ModelRoute
+    from batchline.api.validate import validate
+    from tests.support.bodies import CHAT, RESPONSES, base_body, line
+
+    allowing = config(**{"images.fetch.allow": ["https://images.example.com/scans/"]})
+    routes = {"m": ModelRoute.of("m", allowing), "plain": ModelRoute.of("plain", config())}
+    ok, outside = "https://images.example.com/scans/a.png", "https://images.example.com/other/a.png"
+
+    def chat_line(rid: str, model: str, url: str) -> bytes:
+        return line(rid, CHAT, base_body(CHAT, model) | {"messages": chat(url)})
+
+    def responses_line(rid: str, model: str, url: str) -> bytes:
+        content = [{"type": "input_text", "text": "what?"}, {"type": "input_image", "image_url": url}]
+        return line(rid, RESPONSES, base_body(RESPONSES, model) | {"input": [{"role": "user", "content": content}]})
+
+    checked = validate(enumerate([chat_line("a", "m", ok), chat_line("b", "m", outside)], 1), CHAT, routes)
+    assert [(e.line, e.code, e.param) for e in checked.errors] == [
+        (2, "unsupported_parameter", "body.messages[0].content[1].image_url.url")
+    ]
+    assert "images.fetch.allow" in checked.errors[0].message
+    plain = validate(enumerate([chat_line("a", "plain", ok)], 1), CHAT, routes)
+    assert [(e.code, e.param) for e in plain.errors] == [
+        ("unsupported_parameter", "body.messages[0].content[1].image_url.url")
+    ]
+    answers = validate(
+        enumerate([responses_line("a", "m", ok), responses_line("b", "m", outside)], 1), RESPONSES, routes
+    )
+    assert [(e.line, e.param) for e in answers.errors] == [(2, "body.input[0].content[1].image_url")]
