@@ -19,6 +19,8 @@ connection that fails is ``transient`` (the retry tiers try again later).
 
 from __future__ import annotations
 
+import http.client
+import logging
 import threading
 import time
 import urllib.error
@@ -32,6 +34,7 @@ from consumers.work import Failure
 from schemas.images import ImageLimits, fetched_problem, remote_parts
 from schemas.models import ContentPart
 
+log = logging.getLogger(__name__)
 CHUNK = 64 << 10
 TRANSIENT_STATUS = (408, 429)
 Fetched = tuple[Any, ...] | Failure  # the messages, each fetched image as bytes; or why the record ends
@@ -100,19 +103,34 @@ class ImageFetcher:
                         return _too_large(field, f"{len(body)} bytes and more (streamed)", limit)
                     if time.monotonic() > deadline:
                         raise TimeoutError(f"the body took over {self.timeout_s:g}s")
+                if length is not None and length.isdigit() and len(body) < int(length):  # read1 does not raise it
+                    raise http.client.IncompleteRead(bytes(body), int(length) - len(body))
         except urllib.error.HTTPError as exc:
             transient = exc.code >= 500 or exc.code in TRANSIENT_STATUS
             why = f"GET {url} answered {exc.code} {exc.reason}"
             if exc.code < 400:
                 why += " (redirects are not followed)"
             return Failure("transient" if transient else "invalid_input", "ImageFetchFailed", f"{field}: {why}")
-        except (urllib.error.URLError, TimeoutError, OSError) as exc:
-            reason = exc.reason if isinstance(exc, urllib.error.URLError) else exc
+        except (ValueError, http.client.InvalidURL) as exc:  # a URL urllib cannot ask for
+            return Failure("invalid_input", "InvalidImageURL", f"{field}: cannot GET {url!r}: {exc}"[:500])
+        except (urllib.error.URLError, TimeoutError, OSError, http.client.HTTPException) as exc:
+            # refused, reset, timed out, or a body cut short (IncompleteRead): the server may do better later
+            reason = exc.reason if isinstance(exc, urllib.error.URLError) else repr(exc)
             return Failure("transient", "ImageFetchFailed", f"{field}: GET {url} failed: {reason}"[:500])
         problem = fetched_problem(field, declared, bytes(body), self.limits)
         if problem is not None:
             return Failure("invalid_input", problem.error_type, problem.message)
         return declared, bytes(body)
+
+
+def fetch_result(future: Future[Fetched]) -> Fetched:
+    """A finished fetch's result (engine thread). A fetch that raised instead (a bug) or was cancelled fails its
+    record as ``transient``, logged: the worker goes on."""
+    try:
+        return future.result(timeout=0)
+    except Exception as exc:
+        log.exception("an image fetch raised")
+        return Failure("transient", "ImageFetchFailed", f"the image fetch failed: {exc!r}"[:500])
 
 
 def _too_large(field: str, size: str, limit: int) -> Failure:

@@ -48,6 +48,7 @@ from consumers.engines.base import (
     StreamingEngine,
 )
 from consumers.exceptions import EngineOOM, EngineStartError
+from consumers.fetch import fetch_result
 from consumers.isolate import AdaptiveLimit, IsolatingRunner
 from consumers.validate import OutputValidator
 from consumers.work import Failure, WorkItem
@@ -246,7 +247,7 @@ class Feeder:
             elif item.request is not None and item.failure is None:  # item.runnable
                 inp = engine_input(config, item, greedy)
                 if item.fetching is not None:  # done: the batcher hands on no record whose fetch is not
-                    fetched = item.fetching.result()
+                    fetched = fetch_result(item.fetching)
                     if isinstance(fetched, Failure):
                         flight.outcomes[i] = fetched
                         continue

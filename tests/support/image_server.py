@@ -47,6 +47,13 @@ def _handler(images: dict[str, bytes], state: dict[str, Any]) -> type[BaseHTTPRe
                 self.send_header("Location", "/img/red.png")
                 self.send_header("Content-Length", "0")
                 self.end_headers()
+            elif name == "short.png":  # the connection closes 10 bytes into a body of 5,000
+                self.send_response(200)
+                self.send_header("Content-Type", "image/png")
+                self.send_header("Content-Length", "5000")
+                self.end_headers()
+                self.wfile.write(png("red")[:10])
+                self.close_connection = True
             elif name == "page.png":
                 self._send(200, "text/html", b"<html>not an image</html>")
             elif name == "endless.png":  # no Content-Length: only reading tells the size

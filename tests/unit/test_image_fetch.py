@@ -68,6 +68,8 @@ def test_an_allowed_image_is_fetched_and_checked(server: ImageServer) -> None:
         ("/img/endless.png", "invalid_input", "ImageTooLarge", f"> limits.max_image_bytes {MAX_IMAGE_BYTES}"),
         ("/img/boom.png", "transient", "ImageFetchFailed", "answered 500"),
         ("/img/stall.png", "transient", "ImageFetchFailed", "timed out"),
+        ("/img/short.png", "transient", "ImageFetchFailed", "IncompleteRead"),
+        ("/img/a b.png", "invalid_input", "InvalidImageURL", "cannot GET"),
     ],
 )
 def test_each_failed_fetch_ends_as_its_class_naming_the_part(
@@ -187,3 +189,17 @@ def test_the_batch_api_takes_a_remote_image_only_where_the_models_job_fetches_it
         enumerate([responses_line("a", "m", ok), responses_line("b", "m", outside)], 1), RESPONSES, routes
     )
     assert [(e.line, e.param) for e in answers.errors] == [(2, "body.input[0].content[1].image_url")]
+
+
+def test_a_fetch_that_raised_fails_its_record_as_transient_and_the_engine_thread_goes_on() -> None:
+    from concurrent.futures import Future
+
+    from consumers.fetch import fetch_result
+
+    raised: Future[Any] = Future()
+    raised.set_exception(RuntimeError("a bug"))
+    cancelled: Future[Any] = Future()
+    cancelled.cancel()
+    for future in (raised, cancelled):
+        got = fetch_result(future)
+        assert isinstance(got, Failure) and (got.failure_class, got.error_type) == ("transient", "ImageFetchFailed")
