@@ -1,8 +1,9 @@
 """Remote images a job allows (``[images.fetch]``): fetched before their record reaches the engine, never on the
 worker's loop thread.
 
-Where and on which thread: ``Intake.admit`` (the loop thread) starts a record's fetches on this module's own pool
-of ``images.fetch.concurrency`` threads and returns at once; the record waits in the batcher, which hands no batch
+Where and on which thread: ``Intake.start_fetch`` (the loop thread, once the record is admitted and known to run
+on this worker) starts a record's fetches on this module's own pool of ``images.fetch.concurrency`` threads and
+returns at once; the record waits in the batcher, which hands no batch
 past a record whose fetches are not done (``Batcher.take_counted``), and each finished fetch wakes the loop. The
 engine thread (``Feeder._admit``) reads the finished result: the record's messages with each fetched image as
 bytes (as an Avro record carries them, so the engines never see the URL), or the failure that ends it. A slow

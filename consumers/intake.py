@@ -4,7 +4,8 @@ Nothing raised here: a bad record becomes a WorkItem with an ``invalid_input`` f
 batch (its offset is committed with its neighbours') and leaves as a dead letter. That includes a record whose own
 options this job cannot honour (``batchline.runs.request_options``): refused by name, never ignored; and a record
 with an image a worker must not pass on (``schemas.images``: remote, too large, a bomb, undecodable). A record
-whose remote images the job allows has their fetch started here, on the fetcher's own threads (``consumers.fetch``).
+whose remote images the job allows has their fetch started by :meth:`Intake.start_fetch`, on the fetcher's own
+threads (``consumers.fetch``), once the worker knows the record runs here.
 """
 
 from __future__ import annotations
@@ -105,8 +106,6 @@ class Intake:
             if found is not None:
                 item.failure = Failure("invalid_input", found.error_type, found.message)
                 return item
-            if self.fetcher is not None:  # on the fetcher's threads; the record waits in the batcher meanwhile
-                item.fetching = self.fetcher.start(request.messages)
         item.prompt = prompt = render_prompt(self._template, request.input_text)
         if request.inputs is None:
             item.prompt_tokens = tokens = self.count_tokens(prompt)
@@ -121,6 +120,13 @@ class Intake:
                 f"prompt has {tokens} tokens > max_model_len {limit}",
             )
         return item
+
+    def start_fetch(self, item: WorkItem) -> None:
+        """Begin fetching the record's remote images the job allows, on the fetcher's threads (the record waits
+        in the batcher meanwhile). Called once the record is known to run here (not passed over)."""
+        request = item.request
+        if self.fetcher is not None and item.runnable and request is not None and request.messages is not None:
+            item.fetching = self.fetcher.start(request.messages)
 
     def _adapter(self, item: WorkItem, name: str) -> Failure | None:
         """Set the record's adapter (its current version), or say why it cannot have one."""

@@ -255,6 +255,7 @@ class Worker(WorkerParts):
                 self.stats.aborted += 1
             elif item.adapter is not None and self.adapter_pins is not None:
                 self.adapter_pins.settle(item)  # the adapter version the record's run is pinned to
+            self.intake.start_fetch(item)  # its remote images, if the job allows them (a record passed over: none)
             admitted.append(item)
         self.batcher.extend(admitted)
         if msgs:

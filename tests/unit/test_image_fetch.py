@@ -102,7 +102,10 @@ def _admit(cfg: Any, fetcher: ImageFetcher | None, url: str) -> Any:
     payload = json.dumps({"id": "r-1", "messages": chat(url)}).encode()
     msg = Message(topic="unit.requests", partition=0, offset=5, key=b"k", value=payload,
                   timestamp=(TIMESTAMP_CREATE_TIME, 1))  # fmt: skip
-    return Intake(cfg, lambda text: len(text.split()), None, fetcher).admit(msg)
+    intake = Intake(cfg, lambda text: len(text.split()), None, fetcher)
+    item = intake.admit(msg)
+    intake.start_fetch(item)
+    return item
 
 
 def test_a_url_outside_the_allowed_prefixes_is_refused_by_name_and_never_asked_for(server: ImageServer) -> None:
