@@ -85,7 +85,7 @@ class Batcher:
         runnable = tokens = 0
         while self._items:
             item = self._items[0][1]
-            if item.waiting:
+            if item.fetching is not None and item.waiting:
                 break
             if item.runnable:
                 full = runnable >= self.config.max_records

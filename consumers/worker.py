@@ -245,6 +245,7 @@ class Worker(WorkerParts):
             else:  # nothing in flight: records are what we wait for (take() returns with the first one)
                 msgs = take(self.consumer, want, self._linger_left(WAIT_IDLE_S))
         admitted: list[WorkItem] = []
+        fetch = self.intake.start_fetch if self.intake.fetcher is not None else None  # most jobs fetch nothing
         for msg, aborted in self.membership.sift(msgs, self.rewinder.seek, self._on_consume_error):
             item = self.intake.admit(msg)
             item.passed_over = self.pinning.pass_over(item)
@@ -255,7 +256,8 @@ class Worker(WorkerParts):
                 self.stats.aborted += 1
             elif item.adapter is not None and self.adapter_pins is not None:
                 self.adapter_pins.settle(item)  # the adapter version the record's run is pinned to
-            self.intake.start_fetch(item)  # its remote images, if the job allows them (a record passed over: none)
+            if fetch is not None:
+                fetch(item)  # its remote images, if the job allows them (a record passed over: none)
             admitted.append(item)
         self.batcher.extend(admitted)
         if msgs:
