@@ -14,6 +14,7 @@ import tempfile
 import tomllib
 from pathlib import Path
 from typing import Annotated, Any, Literal
+from urllib.parse import urlsplit
 
 from pydantic import BaseModel, ConfigDict, Field, ValidationError, field_validator, model_validator
 from pydantic_settings import BaseSettings, SettingsConfigDict
@@ -23,6 +24,7 @@ from batchline.exceptions import ConfigError
 # The Kafka concern (TLS, SASL, the librdkafka passthrough) has its own module; its names are here as before.
 from batchline.kafka.settings import DEFAULT_BOOTSTRAP as DEFAULT_BOOTSTRAP
 from batchline.kafka.settings import KafkaSettings as KafkaSettings
+from schemas.images import fetch_allowed
 from schemas.models import MAX_LOGPROBS, MAX_N
 
 Task = Literal["generate", "embed", "classify"]
@@ -276,6 +278,48 @@ class LimitsConfig(_Frozen):
     max_images_per_message: int = Field(8, ge=0, description="Image parts in one chat message at most.")
 
 
+class ImageFetchConfig(_Frozen):
+    """Remote image URLs a worker may fetch (``[images.fetch]``). Off by default: a worker must not fetch arbitrary
+    addresses, so a remote URL is refused by name unless a prefix here names it (docs/operations.md#images)."""
+
+    allow: tuple[str, ...] = Field(
+        (),
+        description="URL prefixes a worker fetches images from, each a scheme, a host and a path from `/` "
+        "(`https://images.example.com/scans/`); any other remote URL is refused by name. Empty: none is fetched.",
+    )
+    timeout_s: float = Field(
+        10.0,
+        gt=0,
+        le=300,
+        description="Longest fetch of one image, connect to last byte. Past it (or on a 5xx, 408 or 429 answer, or "
+        "a refused connection) the record is retried through the retry tiers; a 4xx answer, a body over "
+        "`limits.max_image_bytes` (counted as it streams) or one that is not an image ends it as `invalid_input`.",
+    )
+    concurrency: int = Field(4, ge=1, le=64, description="Fetches at once, on threads of their own.")
+
+    def allows(self, url: str) -> bool:
+        """Whether a worker of this job fetches ``url`` (``schemas.images.fetch_allowed``)."""
+        return fetch_allowed(url, self.allow)
+
+    @field_validator("allow")
+    @classmethod
+    def _prefixes(cls, allow: tuple[str, ...]) -> tuple[str, ...]:
+        for prefix in allow:
+            parts = urlsplit(prefix)
+            # the path must start at "/": "https://images.example.com" would also match images.example.com.evil.org
+            if parts.scheme not in ("http", "https") or not parts.netloc or not parts.path.startswith("/"):
+                raise ValueError(f"{prefix!r}: a prefix is scheme://host/path (a path from '/', at least '/')")
+            if parts.query or parts.fragment or "@" in parts.netloc:
+                raise ValueError(f"{prefix!r}: a prefix has no user, query or fragment")
+        return allow
+
+
+class ImagesConfig(_Frozen):
+    """Image parts of chat records beyond what ``[limits]`` bounds: which remote URLs may be fetched."""
+
+    fetch: ImageFetchConfig = Field(default_factory=ImageFetchConfig)
+
+
 class BatchingConfig(_Frozen):
     max_records: int = Field(
         64,
@@ -296,8 +340,9 @@ class BatchingConfig(_Frozen):
         256 << 20,
         ge=1 << 20,
         description="Payload bytes of the records buffered, inferring or committing; at it no more are taken, as "
-        "at `max_in_flight_records` (a topic of 5 MB images reaches this first). librdkafka's prefetch adds "
-        "about 1 MB, or one record per partition when records are larger.",
+        "at `max_in_flight_records` (a topic of 5 MB images reaches this first). A record held costs about twice "
+        "its payload (its decoded request too); librdkafka's prefetch adds about 1 MB, or one record per partition "
+        "when records are larger. `batchline status` shows it.",
     )
     pipeline_depth: int = Field(
         2,
@@ -478,6 +523,7 @@ class JobConfig(_Frozen):
     schedule: ScheduleConfig = Field(default_factory=ScheduleConfig)
     telemetry: TelemetryConfig = Field(default_factory=TelemetryConfig)
     limits: LimitsConfig = Field(default_factory=LimitsConfig)
+    images: ImagesConfig = Field(default_factory=ImagesConfig)
     events: EventsConfig = Field(default_factory=EventsConfig)
     max_request_bytes: int = Field(1 << 20, ge=64, description="Larger payloads are invalid_input.")
 

@@ -28,8 +28,9 @@ from consumers.batcher import Batcher
 from consumers.commit import CommitLine, transactional_producer
 from consumers.engines import Engine, create_engine
 from consumers.engines.adapters import AdapterBook
+from consumers.fetch import ImageFetcher
 from consumers.infer import Feeder
-from consumers.intake import Intake
+from consumers.intake import Intake, image_limits
 from consumers.lanes import Lanes
 from consumers.pauses import PauseBook
 from consumers.pinning import Pinning
@@ -85,9 +86,14 @@ class WorkerParts:
         # record arrives before: the partitions stay paused for the reason "engine" until then.
         # The job's LoRA adapters (engine.lora), resolved per record by intake; None when it names none.
         self.adapters = AdapterBook.for_job(config)
-        self.intake = Intake(config, engine.count_tokens if engine is not None else not_loaded, self.adapters)
-        self.batcher = Batcher(config.batching)
         self.wake = threading.Event()
+        # the remote images the job allows (images.fetch.allow), fetched on threads of their own; None: none
+        fetcher = None
+        if config.images.fetch.allow:
+            fetcher = ImageFetcher(config.images.fetch, image_limits(config), self.wake.set)
+        count = engine.count_tokens if engine is not None else not_loaded
+        self.intake = Intake(config, count, self.adapters, fetcher)
+        self.batcher = Batcher(config.batching)
         self.pinning = Pinning(kafka, self.topics, self.fingerprint)
         # which version of its adapter each run's records use (fixed at the run's first use of it)
         book = self.adapters

@@ -1,7 +1,9 @@
 """Batcher: micro-batches bounded by records, prompt tokens and linger time, in arrival order.
 
 Records that will not reach the engine (invalid input, passed over) ride along in their batch so that
-offsets are committed in order; they do not count against the batch's record or token budget.
+offsets are committed in order; they do not count against the batch's record or token budget. A record whose remote
+images are being fetched (``WorkItem.waiting``, ``consumers.fetch``) ends the batch before it: none is handed on
+past it until its fetch is done.
 """
 
 from __future__ import annotations
@@ -51,8 +53,12 @@ class Batcher:
     def full(self) -> bool:
         return self._runnable >= self.config.max_records or self._tokens >= self.config.max_prompt_tokens
 
+    def waiting(self) -> bool:
+        """Whether the oldest record waits for its images to be fetched (no batch can be taken until it is done)."""
+        return bool(self._items) and self._items[0][1].waiting
+
     def ready(self) -> bool:
-        if not self._items:
+        if not self._items or self._items[0][1].waiting:
             return False
         return self.full() or (self.clock() - self._items[0][0]) * 1000 >= self.config.linger_ms
 
@@ -72,13 +78,15 @@ class Batcher:
 
     def take_counted(self, force: bool = False, full_only: bool = False) -> tuple[list[WorkItem], int, int]:
         """:meth:`take`, with the batch's runnable records and their prompt tokens (what the schedule charges)."""
-        ready = self.full() if full_only else self.ready()
+        ready = self.full() and not self.waiting() if full_only else self.ready()
         if not (force or ready):
             return [], 0, 0
         batch: list[WorkItem] = []
         runnable = tokens = 0
         while self._items:
             item = self._items[0][1]
+            if item.fetching is not None and item.waiting:
+                break
             if item.runnable:
                 full = runnable >= self.config.max_records
                 over = runnable > 0 and tokens + item.prompt_tokens > self.config.max_prompt_tokens

@@ -6,6 +6,7 @@ from __future__ import annotations
 
 import hashlib
 from dataclasses import replace
+from typing import Any
 
 from batchline.config import JobConfig
 from consumers.engines.base import EngineInput, Options, Sampling
@@ -65,6 +66,15 @@ def engine_input(config: JobConfig, item: WorkItem, greedy: Sampling | None = No
         item.adapter,
         item.prompt_ids,
     )
+
+
+def with_fetched(config: JobConfig, inp: EngineInput, messages: tuple[Any, ...]) -> EngineInput:
+    """``inp`` with its remote images fetched (``consumers.fetch``: each as bytes): its messages, and its prompt
+    rendered from them as intake renders a record's, so an image fetched and the same image sent inline are the
+    same input."""
+    inp.messages = messages
+    inp.prompt = render_prompt(config.engine.prompt_template, "\n".join(f"{m.role}: {m.text}" for m in messages))
+    return inp
 
 
 def _options(config: JobConfig, request: RequestLike) -> Options:

@@ -39,7 +39,7 @@ from typing import NamedTuple
 
 from batchline.config import JobConfig
 from batchline.runs.control import CANCELLED, EXPIRED, STOP_CLASSES, stop_message
-from consumers.engine_input import engine_input, record_seed
+from consumers.engine_input import engine_input, record_seed, with_fetched
 from consumers.engines.base import (
     Engine,
     EngineInput,
@@ -48,6 +48,7 @@ from consumers.engines.base import (
     StreamingEngine,
 )
 from consumers.exceptions import EngineOOM, EngineStartError
+from consumers.fetch import fetch_result
 from consumers.isolate import AdaptiveLimit, IsolatingRunner
 from consumers.validate import OutputValidator
 from consumers.work import Failure, WorkItem
@@ -244,8 +245,15 @@ class Feeder:
             if item.passed_over is not None:
                 passed += 1
             elif item.request is not None and item.failure is None:  # item.runnable
+                inp = engine_input(config, item, greedy)
+                if item.fetching is not None:  # done: the batcher hands on no record whose fetch is not
+                    fetched = fetch_result(item.fetching)
+                    if isinstance(fetched, Failure):
+                        flight.outcomes[i] = fetched
+                        continue
+                    inp = with_fetched(config, inp, fetched)
                 key = next(keys)
-                seats[key] = _new_seat(_Seat, (flight, i, engine_input(config, item, greedy), 0))
+                seats[key] = _new_seat(_Seat, (flight, i, inp, 0))
                 backlog.append(key)
                 pending += 1
         flight.passed_over = passed

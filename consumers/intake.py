@@ -3,7 +3,9 @@
 Nothing raised here: a bad record becomes a WorkItem with an ``invalid_input`` failure, so it rides in its
 batch (its offset is committed with its neighbours') and leaves as a dead letter. That includes a record whose own
 options this job cannot honour (``batchline.runs.request_options``): refused by name, never ignored; and a record
-with an image a worker must not pass on (``schemas.images``: remote, too large, a bomb, undecodable).
+with an image a worker must not pass on (``schemas.images``: remote, too large, a bomb, undecodable). A record
+whose remote images the job allows has their fetch started by :meth:`Intake.start_fetch`, on the fetcher's own
+threads (``consumers.fetch``), once the worker knows the record runs here.
 """
 
 from __future__ import annotations
@@ -16,6 +18,7 @@ from confluent_kafka import Message
 from batchline.config import JobConfig
 from batchline.kafka import headers as h
 from consumers.engines.adapters import AdapterBook, adapter_failure
+from consumers.fetch import ImageFetcher
 from consumers.options import refused
 from consumers.work import Failure, Source, WorkItem
 from schemas.codec import DecodeError, decode_request, fallback_id
@@ -35,20 +38,37 @@ def render_prompt(template: str, text: str) -> str:
     return text if template == "{input}" else template.replace("{input}", text)
 
 
+def image_limits(config: JobConfig) -> ImageLimits:
+    """The job's per-record image bounds, and the remote URL prefixes it allows to be fetched."""
+    limits = config.limits
+    return ImageLimits(
+        limits.max_image_bytes,
+        limits.max_image_pixels,
+        limits.max_images_per_message,
+        config.images.fetch.allow,
+    )
+
+
 class Intake:
-    def __init__(self, config: JobConfig, count_tokens: TokenCounter, adapters: AdapterBook | None = None) -> None:
+    def __init__(
+        self,
+        config: JobConfig,
+        count_tokens: TokenCounter,
+        adapters: AdapterBook | None = None,
+        fetcher: ImageFetcher | None = None,
+    ) -> None:
         self.config = config
         self.count_tokens = count_tokens
         # set with count_tokens once the engine has loaded (Worker._engine_loaded), on the poll thread like admit()
         self.encode: PromptEncoder | None = None
         self.adapters = adapters
+        self.fetcher = fetcher  # the job's allowed remote images (images.fetch); None: every remote URL is refused
         # read once a record: kept here, not looked up through the config each time
         self._generate = config.task == "generate"
         self._max_bytes = config.max_request_bytes
         self._template = config.engine.prompt_template
         self._max_model_len = config.engine.max_model_len
-        limits = config.limits
-        self._image_limits = ImageLimits(limits.max_image_bytes, limits.max_image_pixels, limits.max_images_per_message)
+        self._image_limits = image_limits(config)
 
     def admit(self, msg: Message) -> WorkItem:
         raw_headers = msg.headers()
@@ -108,6 +128,13 @@ class Intake:
                 f"prompt has {tokens} tokens > max_model_len {limit}",
             )
         return item
+
+    def start_fetch(self, item: WorkItem) -> None:
+        """Begin fetching the record's remote images the job allows, on the fetcher's threads (the record waits
+        in the batcher meanwhile). Called once the record is known to run here (not passed over)."""
+        request = item.request
+        if self.fetcher is not None and item.runnable and request is not None and request.messages is not None:
+            item.fetching = self.fetcher.start(request.messages)
 
     def _adapter(self, item: WorkItem, name: str) -> Failure | None:
         """Set the record's adapter (its current version), or say why it cannot have one."""

@@ -3,9 +3,10 @@
 from __future__ import annotations
 
 from collections.abc import Iterable
+from concurrent.futures import Future
 from dataclasses import dataclass, field
 from datetime import datetime
-from typing import TYPE_CHECKING, Literal, NamedTuple
+from typing import TYPE_CHECKING, Any, Literal, NamedTuple
 
 from schemas import RequestLike
 
@@ -70,6 +71,13 @@ class WorkItem:
     passed_over: str | None = None  # a reason when this worker must not process the record (another run's pin)
     trace_parent: str | None = None
     adapter: Adapter | None = None  # the version of the record's LoRA adapter it runs with (intake, then pinning)
+    # its remote images being fetched (consumers.fetch): the messages with their bytes, or a Failure, once done
+    fetching: Future[Any] | None = None
+
+    @property
+    def waiting(self) -> bool:
+        """Whether the record waits for its images to be fetched (it may not go to the engine yet)."""
+        return self.fetching is not None and not self.fetching.done()
 
     @property
     def runnable(self) -> bool:

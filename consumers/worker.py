@@ -169,6 +169,8 @@ class Worker(WorkerParts):
     def close(self) -> None:
         self.metrics.close()  # stop observing this worker
         self.feeder.close()
+        if self.intake.fetcher is not None:
+            self.intake.fetcher.close()
         # After an abandon (the broker is lost) nothing is waited for: exit within the bound, not a timeout later.
         self.commits.close(ABANDON_WAIT_S if self._abandoned else 60.0)
         self.lanes.stop()
@@ -238,12 +240,14 @@ class Worker(WorkerParts):
         want = min(POLL_BATCH, room) if self.pauses.fetching() else POLL_BATCH
         msgs = self.consumer.consume(want, 0) if want > 0 else []
         if not msgs and not self._work_ready():
-            if want <= 0 or self.commits or self.pauses.holding:  # woken by a finished flight, commit or engine load
+            # woken by a finished flight, commit, engine load or image fetch
+            if want <= 0 or self.commits or self.pauses.holding or self.batcher.waiting():
                 self.wake.wait(WAIT_FETCHING_S if self.pauses.fetching() else WAIT_PAUSED_S)
                 msgs = self.consumer.consume(want, 0) if want > 0 else []
             else:  # nothing in flight: records are what we wait for (take() returns with the first one)
                 msgs = take(self.consumer, want, self._linger_left(WAIT_IDLE_S))
         admitted: list[WorkItem] = []
+        fetch = self.intake.start_fetch if self.intake.fetcher is not None else None  # most jobs fetch nothing
         for msg, aborted in self.membership.sift(msgs, self.rewinder.seek, self._on_consume_error):
             item = self.intake.admit(msg)
             item.passed_over = self.pinning.pass_over(item)
@@ -254,6 +258,8 @@ class Worker(WorkerParts):
                 self.stats.aborted += 1
             elif item.adapter is not None and self.adapter_pins is not None:
                 self.adapter_pins.settle(item)  # the adapter version the record's run is pinned to
+            if fetch is not None:
+                fetch(item)  # its remote images, if the job allows them (a record passed over: none)
             admitted.append(item)
         self.batcher.extend(admitted)
         if msgs:
@@ -381,10 +387,11 @@ class Worker(WorkerParts):
             self._commit()
             if not self.commits:
                 batch = self.batcher.take(force=True)
-                if not batch:
+                if batch:
+                    self._launch(batch)
+                    continue
+                if not self.batcher.waiting():  # else its images are being fetched (within images.fetch.timeout_s)
                     return
-                self._launch(batch)
-                continue
             self._check_engine()
             self.wake.wait(WAIT_PAUSED_S)
             self.wake.clear()

@@ -4,7 +4,9 @@ A record's images are checked before it reaches the engine (docs/requests.md#ima
 encoded size, the pixels its header declares (read before anything is decoded, so a decompression bomb costs a
 header read), then a full decode with Pillow (a truncated or corrupt file fails here, not inside the engine's
 batch). What fails ends the record alone as an ``invalid_input`` dead letter whose message starts with the part's
-path (``messages[0].content[1].image_url.url: ...``). Remote URLs are refused: a worker fetches nothing.
+path (``messages[0].content[1].image_url.url: ...``). A remote URL is refused by name unless the job allows it
+(``[images.fetch]``: its prefix in ``ImageLimits.fetch_allow``); an allowed one is fetched by the worker
+(``consumers.fetch``) and its bytes checked here, as a data URL's are, before the record reaches the engine.
 
 Pillow is imported on the first image checked, never at module import.
 """
@@ -19,9 +21,11 @@ import warnings
 from collections.abc import Iterator, Sequence
 from dataclasses import dataclass
 from typing import Any
+from urllib.parse import unquote, urlsplit
 
 # What the engines accept (Pillow's names for them), as the MIME types OpenAI's image inputs take.
 MEDIA_TYPES = {"image/png": "PNG", "image/jpeg": "JPEG", "image/webp": "WEBP", "image/gif": "GIF"}
+REMOTE = ("http://", "https://")
 DETAILS = (None, "auto")  # low / high ask for a resolution the model's processor does not take per request
 
 
@@ -33,6 +37,17 @@ class ImageLimits:
     max_bytes: int
     max_pixels: int
     max_per_message: int
+    fetch_allow: tuple[str, ...] = ()  # URL prefixes whose images the worker fetches (``images.fetch.allow``)
+
+    def fetches(self, url: str) -> bool:
+        """Whether ``url`` is a remote URL the job allows to be fetched."""
+        return fetch_allowed(url, self.fetch_allow)
+
+
+def fetch_allowed(url: str, allow: tuple[str, ...]) -> bool:
+    """Whether ``url`` is a remote URL under one of the prefixes ``allow`` (``images.fetch.allow``), with no way out
+    of it."""
+    return bool(allow) and is_remote(url) and url.startswith(allow) and _plain(url)
 
 
 @dataclass(frozen=True)
@@ -52,6 +67,25 @@ def image_parts(messages: Sequence[Any] | None) -> Iterator[tuple[str, Any]]:
                 yield f"messages[{i}].content[{j}]", part
             elif part.type == "image":
                 yield f"messages[{i}].parts[{j}]", part
+
+
+def is_remote(url: str) -> bool:
+    return url[:8].lower().startswith(REMOTE)
+
+
+def _plain(url: str) -> bool:
+    """No way out of its prefix: no dot segments (``/scans/../admin``), encoded or not, no backslashes, no user part
+    (a prefix is matched as text; the server would resolve these)."""
+    split = urlsplit(url)
+    segments = unquote(split.path).split("/")
+    return "\\" not in url and "@" not in split.netloc and ".." not in segments and "." not in segments
+
+
+def remote_parts(messages: Sequence[Any] | None, limits: ImageLimits) -> list[tuple[str, Any]]:
+    """The image parts the worker must fetch (allowed remote URLs), with their paths."""
+    return [
+        (path, part) for path, part in image_parts(messages) if part.type == "image_url" and limits.fetches(part.url)
+    ]
 
 
 def has_images(messages: Sequence[Any] | None) -> bool:
@@ -104,6 +138,8 @@ def _part_problem(path: str, part: Any, limits: ImageLimits) -> ImageProblem | N
             return _media(f"{path}.media_type", declared)
     else:
         field = f"{where}.url"
+        if limits.fetches(str(part.url)):
+            return None  # its bytes are checked once fetched (fetched_problem)
         parsed = _parse_data_url(field, str(part.url))
         if isinstance(parsed, ImageProblem):
             return parsed
@@ -122,7 +158,9 @@ def _parse_data_url(field: str, url: str) -> tuple[str, int] | ImageProblem:
     scheme = url.split(":", 1)[0].lower() if ":" in url[:16] else ""
     if scheme in ("http", "https"):
         return ImageProblem(
-            "RemoteImage", f"{field}: remote image URLs are not fetched by workers; send the image as a data URL"
+            "RemoteImage",
+            f"{field}: remote image URLs are fetched only from the prefixes of the job's images.fetch.allow, and "
+            "none names this one; send the image as a data URL",
         )
     if scheme != "data":
         return ImageProblem("InvalidImageURL", f"{field}: not a data URL (data:image/png;base64,...)")
@@ -140,6 +178,16 @@ def _media(field: str, declared: str) -> ImageProblem:
     return ImageProblem(
         "UnsupportedMediaType", f"{field}: media type {declared!r} is not one of {', '.join(sorted(MEDIA_TYPES))}"
     )
+
+
+def fetched_problem(field: str, declared: str, data: bytes, limits: ImageLimits) -> ImageProblem | None:
+    """Why a fetched image (``declared`` its response's media type) may not reach the engine, or None: the checks
+    a data URL gets."""
+    if declared not in MEDIA_TYPES:
+        return _media(field, declared)
+    if len(data) > limits.max_bytes:
+        return ImageProblem("ImageTooLarge", f"{field}: {len(data)} bytes > limits.max_image_bytes {limits.max_bytes}")
+    return _decoded_problem(field, declared, data, limits)
 
 
 def _decoded_problem(field: str, declared: str, data: bytes, limits: ImageLimits) -> ImageProblem | None:

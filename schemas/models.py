@@ -33,10 +33,11 @@ class _Record(BaseModel):
 
 class ContentPart(_Record):
     """One part of a chat message's content, as OpenAI's chat parts name them: ``text`` (its ``text``),
-    ``image_url`` (``url``: a ``data:`` URL; a remote one is refused, the worker fetches nothing) or ``image``
-    (``data``: the encoded image bytes, with their ``media_type``; Avro records only). ``detail`` is OpenAI's
-    (``auto`` only: the model's processor decides the resolution). Images are checked against the job's
-    ``[limits]`` at intake (``schemas.images``)."""
+        ``image_url`` (``url``: a ``data:`` URL; a remote one is refused unless the job allows its prefix,
+    ``[images.fetch]``, and then the worker fetches it) or ``image``
+        (``data``: the encoded image bytes, with their ``media_type``; Avro records only). ``detail`` is OpenAI's
+        (``auto`` only: the model's processor decides the resolution). Images are checked against the job's
+        ``[limits]`` at intake (``schemas.images``)."""
 
     type: Literal["text", "image_url", "image"]
     text: str | None = None

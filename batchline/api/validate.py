@@ -26,6 +26,7 @@ from batchline.api.records import BatchError
 from batchline.api.settings import EMBEDDINGS, ModelRoute
 from batchline.runs.openai_convert import LineError, param_of
 from batchline.runs.openai_fields import convert
+from batchline.runs.openai_images import remote_images
 from batchline.runs.request_options import refusal
 from schemas import Request
 
@@ -47,6 +48,12 @@ class Validation:
             self.errors.append(BatchError(code=code, message=message, line=line, param=param))
         else:
             self.more_errors += 1
+
+
+REMOTE_REFUSED = (
+    "is a remote image URL, and the model's job fetches none from there (images.fetch.allow); give the image as a "
+    "data URL"
+)
 
 
 def to_request(custom_id: str, body: Mapping[str, Any], endpoint: str) -> dict[str, Any]:
@@ -132,6 +139,11 @@ def _check_line(
         result.fail(exc.code, f"Line {n}: {exc.param} {exc.reason}.", line=n, param=exc.param)
         return
     route = routes.get(result.model or "")
+    for param, url in remote_images(body.get("messages") or body.get("input"), _messages_param(body)):
+        if route is None or not route.config.images.fetch.allows(url):
+            msg = f"Line {n}: {param} {REMOTE_REFUSED}."
+            result.fail("unsupported_parameter", msg, line=n, param=param)
+            return
     request = Request.model_validate(line.out)
     result.prompt_tokens += prompt_tokens(request)
     if route is not None and not request.plain and (why := refusal(request, route.config)) is not None:
@@ -146,6 +158,10 @@ def _check_line(
         elif fmt != result.encoding_format:
             msg = f"Line {n}: body.encoding_format {fmt!r} differs from the batch's {result.encoding_format!r}."
             result.fail("mismatched_encoding_format", msg, line=n, param="body.encoding_format")
+
+
+def _messages_param(body: Mapping[str, Any]) -> str:
+    return "body.messages" if body.get("messages") is not None else "body.input"
 
 
 def _encodable(obj: Any) -> bool:

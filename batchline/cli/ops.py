@@ -36,7 +36,8 @@ def status(
     opts: JobOptions,
     bootstrap: str,
 ) -> None:
-    """Per-run completion: counts, value-weighted completion, quarantined records, waiting fingerprints; with
+    """Per-run completion: counts, value-weighted completion, quarantined records, waiting fingerprints; what a
+    worker of the job may hold in flight (records and bytes, from the job's config as a worker reads it); with
     --config, whether the job yields to another (schedule.yield_to)."""
     import json
     import time
@@ -54,7 +55,9 @@ def status(
 
     topics = JobTopics(job)
     kafka = connect(bootstrap, topics, [topics.runs, topics.ledger, topics.requests])
-    schedule = opts.load(job).schedule if opts.config is not None else None
+    cfg = opts.load(job)
+    schedule = cfg.schedule if opts.config is not None else None
+    bounds = _bounds(cfg, opts.config)
 
     def snapshot() -> list[dict[str, Any]]:
         runs = [r.as_json() for r in collect(kafka, topics, run)]
@@ -86,20 +89,56 @@ def status(
             time.sleep(WAIT_POLL_S)
     if json_out:
         runs = snapshot()
-        shown = {"job": job, "lanes": lanes(), "groups": groups(runs), "tenants": tenant_shares(runs), "runs": runs}
+        shown = {
+            "job": job,
+            "bounds": bounds,
+            "lanes": lanes(),
+            "groups": groups(runs),
+            "tenants": tenant_shares(runs),
+            "runs": runs,
+        }
         print(json.dumps(shown, indent=2))
         return
     if not watch:
         runs = snapshot()
-        lines = [*_lanes_lines(lanes()), *_group_lines(groups(runs)), *_tenant_lines(tenant_shares(runs))]
+        lines = [
+            _bounds_line(bounds),
+            *_lanes_lines(lanes()),
+            *_group_lines(groups(runs)),
+            *_tenant_lines(tenant_shares(runs)),
+        ]
         out.print(Group(*lines, *(run_panel(r) for r in runs)) if runs else Group(*lines, f"no runs in {topics.runs}"))
         return
     with Live(console=out, refresh_per_second=1) as live:
         while True:
             runs = snapshot()
-            head = [*_lanes_lines(lanes()), *_group_lines(groups(runs)), *_tenant_lines(tenant_shares(runs))]
+            head = [
+                _bounds_line(bounds),
+                *_lanes_lines(lanes()),
+                *_group_lines(groups(runs)),
+                *_tenant_lines(tenant_shares(runs)),
+            ]
             live.update(Group(*head, *(run_panel(r) for r in runs)))
             time.sleep(2)
+
+
+def _bounds(cfg: JobConfig, config: Path | None) -> dict[str, Any]:
+    """What one worker of the job may hold uncommitted, as the job's config gives it to the worker (the file, then
+    ``--set`` and ``BATCHLINE_`` variables): status reads the config, it does not ask the running workers."""
+    return {
+        "max_in_flight_records": cfg.batching.max_in_flight_records,
+        "max_in_flight_bytes": cfg.batching.max_in_flight_bytes,
+        "config": str(config) if config is not None else None,
+    }
+
+
+def _bounds_line(bounds: dict[str, Any]) -> str:
+    source = f"from {bounds['config']}" if bounds["config"] else "no --config: defaults, as --set and env change them"
+    mib = bounds["max_in_flight_bytes"] / (1 << 20)
+    return (
+        f"in flight per worker: at most {bounds['max_in_flight_records']} records and {mib:g} MiB of payload "
+        f"(batching.max_in_flight_records, batching.max_in_flight_bytes; {source})"
+    )
 
 
 def _group_lines(groups: dict[str, dict[str, Any]]) -> list[str]:

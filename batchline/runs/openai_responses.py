@@ -215,9 +215,9 @@ RESPONSES_FIELDS = [
         "messages",
         "a string (a user message) or message items {role, content} of system, developer (as system), user or "
         "assistant, content a string or input_text parts (output_text too in an assistant message; joined by "
-        "newlines), input_image parts in a user message (image_url a data URL; detail auto; file_id and remote "
-        "URLs refused); other items (function_call, function_call_output, reasoning, item_reference), parts "
-        "(files, audio) and item fields are refused",
+        "newlines), input_image parts in a user message (image_url a data URL, or a remote URL under the job's "
+        "images.fetch.allow; detail auto; file_id refused); other items (function_call, function_call_output, "
+        "reasoning, item_reference), parts (files, audio) and item fields are refused",
         input_items,
         required=True,
     ),

@@ -30,7 +30,8 @@ CHAT_FIELDS = [
         "messages",
         "system, developer (as system), user and assistant messages of string content or text parts (joined "
         "by newlines, as vLLM does); user messages may hold image_url parts (data URLs; detail auto; remote URLs "
-        "refused; each image checked against the job's [limits] by the worker); other roles, parts and message "
+        "only under the job's images.fetch.allow; each image checked against the job's [limits] by the worker); "
+        "other roles, parts and message "
         "fields (name, tool_calls, ...) are refused",
         c.messages,
         required=True,

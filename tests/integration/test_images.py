@@ -14,6 +14,7 @@ from typing import Any
 from batchline.config import KafkaSettings
 from batchline.kafka.topics import JobTopics
 from schemas import ChatMessage, ContentPart, Request, codec_for
+from tests.support.cli import run_cli
 from tests.support.images import bad_corpus, chat, data_url, png
 from tests.support.jobs import job_toml
 from tests.support.kafka import produce_raw, wait_for
@@ -131,3 +132,29 @@ def test_what_a_worker_holds_is_bounded_by_bytes_while_a_topic_of_large_images_f
     # at the bound, more records are taken only while under it: at most about one poll's worth over it
     assert peaks[2 << 20] <= (2 << 20) + 3 * record_bytes, peaks
     assert peaks[256 << 20] > 2 * peaks[2 << 20], peaks  # measured: 2.1 MB against 10.7 MB
+
+
+def test_status_shows_what_a_worker_may_hold_in_records_and_bytes(
+    kafka: KafkaSettings, job_name: str, make_job: Callable[..., JobTopics], tmp_path: Path
+) -> None:
+    """``status`` (text and ``--json``) shows the job's in-flight bounds as the worker reads them from its config:
+    the file given with ``--config``, ``--set`` over it, the defaults without either."""
+    make_job(job_name, partitions=1, tiers=("1s",))
+    cfg = tmp_path / "bounded.toml"
+    cfg.write_text(
+        'task = "generate"\n[engine]\nname = "deterministic"\n'
+        "[batching]\nmax_in_flight_records = 300\nmax_in_flight_bytes = 8388608\n"
+    )
+    shown = json.loads(run_cli(kafka.bootstrap, "status", job_name, "--config", str(cfg), "--json").stdout)
+    assert shown["bounds"] == {"max_in_flight_records": 300, "max_in_flight_bytes": 8 << 20, "config": str(cfg)}
+    printed = run_cli(kafka.bootstrap, "status", job_name, "--config", str(cfg)).stdout
+    assert "in flight per worker: at most 300 records and 8 MiB of payload" in printed, printed
+    assert str(cfg) in printed
+    overridden = run_cli(
+        kafka.bootstrap, "status", job_name, "--config", str(cfg), "--set", "batching.max_in_flight_bytes=3145728",
+        "--json",
+    )  # fmt: skip
+    assert json.loads(overridden.stdout)["bounds"]["max_in_flight_bytes"] == 3 << 20
+    defaults = json.loads(run_cli(kafka.bootstrap, "status", job_name, "--json").stdout)["bounds"]
+    assert defaults == {"max_in_flight_records": 2048, "max_in_flight_bytes": 256 << 20, "config": None}
+    assert "no --config: defaults" in run_cli(kafka.bootstrap, "status", job_name).stdout

@@ -126,6 +126,51 @@ def test_image_records_equal_llm_chat_token_for_token_and_bad_images_dead_letter
     assert len(outputs) > 1, "different images gave one output: the images did not reach the model"
 
 
+def test_fetched_images_are_the_images_vllm_sees(
+    kafka: KafkaSettings,
+    job_name: str,
+    make_job: Callable[..., JobTopics],
+    tmp_path: Path,
+    tiny_vlm: Path,
+    engine: Any,
+) -> None:
+    """Records whose images a local server serves under the job's allowed prefix (``[images.fetch]``): each output
+    equals ``LLM.chat`` over the same messages with the image inline, token for token, image tokens counted; a 404
+    ends its record alone."""
+    from vllm import SamplingParams
+
+    from tests.support.image_server import image_server
+
+    topics = make_job(job_name, partitions=1, tiers=("1s", "2s"))
+    images = {"blue.png": png("blue", size=(64, 48)), "amber.png": png((200, 120, 10), size=(48, 64))}
+    text = "describe the picture"
+    with image_server(images) as server:
+        allow = {"images.fetch.allow": [f"{server.base}/img/"]}
+        cfg = load_job_config(job_name, _config(tmp_path / "job.toml", tiny_vlm), allow)
+        rows = [{"id": name, "messages": chat(server.url(f"/img/{name}"), text=text)} for name in images]
+        rows.append({"id": "missing", "messages": chat(server.url("/img/missing.png"), text=text)})
+        src = tmp_path / "in.jsonl"
+        src.write_text("".join(json.dumps(r) + "\n" for r in rows))
+        submit_file(kafka, topics, src, fingerprint_of(cfg))
+        run_worker(cfg, kafka, engine)
+
+    view = results(kafka, topics)
+    letters = dead_letters(kafka, topics)
+    assert set(view) == set(images) and set(letters) == {"missing"}, (set(view), letters)
+    ((letter,),) = letters.values()
+    assert (letter.error_type, letter.failure_class) == ("ImageFetchFailed", "invalid_input"), letter
+    names = list(images)
+    reference = engine._llm.chat(
+        [chat(data_url(images[name]), text=text) for name in names],
+        SamplingParams(temperature=0, max_tokens=MAX_TOKENS),
+        use_tqdm=False,
+    )
+    for name, ref in zip(names, reference, strict=True):
+        result = view[name][0][0]
+        assert result.output == ref.outputs[0].text, name
+        assert result.prompt_tokens == len(ref.prompt_token_ids), name
+
+
 def test_an_image_record_the_model_cannot_fit_fails_alone(engine: Any) -> None:
     """An image record whose prompt (image tokens included) is over max_model_len is that record's invalid_input;
     the records beside it are answered."""
