@@ -32,7 +32,8 @@ from typing import IO
 
 from schemas import QuarantinedRecord
 from streams.exceptions import LedgerStoreError
-from streams.tally import QUARANTINED, IdState, RunCounts, Sighting, fold_batch, run_of
+from streams.run_counts import RunCounts
+from streams.tally import QUARANTINED, IdState, Sighting, fold_batch, run_of
 
 log = logging.getLogger(__name__)
 SCHEMA_VERSION = "3"  # a store of another version is rebuilt from the topics

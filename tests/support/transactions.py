@@ -1,5 +1,5 @@
 """A transactional producer that fails on cue, put where the worker's commit line keeps its producer
-(``worker.commits.producer``, the :class:`consumers.commit.Transactions` seam).
+(``worker.commits.producer``, the :class:`consumers.transaction.Transactions` seam).
 
 It wraps the real producer: a transaction it fails was really begun, its messages produced, and then aborted by the
 producer's own error handling (the injected error is abortable, as librdkafka's ``txn_requires_abort``), so what the

@@ -12,6 +12,7 @@ from consumers.intake import fallback_id as worker_fallback_id
 from schemas import DeadLetter, Result, RunManifest
 from schemas.codec import fallback_id
 from streams.retry_scheduler import RETRIED_AT, Held, PartitionQueue, republished_headers
+from streams.run_counts import RunCounts
 from streams.tally import (
     DEAD,
     RESULT,
@@ -19,7 +20,6 @@ from streams.tally import (
     IdState,
     LedgerEvent,
     RetrySeen,
-    RunCounts,
     Sighting,
     compute_run_stats,
     fold,
