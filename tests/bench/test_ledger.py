@@ -43,7 +43,6 @@ from schemas import codec_for
 from streams.memory import READER_LIMITS
 from tests.bench.conftest import record
 
-OUT = Path(__file__).resolve().parents[2] / "out"
 SIZES = [int(n) for n in os.environ.get("BENCH_LEDGER_IDS", "1000000,10000000").split(",") if n]
 PARTITIONS = 4
 TAIL = 10_000  # ids written while the ledger is down, before the restart
@@ -245,12 +244,7 @@ def test_ledger_at_archive_scale(
     assert [run["ids"] for run in figures["runs"]] == SIZES  # each run's counts were checked in measure()
     for run in figures["runs"]:
         print(f"\nledger at {run['ids']:,} ids: {json.dumps(run)}")
-    OUT.mkdir(exist_ok=True)
-    path = OUT / "bench.json"
-    existing = json.loads(path.read_text()) if path.exists() else {}
-    tmp_file = path.with_suffix(".json.tmp")
-    tmp_file.write_text(json.dumps(existing | {"ledger": figures}, indent=2))
-    tmp_file.replace(path)
+    record("ledger", figures)
 
 
 MODE_IDS = int(os.environ.get("BENCH_MODE_IDS", "200000"))
